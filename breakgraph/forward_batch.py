@@ -1,0 +1,148 @@
+"""The forward metadata of one step and the forward context the attention break reads.
+
+A leaf module (imports only torch) so that layers below the engine can read it."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of new tokens, possibly over a cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a forward needs: the flat token rows and per-request metadata.
+
+    Token rows of all requests are concatenated (request r owns rows
+    ``extend_start_loc[r] : extend_start_loc[r] + extend_lens[r]``). Device tensors
+    are on the model's device; the ``*_cpu`` lists are host copies the scheduler
+    already had, so nothing reads device values back during a step.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token (0 = padding)
+    req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int32, prefix + extend tokens
+    prefix_lens: torch.Tensor  # [B] int32, tokens already in the KV cache
+    extend_lens: torch.Tensor  # [B] int32, new tokens this step
+    extend_start_loc: torch.Tensor  # [B] int32, first row of each request
+    logits_rows: torch.Tensor  # [B] int64, the rows whose logits are returned (last per request)
+    # host-side copies (python ints), known to the scheduler without a device sync
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        out_cache_loc: list[int],
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Build on the host and upload with pinned, non-blocking copies."""
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        starts, positions, acc = [], [], 0
+        for p, e in zip(prefix_lens, extend_lens, strict=True):
+            starts.append(acc)
+            positions.extend(range(p, p + e))
+            acc += e
+        logits_rows = [s + e - 1 for s, e in zip(starts, extend_lens, strict=True)]
+        dev = torch.device(device)
+        pin = dev.type == "cuda"
+        i64 = _upload_many(
+            [input_ids, positions, out_cache_loc, req_pool_indices, logits_rows],
+            torch.int64,
+            dev,
+            pin,
+        )
+        i32 = _upload_many([seq_lens, prefix_lens, extend_lens, starts], torch.int32, dev, pin)
+        return cls(
+            mode=mode,
+            input_ids=i64[0],
+            positions=i64[1],
+            out_cache_loc=i64[2],
+            req_pool_indices=i64[3],
+            logits_rows=i64[4],
+            seq_lens=i32[0],
+            prefix_lens=i32[1],
+            extend_lens=i32[2],
+            extend_start_loc=i32[3],
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(extend_lens),
+        )
+
+
+def _upload_many(
+    rows: list[list[int]], dtype: torch.dtype, device: torch.device, pin: bool
+) -> list[torch.Tensor]:
+    """One host tensor (pinned on CUDA) for all lists, one non-blocking copy, then views."""
+    lengths = [len(r) for r in rows]
+    flat = [x for r in rows for x in r]
+    host = torch.tensor(flat, dtype=dtype)
+    if pin:
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return list(torch.split(dev, lengths))
+
+
+@dataclass
+class ForwardContext:
+    """Live state of the current step, read by the attention break and the KV store."""
+
+    batch: ForwardBatch
+    kv_pool: object  # cache.kv_pool.KVPool: k_buffers[layer], v_buffers[layer] of [slots, kv_heads, head_dim]
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int32
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context: a model forward must run inside forward_context()")
+    return _CONTEXT
+
+
+def set_forward_context(ctx: ForwardContext | None) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    prev = _CONTEXT
+    set_forward_context(ctx)
+    try:
+        yield ctx
+    finally:
+        set_forward_context(prev)
