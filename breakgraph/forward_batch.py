@@ -78,13 +78,13 @@ class ForwardBatch:
         logits_rows = [s + e - 1 for s, e in zip(starts, extend_lens, strict=True)]
         dev = torch.device(device)
         pin = dev.type == "cuda"
-        i64 = _upload_many(
+        i64 = upload_many(
             [input_ids, positions, out_cache_loc, req_pool_indices, logits_rows],
             torch.int64,
             dev,
             pin,
         )
-        i32 = _upload_many([seq_lens, prefix_lens, extend_lens, starts], torch.int32, dev, pin)
+        i32 = upload_many([seq_lens, prefix_lens, extend_lens, starts], torch.int32, dev, pin)
         return cls(
             mode=mode,
             input_ids=i64[0],
@@ -102,10 +102,12 @@ class ForwardBatch:
         )
 
 
-def _upload_many(
-    rows: list[list[int]], dtype: torch.dtype, device: torch.device, pin: bool
+def upload_many(
+    rows: list[list], dtype: torch.dtype, device: torch.device, pin: bool | None = None
 ) -> list[torch.Tensor]:
-    """One host tensor (pinned on CUDA) for all lists, one non-blocking copy, then views."""
+    """Upload int lists in one host tensor (pinned on CUDA) and one non-blocking copy."""
+    if pin is None:
+        pin = device.type == "cuda"
     lengths = [len(r) for r in rows]
     flat = [x for r in rows for x in r]
     host = torch.tensor(flat, dtype=dtype)

@@ -1,0 +1,65 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Runs on the device without host syncs: parameters go up in one pinned copy, sampling
+uses the exponential-race trick (argmax of p / Exp(1)) instead of multinomial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.forward_batch import upload_many
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    return_logprob: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32 -> (token ids [B] int64, logprobs [B] of those ids or None)."""
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        ids = greedy_ids
+    else:
+        ids = _sample_stochastic(logits, params, generators, greedy_ids)
+    logprobs = None
+    if return_logprob:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    return ids, logprobs
+
+
+def _sample_stochastic(logits, params, generators, greedy_ids):
+    device = logits.device
+    temps, top_ps, min_ps, top_ks, greedy = upload_many(
+        [
+            [p.temperature if p.temperature > 0 else 1.0 for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params],
+            [float(p.greedy) for p in params],
+        ],
+        torch.float32,
+        device,
+    )
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1], device=device)[None, :]
+        drop = ranks >= top_ks[:, None]
+        # drop a token once the mass strictly before it already reaches top_p
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    if any(p.min_p > 0 for p in params):
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < min_ps[:, None] * max_p, 0.0)
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        if gen is None:
+            noise[row].exponential_()
+        else:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy.bool(), greedy_ids, sampled)

@@ -1,0 +1,64 @@
+"""The attention front: reshapes q/k/v and calls the paged-attention function.
+
+``paged_attention`` is the one place that reads the live step's metadata (forward
+context): it stores the new k/v rows into their KV slots and runs extend or decode
+attention over the paged cache, writing into the output tensor it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from breakgraph.forward_batch import ForwardMode, get_forward_context
+from breakgraph.kernels import ops
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    layer_id: int,
+    scaling: float,
+) -> None:
+    """q/o [T, H, D], k/v [T, Hkv, D]. Writes o; rows of padding tokens are left undefined."""
+    ctx = get_forward_context()
+    batch = ctx.batch
+    k_cache = ctx.kv_pool.k_buffers[layer_id]
+    v_cache = ctx.kv_pool.v_buffers[layer_id]
+    ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+    if batch.mode is ForwardMode.DECODE:
+        ops.decode_attention(
+            q, o, k_cache, v_cache, ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, scaling
+        )
+    else:
+        ops.extend_attention(
+            q,
+            o,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.extend_start_loc,
+            batch.extend_lens,
+            scaling,
+            batch.max_extend_len,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_id = layer_id
+        self.scaling = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        o = torch.empty_like(q)
+        paged_attention(q, k, v, o, self.layer_id, self.scaling)
+        return o.view(q.shape[0], self.num_heads * self.head_dim)

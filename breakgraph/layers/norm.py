@@ -1,0 +1,23 @@
+"""RMSNorm, optionally fused with the residual add (HF: ``residual + hidden_states`` then norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from breakgraph.kernels import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.variance_epsilon)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)

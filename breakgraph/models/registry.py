@@ -1,0 +1,24 @@
+"""Model classes by HF architecture name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from breakgraph.models.llama import LlamaForCausalLM
+from breakgraph.models.qwen2 import Qwen2ForCausalLM
+from breakgraph.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        known = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(f"unsupported architecture {architecture!r} (supported: {known})") from None
