@@ -72,7 +72,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     rid: str
     input_ids: list[int]

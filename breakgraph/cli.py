@@ -1,0 +1,76 @@
+"""The one entry point: ``breakgraph generate | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from breakgraph.engine.args import add_engine_args
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+    from breakgraph.engine.request import SamplingParams
+
+    engine = Engine(EngineArgs.from_namespace(args))
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompt: str | list[int] = args.prompt
+    if args.input_ids:
+        prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+    try:
+        (result,) = engine.generate([prompt], sampling, chat=not args.raw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.text if result.text is not None else " ".join(map(str, result.output_ids)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__)
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer one prompt with the chat template applied")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    gen.add_argument(
+        "--input-ids", action="store_true", help="PROMPT is a list of token ids ('1 2 3')"
+    )
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

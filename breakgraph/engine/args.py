@@ -1,0 +1,61 @@
+"""Engine arguments: SGLang's flag names, one dataclass, one argparse helper."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    chunked_prefill_size: int = 8192
+    max_running_requests: int | None = None
+    max_prefill_tokens: int | None = None
+    disable_radix_cache: bool = False
+    seed: int = 0
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    g = parser.add_argument_group("model and engine")
+    g.add_argument(
+        "--model-path",
+        default=d.model_path,
+        help="HF model dir, a .gguf file, or a built-in name (smollm2-135m, qwen3-0.6b, qwen3-8b, "
+        "llama-3.1-8b); default: the embedded SmolLM2-135M-Instruct",
+    )
+    g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format)
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.dtype)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--context-length", type=int, default=d.context_length)
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    g.add_argument("--disable-cuda-graph", action="store_true")

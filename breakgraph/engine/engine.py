@@ -1,0 +1,242 @@
+"""The engine: model, KV cache, radix tree, scheduler; ``step()`` runs one batch.
+
+Used in-process by ``breakgraph generate`` and the benchmarks, and inside the engine
+process behind the HTTP server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from breakgraph.cache.kv_pool import KVPool, SlotAllocator
+from breakgraph.cache.radix_cache import RadixCache
+from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.model_runner import ModelRunner
+from breakgraph.engine.request import Req, SamplingParams
+from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.models.loader import load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    text: str | None
+    output_ids: list[int]
+    finish_reason: dict | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_logprobs: list[float]
+    e2e_latency: float
+
+
+def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) -> str:
+    """Detokenize an output the way the API reports it: stop token and stop string cut off."""
+    ids = output_ids
+    matched = (finish_reason or {}).get("matched")
+    if isinstance(matched, int) and ids and ids[-1] == matched:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if isinstance(matched, str) and matched in text:
+        text = text[: text.index(matched)]
+    return text
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.device = torch.device(args.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        torch.manual_seed(args.seed)
+        loaded = load_model(args.model_path, args.load_format, args.dtype, self.device, args.seed)
+        self.model = loaded.model
+        self.model_config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.context_len = min(
+            args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+
+        num_slots = self._num_kv_slots()
+        self.kv_pool = KVPool(
+            num_slots + 1,  # + the reserved padding slot 0
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.allocator = SlotAllocator(num_slots + 1)
+        self.max_running_requests = args.max_running_requests or min(1024, max(8, num_slots // 64))
+        self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
+        self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table)
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(
+            self.runner.forward,
+            self.allocator,
+            self.req_pool,
+            self.tree,
+            SchedulerConfig(
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_running_requests=self.max_running_requests,
+                max_context_len=self.context_len,
+                eos_token_ids=eos,
+            ),
+            self.device,
+            stop_text=self._stop_text if self.tokenizer is not None else None,
+        )
+        logger.info(
+            "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
+            num_slots,
+            self.kv_pool.size_bytes / 2**30,
+            self.max_running_requests,
+            self.context_len,
+        )
+
+    def _num_kv_slots(self) -> int:
+        cfg, args = self.model_config, self.args
+        per_slot = KVPool.bytes_per_slot(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        if args.max_total_tokens:
+            return args.max_total_tokens
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_MAX_TOTAL_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * args.mem_fraction_static - (total - free)
+        if budget < per_slot * 1024:
+            raise RuntimeError(
+                f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
+                f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
+            )
+        return int(budget // per_slot)
+
+    def _stop_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- requests ----
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def validate_input(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError with a message fit for an HTTP 400."""
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is out of range [0, {self.vocab_size})")
+        sampling.validate()
+        total = len(input_ids) + sampling.max_new_tokens
+        if total > self.context_len:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"= {total} exceeds the context length {self.context_len}"
+            )
+        if len(input_ids) + 1 > self.allocator.capacity:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) does not fit the KV pool "
+                f"({self.allocator.capacity} tokens; raise --max-total-tokens)"
+            )
+
+    def add_request(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        self.validate_input(input_ids, sampling)
+        rid = rid or uuid.uuid4().hex
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        req = Req(
+            rid=rid,
+            input_ids=list(input_ids),
+            sampling=sampling,
+            return_logprob=return_logprob,
+            generator=generator,
+        )
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> StepOutput | None:
+        return self.scheduler.abort(rid)
+
+    def step(self) -> list[StepOutput]:
+        return self.scheduler.step()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are in flight."""
+        if self.has_work:
+            return False
+        return self.tree.flush()
+
+    # ---- convenience: run requests to completion in-process ----
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.model_source!r} has no tokenizer (dummy weights or no tokenizer.json): "
+                "send token ids (input_ids) instead of text"
+            )
+        if chat:
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = False,
+        return_logprob: bool = False,
+    ) -> list[GenerateResult]:
+        if not isinstance(sampling, list):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        start = time.perf_counter()
+        rids = [
+            self.add_request(self.encode_prompt(p, chat), s, return_logprob=return_logprob)
+            for p, s in zip(prompts, sampling, strict=True)
+        ]
+        results: dict[str, GenerateResult] = {
+            rid: GenerateResult(rid, None, [], None, 0, 0, [], 0.0) for rid in rids
+        }
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                res = results[out.rid]
+                res.output_ids.extend(out.token_ids)
+                res.output_logprobs.extend(out.logprobs)
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
+                    res.e2e_latency = time.perf_counter() - start
+                    pending.discard(out.rid)
+        if self.tokenizer is not None:
+            for res in results.values():
+                res.text = output_text(self.tokenizer, res.output_ids, res.finish_reason)
+        return [results[r] for r in rids]
