@@ -53,11 +53,19 @@ def test_debug_allocator_catches_bad_frees():
         alloc.free(torch.tensor([slots[1].item(), slots[1].item()]))
 
 
+def test_freeing_more_than_allocated_raises_without_debug():
+    alloc = SlotAllocator(10)
+    slots = alloc.alloc(2)
+    alloc.free(slots)
+    with pytest.raises(RuntimeError):
+        alloc.free(slots)
+
+
 def test_random_alloc_free_never_duplicates():
     rng = random.Random(0)
     alloc = SlotAllocator(257, debug=True)
     held: list[torch.Tensor] = []
-    for _ in range(500):
+    for _ in range(500):  # ~5K slots through a 256-slot ring: wraps around many times
         if held and rng.random() < 0.45:
             alloc.free(held.pop(rng.randrange(len(held))))
         else:

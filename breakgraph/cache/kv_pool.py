@@ -56,9 +56,11 @@ class KVPool:
 class SlotAllocator:
     """Hands out KV slots ``1 .. num_slots-1`` as CPU int64 tensors; all or nothing.
 
-    The free list is one int64 tensor, so allocating or freeing thousands of slots is a
-    couple of tensor ops. With ``debug=True`` an in-use bitmap catches double frees,
-    frees of never-allocated slots and of slot 0 (at an O(num_slots) cost per call).
+    The free list is a ring buffer in one int64 tensor: ``alloc`` takes from its head,
+    ``free`` appends at its tail, each a slice copy of the slots moved, so allocating or
+    freeing thousands of slots costs microseconds whatever the pool size. With
+    ``debug=True`` an in-use bitmap also catches double frees, frees of never-allocated
+    slots and of slot 0 (at an O(num_slots) cost per call).
     """
 
     def __init__(self, num_slots: int, debug: bool = False) -> None:
@@ -75,21 +77,29 @@ class SlotAllocator:
 
     @property
     def available(self) -> int:
-        return self._free.numel()
+        return self._count
 
     def clear(self) -> None:
         """Forget every allocation: all slots free again."""
-        self._free = torch.arange(1, self.num_slots, dtype=torch.int64)
+        self._ring = torch.arange(1, self.num_slots, dtype=torch.int64)
+        self._head = 0  # ring[head : head + count] (mod capacity) are the free slots
+        self._count = self.capacity
         self._in_use = torch.zeros(self.num_slots, dtype=torch.bool) if self.debug else None
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` distinct free slots, or None (and nothing taken) if fewer than ``n`` are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
-        if n > self._free.numel():
+        if n > self._count:
             return None
-        slots = self._free[:n].clone()
-        self._free = self._free[n:]
+        cap, start = self.capacity, self._head
+        end = start + n
+        if end <= cap:
+            slots = self._ring[start:end].clone()
+        else:
+            slots = torch.cat([self._ring[start:], self._ring[: end - cap]])
+        self._head = end % cap
+        self._count -= n
         if self._in_use is not None:
             if self._in_use[slots].any():
                 raise RuntimeError("allocator handed out a slot that is in use")
@@ -98,27 +108,42 @@ class SlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots (a 1-D int tensor) to the free list."""
-        if slots.numel() == 0:
+        n = slots.numel()
+        if n == 0:
             return
+        if self._count + n > self.capacity:
+            raise RuntimeError(f"freeing {n} slots but only {self.capacity - self._count} in use")
         slots = slots.to(device="cpu", dtype=torch.int64).reshape(-1)
         if self._in_use is not None:
             if (slots == PADDING_SLOT).any():
                 raise RuntimeError("freeing the reserved padding slot 0")
-            if torch.unique(slots).numel() != slots.numel():
+            if torch.unique(slots).numel() != n:
                 raise RuntimeError("the same slot freed twice in one call")
             if not self._in_use[slots].all():
                 raise RuntimeError("freeing a slot that is not allocated (double free?)")
             self._in_use[slots] = False
-        self._free = torch.cat([self._free, slots])
+        cap = self.capacity
+        tail = (self._head + self._count) % cap
+        first = min(n, cap - tail)
+        self._ring[tail : tail + first] = slots[:first]
+        self._ring[: n - first] = slots[first:]
+        self._count += n
+
+    def _free_slots(self) -> torch.Tensor:
+        end = self._head + self._count
+        if end <= self.capacity:
+            return self._ring[self._head : end]
+        return torch.cat([self._ring[self._head :], self._ring[: end - self.capacity]])
 
     def check_no_leak(self, expected_in_use: int) -> None:
         """Raise if the number of slots in use differs from ``expected_in_use`` (debug aid)."""
         in_use = self.capacity - self.available
         if in_use != expected_in_use:
             raise RuntimeError(f"slot leak: {in_use} slots in use, expected {expected_in_use}")
-        if torch.unique(self._free).numel() != self._free.numel():
+        free = self._free_slots()
+        if torch.unique(free).numel() != free.numel():
             raise RuntimeError("free list holds a slot twice")
-        if (self._free == PADDING_SLOT).any():
+        if (free == PADDING_SLOT).any():
             raise RuntimeError("free list holds the reserved padding slot 0")
         if self._in_use is not None and int(self._in_use.sum()) != expected_in_use:
             raise RuntimeError("in-use bitmap disagrees with the free list")
