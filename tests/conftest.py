@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny HF models saved as checkpoints, and engines over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+FAMILIES = {
+    # Llama 3.1 style: llama3 rope scaling, tied embeddings
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    # Qwen2: q/k/v biases, GQA 4:1
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    # Qwen3: q/k norms, head_dim not hidden/heads
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    cfg_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_name)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval().float()
+    with torch.no_grad():  # HF zero-inits biases and ones-inits norms: randomize them too
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def hf_checkpoint(request, tmp_path_factory):
+    """(family, HF model, checkpoint dir) for each model family."""
+    model = make_hf_model(request.param)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model.save_pretrained(path)
+    return request.param, model, path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    model = make_hf_model("llama")
+    path = tmp_path_factory.mktemp("tiny-llama-engine")
+    model.save_pretrained(path)
+    return path
