@@ -177,6 +177,19 @@ def test_cache_tokens_request_lifecycle():
     cache.check_invariants()
 
 
+def test_cache_tokens_never_frees_the_trees_own_slots():
+    alloc, cache = _cache()
+    tree_slots = _insert_fresh(alloc, cache, [1, 2, 3])
+    m = cache.match_prefix([1, 2, 3])
+    cache.lock(m.node)
+    slots = torch.cat([m.slots, alloc.alloc(2)])
+    # owned_from=0 understates the tree's part: entries equal to the tree's are left alone
+    cache.cache_tokens([1, 2, 3, 4, 5], slots, 0, m.node, keep_locked=False)
+    assert cache.match_prefix([1, 2, 3, 4, 5]).slots.tolist() == slots.tolist()
+    assert slots[:3].tolist() == tree_slots.tolist()
+    alloc.check_no_leak(5)
+
+
 def test_cache_tokens_rejects_unlocked_prefix():
     alloc, cache = _cache()
     slots = _insert_fresh(alloc, cache, [1, 2, 3])

@@ -220,7 +220,8 @@ class RadixCache:
         new_slots = torch.cat(values) if values else _EMPTY
         # free the request's duplicates; equal entries already are the tree's own slots
         mine = slots[owned_from:present].to(device="cpu", dtype=torch.int64)
-        self.allocator.free(mine[mine != new_slots[owned_from:present]])
+        differs = mine != new_slots[owned_from:present]
+        self.allocator.free(mine if bool(differs.all()) else mine[differs])
         if keep_locked:
             self.lock(node)  # before unlocking old_node, so the shared path never flaps
             self.unlock(old_node)
