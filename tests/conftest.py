@@ -34,7 +34,11 @@ FAMILIES = {
         ),
     ),
     # Qwen2: q/k/v biases, GQA 4:1
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=1, tie_word_embeddings=False),
+    ),
     # Qwen3: q/k norms, head_dim not hidden/heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
 }

@@ -24,7 +24,9 @@ def test_generate_capital_of_france():
 def test_dummy_model_takes_token_ids_only():
     base = [sys.executable, "-m", "breakgraph.cli", "generate", "--model-path", "smollm2-135m"]
     base += ["--load-format", "dummy", "--max-new-tokens", "3", "--ignore-eos"]
-    out = subprocess.run(base + ["--input-ids", "1 2 3"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        base + ["--input-ids", "1 2 3"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.split()) == 3
     out = subprocess.run(base + ["hello"], capture_output=True, text=True, timeout=300)

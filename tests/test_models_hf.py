@@ -112,6 +112,10 @@ def test_greedy_decode_matches_hf_generate(tiny_llama_dir, disable_radix):
     for p, res in zip(ps, results, strict=True):
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
             )
         assert res.output_ids == out[0, len(p) :].tolist()

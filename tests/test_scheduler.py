@@ -61,7 +61,9 @@ def test_retraction_resumes_to_same_output(tiny_llama_dir):
 def test_abort_frees_slots_at_once(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, disable_radix_cache=True)
     base = engine.allocator.available
-    rid = engine.add_request(list(range(3, 60)), SamplingParams(max_new_tokens=100, ignore_eos=True))
+    rid = engine.add_request(
+        list(range(3, 60)), SamplingParams(max_new_tokens=100, ignore_eos=True)
+    )
     for _ in range(5):
         engine.step()
     assert engine.allocator.available < base

@@ -23,6 +23,10 @@ class EngineArgs:
     seed: int = 0
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
+    cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
+    cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256
+    cuda_graph_max_tokens_prefill: int | None = None  # default: --chunked-prefill-size
+    prefill_graph_max_pad_factor: float = 2.0
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -50,7 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.dtype)
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     g.add_argument("--context-length", type=int, default=d.context_length)
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
+    g.add_argument(
+        "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"
+    )
     g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
@@ -58,4 +64,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
-    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")
+    g.add_argument(
+        "--cuda-graph-backend-prefill",
+        choices=["auto", "breakable", "disabled"],
+        default=d.cuda_graph_backend_prefill,
+        help="prefill as breakable CUDA graphs (attention as eager breaks); auto: on CUDA",
+    )
+    g.add_argument(
+        "--cuda-graph-bs-prefill",
+        type=int,
+        nargs="+",
+        default=d.cuda_graph_bs_prefill,
+        help="prefill token buckets (default: multiples of 256 up to the max tokens)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens-prefill", type=int, default=d.cuda_graph_max_tokens_prefill
+    )
+    g.add_argument(
+        "--prefill-graph-max-pad-factor", type=float, default=d.prefill_graph_max_pad_factor
+    )

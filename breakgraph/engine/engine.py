@@ -17,6 +17,7 @@ from breakgraph.cache.kv_pool import KVPool, SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -79,9 +80,12 @@ class Engine:
         )
         self.allocator = SlotAllocator(num_slots + 1)
         self.max_running_requests = args.max_running_requests or min(1024, max(8, num_slots // 64))
+        # + 1: the padding row graph steps use
         self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table)
+        if self.device.type == "cuda":
+            self._capture_graphs()
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -106,6 +110,26 @@ class Engine:
             self.kv_pool.size_bytes / 2**30,
             self.max_running_requests,
             self.context_len,
+        )
+
+    def _capture_graphs(self) -> None:
+        args = self.args
+        # padding rows of graph steps read this table row: all zeros, i.e. slot 0
+        pad_req_idx = self.req_pool.alloc()
+        decode_bs = (
+            None
+            if args.disable_cuda_graph
+            else min(args.cuda_graph_max_bs, self.max_running_requests)
+        )
+        buckets = None
+        if args.cuda_graph_backend_prefill in ("auto", "breakable"):
+            max_tokens = min(
+                args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, self.context_len
+            )
+            buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
+            buckets = [b for b in buckets if b <= self.context_len]
+        self.runner.capture_graphs(
+            pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor
         )
 
     def _num_kv_slots(self) -> int:
@@ -186,6 +210,19 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def stats(self) -> dict[str, int]:
+        """Live load and KV usage, for the server's /metrics and /get_server_info."""
+        s = self.scheduler
+        in_prefill = s.chunked is not None and s.chunked not in s.running
+        return {
+            "num_running_reqs": len(s.running) + int(in_prefill),
+            "num_queued_reqs": len(s.waiting),
+            "kv_tokens_used": s.kv_tokens_used(),
+            "kv_tokens_cached": self.tree.evictable_size,
+            "kv_tokens_total": self.allocator.capacity,
+            "num_retractions": s.num_retractions,
+        }
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight."""

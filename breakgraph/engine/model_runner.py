@@ -1,24 +1,68 @@
-"""Runs one forward of a ForwardBatch: sets the forward context, returns last-row logits."""
+"""Runs one forward of a ForwardBatch: a CUDA graph when one fits, else eagerly."""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
 
 import torch
 from torch import nn
 
-from breakgraph.forward_batch import ForwardBatch, ForwardContext, forward_context
+from breakgraph.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Eager runner. Graph runners (decode CUDA graphs, prefill graph bank) wrap ``run``."""
-
     def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.step_counts: Counter[str] = Counter()  # "decode_graph", "extend_eager", ...
+
+    @torch.inference_mode()
+    def capture_graphs(
+        self,
+        pad_req_idx: int,
+        decode_max_bs: int | None,
+        prefill_buckets: list[int] | None,
+        max_pad_factor: float = 2.0,
+    ) -> None:
+        """Capture decode graphs (if decode_max_bs) and prefill graphs (if buckets), one pool."""
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        if prefill_buckets:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_pool, self.req_to_token, pad_req_idx, prefill_buckets, pool,
+                max_pad_factor=max_pad_factor,
+            )  # fmt: skip
+            self.prefill_graphs.capture()
+        if decode_max_bs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_pool, self.req_to_token, pad_req_idx, decode_max_bs, pool
+            )
+            self.decode_graphs.capture()
+        logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> logits [B, vocab] float32 of each request's last row."""
+        decode = batch.mode is ForwardMode.DECODE
+        graphs = self.decode_graphs if decode else self.prefill_graphs
+        if graphs is not None:
+            logits = graphs.run(batch)
+            if logits is not None:
+                self.step_counts[f"{batch.mode.value}_graph"] += 1
+                return logits
+        self.step_counts[f"{batch.mode.value}_eager"] += 1
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)

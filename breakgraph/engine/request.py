@@ -34,12 +34,19 @@ class SamplingParams:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}")
+            raise ValueError(
+                f"max_new_tokens must be in [0, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}"
+            )
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or self.top_k < -1
+            or self.top_k == 0
+        ):
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

@@ -110,31 +110,45 @@ class Scheduler:
     # ---- one step ----
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        """Schedule, launch (no host sync until here), then read the sampled ids back."""
         outputs: list[StepOutput] = []
-        batch_reqs, batch = self._schedule_prefill(outputs)
-        if batch is None:
-            batch_reqs, batch = self._schedule_decode(outputs)
-        if batch is None:
+        scheduled = self.schedule(outputs)
+        if scheduled is None:
             self.last_step_tokens = 0
             return outputs
+        reqs, batch = scheduled
         self.last_step_tokens = batch.num_tokens
-        logits = self.forward(batch)
-        done = [r for r in batch_reqs if r is not self.chunked]
+        done, ids, logprobs = self.launch(reqs, batch)
         if not done:
             return outputs
-        rows = [i for i, r in enumerate(batch_reqs) if r is not self.chunked]
-        if len(rows) != len(batch_reqs):
-            logits = logits[upload_many([rows], torch.int64, logits.device)[0]]
-        want_logprob = any(r.return_logprob for r in done)
-        ids, logprobs = sample(
-            logits, [r.sampling for r in done], [r.generator for r in done], want_logprob
-        )
-        ids_list = ids.tolist()
+        ids_list = ids.tolist()  # the step's one host sync
         lp_list = logprobs.tolist() if logprobs is not None else [None] * len(done)
         is_prefill = batch.mode is ForwardMode.EXTEND
         for req, tok, lp in zip(done, ids_list, lp_list, strict=True):
             outputs.append(self._append_token(req, tok, lp, is_prefill))
         return outputs
+
+    def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
+        """Pick the next batch (prefill first, else decode) and upload its metadata."""
+        reqs, batch = self._schedule_prefill(outputs)
+        if batch is None:
+            reqs, batch = self._schedule_decode(outputs)
+        return None if batch is None else (reqs, batch)
+
+    def launch(self, reqs: list[Req], batch: ForwardBatch):
+        """Forward and sample on the device; returns (requests sampled, ids, logprobs)."""
+        logits = self.forward(batch)
+        done = [r for r in reqs if r is not self.chunked]
+        if not done:
+            return done, None, None
+        if len(done) != len(reqs):
+            rows = [i for i, r in enumerate(reqs) if r is not self.chunked]
+            logits = logits[upload_many([rows], torch.int64, logits.device)[0]]
+        want_logprob = any(r.return_logprob for r in done)
+        ids, logprobs = sample(
+            logits, [r.sampling for r in done], [r.generator for r in done], want_logprob
+        )
+        return done, ids, logprobs
 
     def _append_token(self, req: Req, tok: int, lp: float | None, is_prefill: bool) -> StepOutput:
         req.output_ids.append(tok)

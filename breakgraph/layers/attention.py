@@ -2,7 +2,8 @@
 
 ``paged_attention`` is the one place that reads the live step's metadata (forward
 context): it stores the new k/v rows into their KV slots and runs extend or decode
-attention over the paged cache, writing into the output tensor it is given.
+attention over the paged cache, writing into the output tensor it is given. It is the
+eager break of the prefill graphs; decode graphs capture it inline.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import torch
 from torch import nn
 
 from breakgraph.forward_batch import ForwardMode, get_forward_context
+from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 
 
+@eager_break
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -30,7 +33,14 @@ def paged_attention(
     ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
     if batch.mode is ForwardMode.DECODE:
         ops.decode_attention(
-            q, o, k_cache, v_cache, ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, scaling
+            q,
+            o,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            scaling,
         )
     else:
         ops.extend_attention(

@@ -36,7 +36,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, not {dtype!r}") from None
+        raise ValueError(
+            f"--dtype must be auto or one of {sorted(DTYPES)}, not {dtype!r}"
+        ) from None
 
 
 def load_model(
@@ -68,7 +70,11 @@ def load_model(
                 f"built-in model {model_path!r} ships a config only: use --load-format dummy, "
                 "or point --model-path at a checkpoint directory"
             )
-        config, source, weights = ModelConfig.from_file(CONFIG_DIR / f"{model_path}.json"), model_path, None
+        config, source, weights = (
+            ModelConfig.from_file(CONFIG_DIR / f"{model_path}.json"),
+            model_path,
+            None,
+        )
     else:
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -140,7 +146,9 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path} (use --load-format dummy for random weights)")
+        raise FileNotFoundError(
+            f"no *.safetensors in {path} (use --load-format dummy for random weights)"
+        )
     with tqdm(total=len(files), desc="Loading safetensors", unit="file") as bar:
         for name in files:
             with safe_open(str(path / name), framework="pt", device="cpu") as f:

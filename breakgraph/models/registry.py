@@ -21,4 +21,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         known = ", ".join(sorted(MODEL_REGISTRY))
-        raise ValueError(f"unsupported architecture {architecture!r} (supported: {known})") from None
+        raise ValueError(
+            f"unsupported architecture {architecture!r} (supported: {known})"
+        ) from None

@@ -1,0 +1,193 @@
+"""CUDA graphs for the model runner: decode (whole forward per batch size) and prefill
+(breakable forward per token bucket, attention as the eager break).
+
+Both banks share one memory pool. Padding rows write KV slot 0 (reserved) and read the
+padding request row of req_to_token (all zeros, so slot 0); their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
+from breakgraph.graph import GraphBank, StaticInput
+
+logger = logging.getLogger(__name__)
+
+
+def decode_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to max_bs (SGLang's default shape)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs]
+    sizes += list(range(16, max_bs + 1, 8))
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+def prefill_token_buckets(max_tokens: int, step: int = 256) -> list[int]:
+    """Multiples of ``step`` up to ``max_tokens`` (which is always a bucket)."""
+    sizes = list(range(step, max_tokens + 1, step))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+class _GraphsBase:
+    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor, pad_req_idx: int):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.pad_req_idx = pad_req_idx
+        self.device = req_to_token.device
+
+    def _context(self, batch: ForwardBatch) -> ForwardContext:
+        return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
+
+    def _guard_tensors(self):
+        """Buffers captured kernels read by address: weights, rotary caches, KV, the table."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        yield from self.kv_pool.k_buffers
+        yield from self.kv_pool.v_buffers
+        yield self.req_to_token
+
+
+class DecodeGraphs(_GraphsBase):
+    """One whole-forward CUDA graph per decode batch size (attention captured inline)."""
+
+    def __init__(
+        self, model, kv_pool, req_to_token, pad_req_idx, max_bs: int, pool, check_addresses=None
+    ):
+        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        self.bank = GraphBank(
+            self._forward,
+            [
+                StaticInput("input_ids", torch.int64),
+                StaticInput("positions", torch.int64),
+                StaticInput("out_cache_loc", torch.int64),
+                StaticInput("req_pool_indices", torch.int64, pad_value=pad_req_idx),
+                StaticInput("seq_lens", torch.int32, pad_value=1),
+            ],
+            decode_batch_sizes(max_bs),
+            self.device,
+            max_pad_factor=float("inf"),
+            pool=pool,
+            split_at_breaks=False,
+            guard_tensors=self._guard_tensors,
+            check_addresses=check_addresses,
+            name="decode graphs",
+        )
+        n = self.bank.max_size
+        self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
+        self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._ones32 = torch.ones(n, dtype=torch.int32, device=self.device)
+
+    def _forward(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens):
+        bs = input_ids.shape[0]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            prefix_lens=seq_lens,  # unused by decode attention
+            extend_lens=self._ones32[:bs],
+            extend_start_loc=self._arange32[:bs],
+            logits_rows=self._arange64[:bs],
+            seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
+        with forward_context(self._context(batch)):
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
+
+    def capture(self) -> None:
+        self.bank.capture()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        bs = batch.batch_size
+        logits = self.bank.run(
+            bs,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+        )
+        return None if logits is None else logits[:bs]
+
+
+class PrefillGraphs(_GraphsBase):
+    """Breakable prefill graphs per token bucket; the attention break reads the live step."""
+
+    def __init__(
+        self,
+        model,
+        kv_pool,
+        req_to_token,
+        pad_req_idx,
+        buckets: list[int],
+        pool,
+        max_pad_factor: float = 2.0,
+        check_addresses=None,
+    ):
+        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        self.bank = GraphBank(
+            self._forward,
+            [
+                StaticInput("input_ids", torch.int64),
+                StaticInput("positions", torch.int64),
+                StaticInput("out_cache_loc", torch.int64),  # read by the KV store in the break
+            ],
+            buckets,
+            self.device,
+            max_pad_factor=max_pad_factor,
+            pool=pool,
+            split_at_breaks=True,
+            guard_tensors=self._guard_tensors,
+            check_addresses=check_addresses,
+            capture_context=self._capture_context,
+            name="prefill graphs",
+        )
+
+    def _forward(self, input_ids, positions, out_cache_loc):
+        del out_cache_loc  # the break reads it through the forward context
+        return self.model(input_ids, positions)
+
+    @contextlib.contextmanager
+    def _capture_context(self, size: int):
+        """One request of ``size`` new tokens over the padding row (slot 0 everywhere)."""
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx], [0], [size], self.device
+        )
+        batch.out_cache_loc = self.bank.static["out_cache_loc"][:size]
+        with forward_context(self._context(batch)):
+            yield
+
+    def capture(self) -> None:
+        self.bank.capture()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        n = batch.num_tokens
+        size = self.bank.bucket_for(n)
+        if size is None:
+            return None
+        # the break stores KV for all bucket rows: padded slots (0) from the bank's buffer
+        live = dataclasses.replace(batch, out_cache_loc=self.bank.static["out_cache_loc"][:size])
+        with forward_context(self._context(live)):
+            hidden = self.bank.run(
+                n,
+                input_ids=batch.input_ids,
+                positions=batch.positions,
+                out_cache_loc=batch.out_cache_loc,
+            )
+        if hidden is None:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_rows])

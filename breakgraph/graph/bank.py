@@ -1,0 +1,168 @@
+"""GraphBank: one BreakableGraph per row-count bucket over bank-owned static inputs.
+
+Each static input is one buffer of the largest bucket's size; bucket ``b`` is captured on
+the views ``buf[:b]``. ``run(n, **live)`` copies the live rows into ``buf[:n]``, fills rows
+``n:b`` with the input's pad value, and replays bucket ``b`` (the smallest that fits, if its
+padding stays within ``max_pad_factor``); otherwise it returns None and the caller runs
+eagerly. All buckets share one memory pool, captured largest first so smaller buckets reuse
+its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from breakgraph.graph.breakable import BreakableGraph
+
+logger = logging.getLogger(__name__)
+
+
+class GraphAddressError(RuntimeError):
+    """A buffer a captured kernel reads by address has moved since capture."""
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    name: str
+    dtype: torch.dtype
+    trailing_shape: tuple[int, ...] = ()
+    pad_value: int | float = 0
+
+
+class GraphBank:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        inputs: list[StaticInput],
+        sizes: Iterable[int],
+        device: torch.device | str,
+        *,
+        max_pad_factor: float = 2.0,
+        pool=None,
+        split_at_breaks: bool = True,
+        guard_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
+        check_addresses: bool | None = None,
+        capture_context: Callable[[int], AbstractContextManager] | None = None,
+        name: str = "graph",
+    ):
+        """``capture_context(size)``, if given, is entered around the warm-up and each
+        bucket's capture (e.g. to set up state the breaks read during capture)."""
+        self.fn = fn
+        self.inputs = inputs
+        self.sizes = sorted(set(sizes))
+        if not self.sizes:
+            raise ValueError("a GraphBank needs at least one bucket size")
+        self.device = torch.device(device)
+        self.max_pad_factor = max_pad_factor
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.split_at_breaks = split_at_breaks
+        self.guard_tensors = guard_tensors
+        self.capture_context = capture_context or (lambda size: nullcontext())
+        if check_addresses is None:
+            check_addresses = os.environ.get("BREAKGRAPH_GRAPH_GUARD") == "1"
+        self.check_addresses = check_addresses
+        self.name = name
+        max_size = self.sizes[-1]
+        self.static = {
+            spec.name: torch.full(
+                (max_size, *spec.trailing_shape),
+                spec.pad_value,
+                dtype=spec.dtype,
+                device=self.device,
+            )
+            for spec in inputs
+        }
+        self.graphs: dict[int, BreakableGraph] = {}
+        self._addresses: list[int] = []
+        self.capture_seconds = 0.0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def views(self, size: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:size] for name, buf in self.static.items()}
+
+    def _watched(self) -> list[torch.Tensor]:
+        extra = list(self.guard_tensors()) if self.guard_tensors is not None else []
+        return list(self.static.values()) + extra
+
+    def capture(self, warmup: bool = True, progress: bool = True) -> None:
+        """Eager run at the largest size (grows lazy workspaces), then capture every bucket."""
+        start = time.perf_counter()
+        if warmup:
+            with self.capture_context(self.max_size):
+                self.fn(**self.views(self.max_size))
+            torch.cuda.synchronize()
+        sizes = sorted(self.sizes, reverse=True)
+        bar = tqdm(sizes, desc=f"Capturing {self.name}", disable=not progress, leave=False)
+        for size in bar:
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            t0 = time.perf_counter()
+            graph = BreakableGraph(pool=self.pool, split_at_breaks=self.split_at_breaks)
+            with self.capture_context(size):
+                graph.capture(self.fn, **self.views(size))
+            self.graphs[size] = graph
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            logger.debug(
+                "%s bucket %d: %d segments, %.0f ms, %.1f MiB",
+                self.name,
+                size,
+                graph.num_segments,
+                (time.perf_counter() - t0) * 1e3,
+                used / 2**20,
+            )
+        torch.cuda.empty_cache()
+        self._addresses = [t.data_ptr() for t in self._watched()]
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "%s: captured %d buckets (%d..%d) in %.2f s",
+            self.name,
+            len(self.sizes),
+            self.sizes[0],
+            self.max_size,
+            self.capture_seconds,
+        )
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest captured bucket >= n, or None if none fits within the pad factor."""
+        i = bisect.bisect_left(self.sizes, n)
+        if n <= 0 or i == len(self.sizes):
+            return None
+        size = self.sizes[i]
+        return size if size <= n * self.max_pad_factor or size == self.sizes[0] else None
+
+    def check_guard(self) -> None:
+        now = [t.data_ptr() for t in self._watched()]
+        if now != self._addresses:
+            moved = [
+                i for i, (a, b) in enumerate(zip(now, self._addresses, strict=False)) if a != b
+            ]
+            raise GraphAddressError(
+                f"{self.name}: {len(moved) or 'some'} buffer(s) read by address moved since capture "
+                f"(watched #{moved[:5]}; {len(now)} now vs {len(self._addresses)} at capture)"
+            )
+
+    def run(self, n: int, **live: torch.Tensor) -> Any | None:
+        """Replay the bucket for ``n`` live rows, or return None (caller runs eagerly)."""
+        size = self.bucket_for(n)
+        if size is None or size not in self.graphs:
+            return None
+        for spec in self.inputs:
+            buf = self.static[spec.name]
+            buf[:n].copy_(live[spec.name], non_blocking=True)
+            if size > n:
+                buf[n:size].fill_(spec.pad_value)
+        if self.check_addresses:
+            self.check_guard()
+        return self.graphs[size].replay()

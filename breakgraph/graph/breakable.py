@@ -1,0 +1,169 @@
+"""Breakable CUDA graphs: a callable captured as segments with eager breaks between them.
+
+``@eager_break`` marks a function that must run eagerly inside a captured forward (it reads
+live per-step state the graph cannot bake in). While a ``BreakableGraph`` captures, each call
+of a break ends the current segment, runs the break once, records a replay closure holding
+its arguments and result strongly, and begins the next segment on the same memory pool.
+Replay runs ``seg[0], brk[0], seg[1], ..., seg[n]``. Outside capture a break is a plain call.
+
+Invariants for break authors: write results into tensors the caller allocated (or return
+a tensor: the graph keeps the captured one alive and copies each replay's result into it);
+the next segment reads those addresses. Tensor arguments are held *by address*, not owned:
+holding them strongly would pin every layer's activations of every bucket (tens of GB for
+a 28-layer model at 8K tokens), while by address the pool reuses them across layers, which
+is safe because replay runs in capture order. So a break's tensor arguments must be either
+produced inside the captured callable or kept alive by their owner (parameters, caches).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STATE = threading.local()
+
+
+class GraphReplayError(RuntimeError):
+    """A replay piece faulted; the message names the segment or break."""
+
+
+class _ArrayInterface:
+    """A CUDA array interface over a tensor's memory that owns nothing."""
+
+    def __init__(self, t: torch.Tensor, itemsize_dtype: torch.dtype):
+        size = t.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape),
+            "strides": tuple(st * size for st in t.stride()),
+            "typestr": {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[size],
+            "data": (t.data_ptr(), False),
+            "version": 2,
+        }
+
+
+def _by_address(x: Any) -> Any:
+    """A tensor aliasing ``x``'s memory without keeping it alive (non-tensors unchanged)."""
+    if not isinstance(x, torch.Tensor) or not x.is_cuda or x.numel() == 0:
+        return x
+    alias = torch.as_tensor(_ArrayInterface(x, x.dtype), device=x.device)
+    return alias.view(x.dtype)
+
+
+@dataclass
+class _Break:
+    name: str
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    result: torch.Tensor | None  # a returned tensor, kept alive; replay copies into it
+
+    def __call__(self) -> None:
+        out = self.fn(*self.args, **self.kwargs)
+        if self.result is not None:
+            self.result.copy_(out)
+
+
+def eager_break(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` to run eagerly between captured segments (see module docstring)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        capture = getattr(_STATE, "capture", None)
+        if capture is None or not capture.split_at_breaks:
+            return fn(*args, **kwargs)
+        return capture._run_break(fn, args, kwargs)
+
+    wrapper.__wrapped_break__ = fn
+    return wrapper
+
+
+def debug_mode() -> bool:
+    return os.environ.get("BREAKGRAPH_GRAPH_DEBUG") == "1"
+
+
+class BreakableGraph:
+    """One callable captured into CUDA-graph segments separated by eager breaks."""
+
+    def __init__(self, pool=None, split_at_breaks: bool = True):
+        """``split_at_breaks=False`` captures breaks inline: one whole graph, for callables
+        whose breaks are themselves capturable (e.g. decode attention)."""
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.split_at_breaks = split_at_breaks
+        self.segments: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[_Break] = []
+        self.output: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def capture(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Capture ``fn(*args, **kwargs)``; its inputs must be the static tensors replay reuses."""
+        if getattr(_STATE, "capture", None) is not None:
+            raise RuntimeError("nested BreakableGraph capture")
+        self._stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        _STATE.capture = self
+        try:
+            with torch.cuda.stream(self._stream):
+                self._begin_segment()
+                self.output = fn(*args, **kwargs)
+                self.segments[-1].capture_end()
+        finally:
+            _STATE.capture = None
+        torch.cuda.synchronize()
+        return self.output
+
+    def _begin_segment(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.segments.append(graph)
+
+    def _run_break(self, fn, args, kwargs):
+        self.segments[-1].capture_end()
+        result = fn(*args, **kwargs)  # eagerly, on the capture stream, outside any graph
+        name = f"{getattr(fn, '__qualname__', repr(fn))}#{len(self.breaks)}"
+        held_args = tuple(_by_address(a) for a in args)
+        held_kwargs = {k: _by_address(v) for k, v in kwargs.items()}
+        kept = result if isinstance(result, torch.Tensor) else None
+        self.breaks.append(_Break(name, fn, held_args, held_kwargs, kept))
+        self._begin_segment()
+        return result
+
+    def replay(self) -> Any:
+        if debug_mode():
+            return self._replay_debug()
+        segments, breaks = self.segments, self.breaks
+        for i, brk in enumerate(breaks):
+            segments[i].replay()
+            brk()
+        segments[-1].replay()
+        return self.output
+
+    def _replay_debug(self) -> Any:
+        """Piece by piece with a sync after each, naming the piece where a fault appears."""
+        for i, seg in enumerate(self.segments):
+            before = self.breaks[i - 1].name if i > 0 else "start"
+            after = self.breaks[i].name if i < len(self.breaks) else "end"
+            self._checked(seg.replay, f"segment {i} (between {before} and {after})")
+            if i < len(self.breaks):
+                self._checked(self.breaks[i], f"break {i} ({self.breaks[i].name})")
+        return self.output
+
+    @staticmethod
+    def _checked(piece: Callable[[], None], what: str) -> None:
+        try:
+            piece()
+            torch.cuda.synchronize()
+        except Exception as e:
+            raise GraphReplayError(f"graph replay faulted in {what}: {e}") from e
