@@ -1,57 +1,141 @@
-"""Kernel dispatch: Triton on CUDA, the torch twins elsewhere.
-
-(Placeholder written by the model author: torch twins only, with HF's arithmetic. The
-Triton dispatch and the fused twins' home in kernels/fused.py replace this.)
-"""
+"""Kernel dispatch: the Triton kernel when the tensors are on CUDA and Triton imports, else
+the torch twin. Set ``BREAKGRAPH_DISABLE_TRITON=1`` to force the twins (debugging)."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import functools
+import os
 
-from breakgraph.kernels.decode_attention import decode_attention_torch as decode_attention
-from breakgraph.kernels.extend_attention import extend_attention_torch as extend_attention
-from breakgraph.kernels.kv_store import store_kv_torch as store_kv
+import torch
+
+from breakgraph.kernels import decode_attention as _decode
+from breakgraph.kernels import extend_attention as _extend
+from breakgraph.kernels import fused as _fused
+from breakgraph.kernels import kv_store as _kv_store
+from breakgraph.kernels.decode_attention import DecodeWorkspace
 
 __all__ = [
+    "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
-    "store_kv",
-    "rms_norm",
     "fused_add_rms_norm",
-    "silu_and_mul",
-    "rope",
     "qk_norm_rope",
+    "rms_norm",
+    "rope",
+    "silu_and_mul",
+    "store_kv",
+    "triton_available",
 ]
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Triton imported (the kernel modules import it guarded) and not disabled."""
+    return _kv_store.triton is not None and os.environ.get("BREAKGRAPH_DISABLE_TRITON") != "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write k/v [T, Hkv, D] into the slots [T] of the caches; padding rows use slot 0."""
+    fn = _kv_store.store_kv_triton if _use_triton(k) else _kv_store.store_kv_torch
+    fn(k_cache, v_cache, slots, k, v)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int,
+) -> None:
+    """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D]."""
+    use = _use_triton(q)
+    fn = _extend.extend_attention_triton if use else _extend.extend_attention_torch
+    fn(
+        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
+        extend_lens, sm_scale, max_extend_len,
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> None:
+    """One query row per request into ``o`` [B, H, D]; CUDA-graph capturable on CUDA.
+
+    ``num_kv_splits`` and ``workspace`` only tune the Triton kernel (the twin ignores them).
+    """
+    if _use_triton(q):
+        _decode.decode_attention_triton(
+            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+            num_kv_splits, workspace,
+        )  # fmt: skip
+    else:
+        _decode.decode_attention_torch(
+            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """HF LlamaRMSNorm over the last dim; returns a new tensor."""
+    fn = _fused.rms_norm_triton if _use_triton(x) else _fused.rms_norm_torch
+    return fn(x, weight, eps)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``; the inputs are not modified."""
+    fn = _fused.fused_add_rms_norm_triton if _use_triton(x) else _fused.fused_add_rms_norm_torch
+    return fn(x, residual, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """[..., 2I] -> [..., I]: ``silu(gate) * up``, gate the first half."""
+    fn = _fused.silu_and_mul_triton if _use_triton(gate_up) else _fused.silu_and_mul_torch
+    return fn(gate_up)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_half RoPE of q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D]; new tensors."""
+    fn = _fused.rope_triton if _use_triton(q) else _fused.rope_torch
+    return fn(q, k, cos, sin)
 
 
-def rope(q, k, cos, sin):
-    cos = cos.to(q.dtype).unsqueeze(1)
-    sin = sin.to(q.dtype).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
-    return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k, then RoPE; new tensors."""
+    fn = _fused.qk_norm_rope_triton if _use_triton(q) else _fused.qk_norm_rope_torch
+    return fn(q, k, q_weight, k_weight, eps, cos, sin)

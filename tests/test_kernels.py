@@ -1,0 +1,381 @@
+"""Every Triton kernel against its torch twin (GPU), plus the CPU dispatch of ``ops``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from breakgraph.kernels import decode_attention as dec
+from breakgraph.kernels import extend_attention as ext
+from breakgraph.kernels import fused, kv_store, ops
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def gpu(fn):
+    """Mark a test ``gpu`` and skip it cleanly without CUDA or Triton."""
+    fn = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")(fn)
+    fn = pytest.mark.skipif(kv_store.triton is None, reason="needs triton")(fn)
+    return pytest.mark.gpu(fn)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+
+
+# ------------------------------------------------------------------------- paged batches
+
+
+def paged_batch(prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3, seed=0):
+    """Caches with random content, each request's tokens on scattered slots (never slot 0)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(p + e for p, e in prefix_extend)
+    num_slots = total + 64
+    batch = len(prefix_extend)
+    max_context = max(p + e for p, e in prefix_extend) + 16
+    slots = torch.randperm(num_slots - 1, generator=g)[:total] + 1
+    req_to_token = torch.zeros(batch + 3, max_context, dtype=torch.int32)
+    pool_rows = torch.randperm(batch + 3, generator=g)[:batch]
+    at = 0
+    for row, (p, e) in zip(pool_rows.tolist(), prefix_extend, strict=True):
+        req_to_token[row, : p + e] = slots[at : at + p + e].int()
+        at += p + e
+    shape = (num_slots, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    extend_lens = torch.tensor([e for _, e in prefix_extend], dtype=torch.int32)
+    seq_lens = torch.tensor([p + e for p, e in prefix_extend], dtype=torch.int32)
+    starts = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
+    tensors = (k_cache, v_cache, req_to_token, pool_rows.long(), seq_lens, starts, extend_lens)
+    return tuple(t.to(device) for t in tensors), int(extend_lens.sum()) + pad_rows
+
+
+EXTEND_CASES = [  # (group, head_dim, dtype)
+    (1, 64, torch.bfloat16),
+    (2, 128, torch.bfloat16),
+    (4, 128, torch.bfloat16),
+    (8, 64, torch.bfloat16),
+    (1, 128, torch.float32),
+    (4, 64, torch.float32),
+    (8, 128, torch.float32),
+]
+
+RAGGED = [  # (prefix, extend): prefix 0, extend 1, long prefix + short extend, odd lengths
+    (0, 1),
+    (0, 200),
+    (37, 1),
+    (3000, 5),
+    (130, 127),
+    (64, 64),
+    (0, 129),
+    (513, 300),
+]
+
+
+@gpu
+@pytest.mark.parametrize(("group", "head_dim", "dtype"), EXTEND_CASES)
+def test_extend_attention_matches_twin(group, head_dim, dtype):
+    num_kv_heads = 2
+    heads = group * num_kv_heads
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        RAGGED, num_kv_heads, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(rows, heads, head_dim, device="cuda").to(dtype)
+    sentinel = 7.0  # padding rows (no request) must be left untouched
+    o_ref = torch.full_like(q, sentinel)
+    o = torch.full_like(q, sentinel)
+    scale = head_dim**-0.5
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, scale)
+    ext.extend_attention_torch(q, o_ref, *args, max(e for _, e in RAGGED))
+    # an overestimated max_extend_len only adds blocks that exit early
+    ext.extend_attention_triton(q, o, *args, max(e for _, e in RAGGED) + 100)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_extend_attention_other_head_dims(head_dim):
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(0, 70), (100, 33)], 1, head_dim, torch.bfloat16, "cuda"
+    )
+    q = torch.randn(rows, 2, head_dim, device="cuda").to(torch.bfloat16)
+    o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, 70)
+    ext.extend_attention_torch(q, o_ref, *args)
+    ext.extend_attention_triton(q, o, *args)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
+
+
+@gpu
+@pytest.mark.parametrize(("group", "head_dim", "dtype"), EXTEND_CASES)
+def test_decode_attention_matches_twin(group, head_dim, dtype):
+    num_kv_heads = 2
+    heads = group * num_kv_heads
+    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+        [(s - 1, 1) for s in DECODE_SEQ_LENS], num_kv_heads, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(len(DECODE_SEQ_LENS), heads, head_dim, device="cuda").to(dtype)
+    o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, head_dim**-0.5)
+    dec.decode_attention_torch(q, o_ref, *args)
+    dec.decode_attention_triton(q, o, *args)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
+def test_decode_attention_any_split_count(num_kv_splits):
+    """One split, a count that divides nothing, and more splits than short sequences fill."""
+    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+        [(s - 1, 1) for s in DECODE_SEQ_LENS], 2, 128, torch.bfloat16, "cuda"
+    )
+    q = torch.randn(len(DECODE_SEQ_LENS), 4, 128, device="cuda").to(torch.bfloat16)
+    o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, 128**-0.5)
+    dec.decode_attention_torch(q, o_ref, *args)
+    dec.decode_attention_triton(q, o, *args, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
+    """Captured once; a replay reads the live seq_lens and req_to_token, not capture's."""
+    dtype, head_dim = torch.bfloat16, 128
+    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+        [(s - 1, 1) for s in (5000, 5000, 5000, 5000)], 2, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(4, 8, head_dim, device="cuda").to(dtype)
+    o = torch.zeros_like(q)
+    workspace = dec.DecodeWorkspace()
+    args = (kc, vc, r2t, pool, seq, head_dim**-0.5)
+    dec.decode_attention_triton(q, o, *args, workspace=workspace)  # compile and grow outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.decode_attention_triton(q, o, *args, workspace=workspace)
+    for lens in ([1, 4999, 300, 64], [5000, 2, 1025, 4096]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q, dtype=torch.float32))
+        graph.replay()
+        o_ref = torch.zeros_like(q)
+        dec.decode_attention_torch(q, o_ref, *args)
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_matches_twin(dtype):
+    t, kv_heads, head_dim = 300, 4, 128
+    # k and v are strided views of a fused qkv output, as the model produces them
+    qkv = torch.randn(t, (8 + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
+    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim :].view(t, kv_heads, head_dim)
+    slots = torch.randperm(1000, device="cuda")[:t] + 1
+    slots[-20:] = 0  # padding rows all write the reserved slot 0
+    for cache_dtype in (dtype, torch.bfloat16):  # the second one casts on store for fp32
+        ref = [
+            torch.zeros(1100, kv_heads, head_dim, device="cuda", dtype=cache_dtype) for _ in "kv"
+        ]
+        out = [c.clone() for c in ref]
+        kv_store.store_kv_torch(*ref, slots, k, v)
+        kv_store.store_kv_triton(*out, slots, k, v)
+        assert torch.equal(out[0][1:], ref[0][1:]) and torch.equal(out[1][1:], ref[1][1:])
+
+
+# ------------------------------------------------------------------------------- fused
+
+
+def assert_exactish(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one rounding step of the dtype; 16-bit outputs bit-identical almost everywhere
+    (the kernels round where the twins do; only fp32 reduction order and exp/rsqrt differ)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    eps = torch.finfo(ref.dtype).eps
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=2 * eps)
+    if ref.element_size() == 2:
+        assert (out == ref).float().mean().item() > 0.99
+
+
+FUSED_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("hidden", [1024, 896])
+def test_rms_norms_match_twins(dtype, hidden):
+    x = torch.randn(37, hidden, device="cuda").to(dtype)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    assert_exactish(fused.rms_norm_triton(x, weight, 1e-6), fused.rms_norm_torch(x, weight, 1e-6))
+    before = residual.clone()
+    normed, new_res = fused.fused_add_rms_norm_triton(x, residual, weight, 1e-6)
+    normed_ref, new_res_ref = fused.fused_add_rms_norm_torch(x, before, weight, 1e-6)
+    assert torch.equal(new_res, new_res_ref) and torch.equal(residual, before)
+    assert_exactish(normed, normed_ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("inter", [3072, 1000])
+def test_silu_and_mul_matches_twin(dtype, inter):
+    gate_up = (2 * torch.randn(41, 2 * inter, device="cuda")).to(dtype)
+    assert_exactish(fused.silu_and_mul_triton(gate_up), fused.silu_and_mul_torch(gate_up))
+
+
+def rotary_cos_sin(tokens: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [T, D] as HF's rotary embedding builds them (cat(freqs, freqs))."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    pos = torch.randint(0, 30000, (tokens,), device=device).float()
+    emb = torch.outer(pos, inv_freq).repeat(1, 2)
+    return emb.cos(), emb.sin()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_rope_and_qk_norm_rope_match_twins(dtype, head_dim):
+    qkv = torch.randn(53, (16 + 16) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, : 16 * head_dim].view(53, 16, head_dim)  # strided views, as the model's
+    k = qkv[:, 16 * head_dim : 24 * head_dim].view(53, 8, head_dim)
+    cos, sin = rotary_cos_sin(53, head_dim, "cuda")
+    for out, ref in zip(
+        fused.rope_triton(q, k, cos, sin), fused.rope_torch(q, k, cos, sin), strict=True
+    ):
+        assert_exactish(out, ref)
+    qw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    kw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    outs = fused.qk_norm_rope_triton(q, k, qw, kw, 1e-6, cos, sin)
+    refs = fused.qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_exactish(out, ref)
+
+
+@gpu
+def test_ops_dispatches_to_triton_on_cuda():
+    """The CUDA path of ``ops`` is the Triton kernel (same result as calling it directly)."""
+    x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    assert ops.triton_available()
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), fused.rms_norm_triton(x, w, 1e-6))
+
+
+# --------------------------------------------------------------------------- CPU: ops
+
+
+def test_ops_on_cpu_equal_the_twins():
+    torch.manual_seed(0)
+    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    w = torch.randn(64)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6))
+    for a, b in zip(
+        ops.fused_add_rms_norm(x, res, w, 1e-6),
+        fused.fused_add_rms_norm_torch(x, res, w, 1e-6),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    gu = torch.randn(5, 128)
+    assert torch.equal(ops.silu_and_mul(gu), fused.silu_and_mul_torch(gu))
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    cos, sin = rotary_cos_sin(5, 32, "cpu")
+    for a, b in zip(ops.rope(q, k, cos, sin), fused.rope_torch(q, k, cos, sin), strict=True):
+        assert torch.equal(a, b)
+    qw, kw = torch.randn(32), torch.randn(32)
+    outs = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    refs = fused.qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    for a, b in zip(outs, refs, strict=True):
+        assert torch.equal(a, b)
+
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(3, 4), (0, 2)], 2, 32, torch.float32, "cpu"
+    )
+    q = torch.randn(rows, 4, 32)
+    o, o_ref = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.2, 4)
+    ops.extend_attention(q, o, *args)
+    ext.extend_attention_torch(q, o_ref, *args)
+    assert torch.equal(o, o_ref)
+    qd = torch.randn(2, 4, 32)
+    od, od_ref = torch.zeros_like(qd), torch.zeros_like(qd)
+    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, 0.2)
+    dec.decode_attention_torch(qd, od_ref, kc, vc, r2t, pool, seq, 0.2)
+    assert torch.equal(od, od_ref)
+    kc2, vc2 = kc.clone(), vc.clone()
+    slots = torch.tensor([4, 0, 9])
+    ops.store_kv(kc, vc, slots, q[:3, :2], q[:3, 2:])
+    kv_store.store_kv_torch(kc2, vc2, slots, q[:3, :2], q[:3, 2:])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_extend_twin_is_causal_softmax_attention():
+    """The twin itself: one request without prefix equals causal SDPA with repeated kv heads."""
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(0, 9)], 2, 16, torch.float32, "cpu", pad_rows=0
+    )
+    q = torch.randn(rows, 4, 16)
+    o = torch.zeros_like(q)
+    ext.extend_attention_torch(q, o, kc, vc, r2t, pool, seq, starts, ext_lens, 0.25, 9)
+    slots = r2t[pool[0], :9].long()
+    k = kc[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+    v = vc[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, is_causal=True, scale=0.25
+    ).transpose(0, 1)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_ops_imports_and_runs_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import torch\n"
+        "from breakgraph.kernels import ops\n"
+        "assert not ops.triton_available()\n"
+        "x = torch.randn(3, 8); w = torch.ones(8)\n"
+        "assert ops.rms_norm(x, w, 1e-6).shape == (3, 8)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_twins_follow_hf_arithmetic():
+    """Bit-identical to HF's LlamaRMSNorm, LlamaMLP activation and apply_rotary_pos_emb."""
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    x, res = torch.randn(7, 64).to(dtype), torch.randn(7, 64).to(dtype)
+    assert torch.equal(fused.rms_norm_torch(x, norm.weight, 1e-6), norm(x))
+    normed, new_res = fused.fused_add_rms_norm_torch(x, res, norm.weight, 1e-6)
+    assert torch.equal(new_res, res + x) and torch.equal(normed, norm(res + x))
+
+    gate, up = torch.randn(7, 48).to(dtype), torch.randn(7, 48).to(dtype)
+    ref = torch.nn.functional.silu(gate) * up
+    assert torch.equal(fused.silu_and_mul_torch(torch.cat([gate, up], -1)), ref)
+
+    q, k = torch.randn(7, 4, 32).to(dtype), torch.randn(7, 2, 32).to(dtype)
+    cos, sin = rotary_cos_sin(7, 32, "cpu")
+    # HF: q [B, H, T, D], cos/sin [B, T, D] already in the activation dtype
+    hq, hk = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos.to(dtype)[None], sin.to(dtype)[None]
+    )
+    oq, ok = fused.rope_torch(q, k, cos, sin)
+    assert torch.equal(oq, hq[0].transpose(0, 1)) and torch.equal(ok, hk[0].transpose(0, 1))
+    qn, kn = LlamaRMSNorm(32, 1e-6).to(dtype), LlamaRMSNorm(32, 1e-6).to(dtype)
+    hq, hk = apply_rotary_pos_emb(
+        qn(q).transpose(0, 1)[None],
+        kn(k).transpose(0, 1)[None],
+        cos.to(dtype)[None],
+        sin.to(dtype)[None],
+    )
+    oq, ok = fused.qk_norm_rope_torch(q, k, qn.weight, kn.weight, 1e-6, cos, sin)
+    assert torch.equal(oq, hq[0].transpose(0, 1)) and torch.equal(ok, hk[0].transpose(0, 1))
