@@ -47,6 +47,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from breakgraph.bench.step import run_step_bench
+
+    run_step_bench(args)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from breakgraph.server.launch import serve
+
+    def on_ready(what: str) -> None:
+        print(f"breakgraph: serving {what}", file=sys.stderr, flush=True)
+
+    return serve(args, on_ready)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__)
     parser.add_argument("--log-level", default="warning")
@@ -61,6 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="HTTP server: SGLang-native /generate and the OpenAI API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name of the OpenAI API; default: --model-path or the embedded model's",
+    )
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    step = bench_sub.add_parser("step", help="one prefill step, in-process, against peers")
+    from breakgraph.bench.step import add_step_args
+
+    add_step_args(step)
+    step.set_defaults(func=cmd_bench_step)
     return parser
 
 

@@ -30,7 +30,8 @@ LIVE = {"scale": None}  # per-step state a break reads at replay, like a forward
 def live_scale(x: torch.Tensor, out: torch.Tensor) -> None:
     """Multiply each row by a per-step scale: reads live state, so it cannot be captured."""
     scale = LIVE["scale"]
-    out[: scale.shape[0]].copy_(x[: scale.shape[0]] * scale[:, None])
+    n = min(scale.shape[0], x.shape[0])
+    out[:n].copy_(x[:n] * scale[:n, None])
 
 
 class Net(nn.Module):

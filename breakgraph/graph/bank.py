@@ -100,8 +100,10 @@ class GraphBank:
     def capture(self, warmup: bool = True, progress: bool = True) -> None:
         """Eager run at the largest size (grows lazy workspaces), then capture every bucket."""
         start = time.perf_counter()
+        stream = torch.cuda.Stream()  # one capture stream for every bucket
+        stream.wait_stream(torch.cuda.current_stream())
         if warmup:
-            with self.capture_context(self.max_size):
+            with self.capture_context(self.max_size), torch.cuda.stream(stream):
                 self.fn(**self.views(self.max_size))
             torch.cuda.synchronize()
         sizes = sorted(self.sizes, reverse=True)
@@ -111,7 +113,7 @@ class GraphBank:
             t0 = time.perf_counter()
             graph = BreakableGraph(pool=self.pool, split_at_breaks=self.split_at_breaks)
             with self.capture_context(size):
-                graph.capture(self.fn, **self.views(size))
+                graph.capture(self.fn, warmup=0 if warmup else 1, stream=stream, **self.views(size))
             self.graphs[size] = graph
             used = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.debug(

@@ -107,11 +107,26 @@ class BreakableGraph:
     def num_segments(self) -> int:
         return len(self.segments)
 
-    def capture(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Capture ``fn(*args, **kwargs)``; its inputs must be the static tensors replay reuses."""
+    def capture(
+        self,
+        fn: Callable[..., Any],
+        *args,
+        warmup: int = 1,
+        stream: torch.cuda.Stream | None = None,
+        **kwargs,
+    ) -> Any:
+        """Capture ``fn(*args, **kwargs)``; its inputs must be the static tensors replay reuses.
+
+        ``warmup`` eager calls run first on the capture stream (library handles such as
+        cuBLAS's cannot be created inside a capture); pass 0 if the stream is already warm.
+        """
         if getattr(_STATE, "capture", None) is not None:
             raise RuntimeError("nested BreakableGraph capture")
-        self._stream = torch.cuda.Stream()
+        self._stream = stream or torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for _ in range(warmup):
+                fn(*args, **kwargs)
         torch.cuda.synchronize()
         _STATE.capture = self
         try:
@@ -119,10 +134,24 @@ class BreakableGraph:
                 self._begin_segment()
                 self.output = fn(*args, **kwargs)
                 self.segments[-1].capture_end()
+        except BaseException:
+            self._abort_capture()
+            raise
         finally:
             _STATE.capture = None
         torch.cuda.synchronize()
         return self.output
+
+    def _abort_capture(self) -> None:
+        """End a capture that failed midway so the stream and allocator leave capture mode."""
+        with torch.cuda.stream(self._stream):
+            if self.segments and torch.cuda.is_current_stream_capturing():
+                try:
+                    self.segments[-1].capture_end()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    logger.debug("capture_end after a failed capture raised", exc_info=True)
+        self.segments.clear()
+        self.breaks.clear()
 
     def _begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()

@@ -1,9 +1,9 @@
 """The attention front: reshapes q/k/v and calls the paged-attention function.
 
-``paged_attention`` is the one place that reads the live step's metadata (forward
-context): it stores the new k/v rows into their KV slots and runs extend or decode
-attention over the paged cache, writing into the output tensor it is given. It is the
-eager break of the prefill graphs; decode graphs capture it inline.
+``paged_attention`` reads the live step's metadata (forward context) and runs extend or
+decode attention over the paged cache, writing into the output tensor it is given: it is
+the eager break of the prefill graphs (decode graphs capture it inline). The KV store
+before it only needs the step's slots, which graphs keep in a static buffer.
 """
 
 from __future__ import annotations
@@ -16,31 +16,27 @@ from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
+    """Write the new rows' k/v into their KV slots (padding rows carry slot 0).
+
+    Capturable: inside a prefill graph ``out_cache_loc`` is the bank's static, padded
+    buffer, so the store is part of the segment rather than a launch in the break.
+    """
+    ctx = get_forward_context()
+    pool = ctx.kv_pool
+    ops.store_kv(pool.k_buffers[layer_id], pool.v_buffers[layer_id], ctx.batch.out_cache_loc, k, v)
+
+
 @eager_break
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    layer_id: int,
-    scaling: float,
-) -> None:
-    """q/o [T, H, D], k/v [T, Hkv, D]. Writes o; rows of padding tokens are left undefined."""
+def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: float) -> None:
+    """q/o [T, H, D] over the paged KV of the live step. Writes o; padding rows undefined."""
     ctx = get_forward_context()
     batch = ctx.batch
     k_cache = ctx.kv_pool.k_buffers[layer_id]
     v_cache = ctx.kv_pool.v_buffers[layer_id]
-    ops.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
     if batch.mode is ForwardMode.DECODE:
         ops.decode_attention(
-            q,
-            o,
-            k_cache,
-            v_cache,
-            ctx.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            scaling,
+            q, o, k_cache, v_cache, ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, scaling
         )
     else:
         ops.extend_attention(
@@ -69,6 +65,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        store_kv(k, v, self.layer_id)
         o = torch.empty_like(q)
-        paged_attention(q, k, v, o, self.layer_id, self.scaling)
+        paged_attention(q, o, self.layer_id, self.scaling)
         return o.view(q.shape[0], self.num_heads * self.head_dim)

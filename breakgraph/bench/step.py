@@ -1,0 +1,282 @@
+"""``breakgraph bench step``: one request's prefill step, N new tokens after a cached prefix
+of P, timed for several arms in one process on the same weights.
+
+Arms: breakgraph eager, breakgraph graphs (breakable prefill bank), the floor (the same
+forward captured whole as one CUDA graph at that fixed shape), HF transformers eager (sdpa),
+and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
+Prints ms per arm (median of reps, wall clock with a sync: host-bound arms pay their host
+time), ratios to the floor and to HF eager, and kernel launches per step (profiler).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    ms: float | None
+    launches: int | None = None
+    note: str = ""
+
+
+@dataclass
+class PointResult:
+    model: str
+    new_tokens: int
+    prefix_tokens: int
+    arms: list[ArmResult] = field(default_factory=list)
+
+    def ms(self, arm: str) -> float | None:
+        return next((a.ms for a in self.arms if a.arm == arm), None)
+
+
+def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` with a device sync before and after each call."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def count_launches(fn: Callable[[], object]) -> int | None:
+    """Kernels (and graph launches) one call issues, counted by the profiler."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    return sum(1 for e in prof.events() if e.name in names)
+
+
+class StepBench:
+    """Holds an engine on a model shape and builds one-request extend batches on it."""
+
+    def __init__(self, model: str, max_new: int, max_prefix: int, device: str, dtype: str = "auto"):
+        from breakgraph.engine.args import EngineArgs
+        from breakgraph.engine.engine import Engine
+
+        self.model_name = model
+        chunk = max(256, -(-max_new // 256) * 256)
+        self.engine = Engine(
+            EngineArgs(
+                model_path=model,
+                load_format="dummy",
+                dtype=dtype,
+                device=device,
+                max_total_tokens=max_new + max_prefix + 16,
+                chunked_prefill_size=chunk,
+                max_running_requests=4,
+                disable_cuda_graph=True,  # decode graphs are not measured here
+                context_length=max(max_new + max_prefix + 16, 4096),
+            )
+        )
+        eng = self.engine
+        self.req_idx = eng.req_pool.alloc()
+        total = max_new + max_prefix
+        slots = eng.allocator.alloc(total)
+        eng.req_pool.write(self.req_idx, 0, slots)
+        self.slots = slots
+
+    def batch(self, new_tokens: int, prefix_tokens: int):
+        from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
+        g = torch.Generator().manual_seed(new_tokens)
+        ids = torch.randint(1000, self.engine.vocab_size - 1, (new_tokens,), generator=g).tolist()
+        loc = self.slots[prefix_tokens : prefix_tokens + new_tokens].tolist()
+        return ForwardBatch.build(
+            ForwardMode.EXTEND, ids, loc, [self.req_idx], [prefix_tokens], [new_tokens],
+            self.engine.device,
+        )  # fmt: skip
+
+
+def floor_graph(runner, batch) -> Callable[[], object]:
+    """The same forward captured whole, attention inline, at this fixed shape."""
+    from breakgraph.forward_batch import ForwardContext, forward_context
+    from breakgraph.graph import BreakableGraph
+
+    ctx = ForwardContext(batch=batch, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token)
+
+    def fwd():
+        with forward_context(ctx):
+            hidden = runner.model(batch.input_ids, batch.positions)
+        return runner.model.compute_logits(hidden[batch.logits_rows])
+
+    with torch.inference_mode():
+        fwd()
+        graph = BreakableGraph(split_at_breaks=False)
+        graph.capture(fwd)
+    return graph.replay
+
+
+class HFArms:
+    """The HF transformers twin of the engine's model, on the same weights."""
+
+    def __init__(self, engine, compile_timeout_s: float):
+        import transformers
+
+        cfg = dict(engine.model_config.raw)
+        cfg.setdefault("torch_dtype", "bfloat16")
+        arch = engine.model_config.architecture
+        model_type = cfg.pop("model_type", None) or arch_model_type(arch)
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
+        config._attn_implementation = "sdpa"
+        with torch.device(engine.device):
+            self.model = getattr(transformers, arch)(config).to(engine.dtype).eval()
+        self.device = engine.device
+        self.compile_timeout_s = compile_timeout_s
+        self.compiled = None
+
+    def inputs(self, new_tokens: int, prefix_tokens: int):
+        from transformers import DynamicCache
+
+        g = torch.Generator().manual_seed(new_tokens)
+        ids = torch.randint(1000, 30000, (1, new_tokens), generator=g).to(self.device)
+        cache = None
+        if prefix_tokens:
+            cache = DynamicCache(config=self.model.config)
+            with torch.inference_mode():
+                pre = torch.randint(1000, 30000, (1, prefix_tokens), generator=g).to(self.device)
+                self.model(pre, past_key_values=cache, use_cache=True)
+        return ids, cache
+
+    def eager_fn(self, new_tokens: int, prefix_tokens: int):
+        ids, cache = self.inputs(new_tokens, prefix_tokens)
+
+        def run():
+            with torch.inference_mode():
+                out = self.model(ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+            if cache is not None:
+                cache.crop(-new_tokens)  # drop what this step appended
+            return out.logits
+
+        return run
+
+    def compiled_fn(self, new_tokens: int) -> tuple[Callable[[], object] | None, str]:
+        """torch.compile(reduce-overhead) at P=0; None with a reason if it does not compile in time."""
+        if self.compiled is None:
+            self.compiled = torch.compile(self.model, mode="reduce-overhead")
+        ids, _ = self.inputs(new_tokens, 0)
+
+        def run():
+            with torch.inference_mode():
+                return self.compiled(ids, use_cache=False, logits_to_keep=1).logits
+
+        t0 = time.perf_counter()
+        try:
+            for _ in range(3):  # compile, record, then replay
+                run()
+                if time.perf_counter() - t0 > self.compile_timeout_s:
+                    return None, f"did not compile within {self.compile_timeout_s:.0f} s"
+        except Exception as e:  # noqa: BLE001 - a compile failure is a result to report
+            return None, f"compile failed: {type(e).__name__}: {str(e)[:80]}"
+        return run, f"compiled in {time.perf_counter() - t0:.0f} s"
+
+
+def arch_model_type(arch: str) -> str:
+    return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+
+
+def bench_point(sb: StepBench, hf: HFArms | None, n: int, p: int, reps: int, do_compile: bool) -> PointResult:
+    runner = sb.engine.runner
+    batch = sb.batch(n, p)
+    res = PointResult(sb.model_name, n, p)
+
+    def add(arm, fn, note=""):
+        if fn is None:
+            res.arms.append(ArmResult(arm, None, None, note))
+            return
+        res.arms.append(ArmResult(arm, time_ms(fn, reps), count_launches(fn), note))
+
+    add("breakgraph eager", lambda: runner.forward_eager(batch))
+    if runner.prefill_graphs is not None and runner.prefill_graphs.bank.bucket_for(n):
+        bucket = runner.prefill_graphs.bank.bucket_for(n)
+        add("breakgraph graphs", lambda: runner.forward(batch), f"bucket {bucket}")
+    else:
+        add("breakgraph graphs", None, "no bucket")
+    if sb.engine.device.type == "cuda":
+        add("floor", floor_graph(runner, batch))
+    if hf is not None:
+        add("HF eager", hf.eager_fn(n, p))
+        if do_compile and p == 0:
+            fn, note = hf.compiled_fn(n)
+            add("HF compile", fn, note)
+        else:
+            add("HF compile", None, "P > 0 not measured" if p else "skipped")
+    return res
+
+
+def format_table(points: list[PointResult]) -> str:
+    lines = []
+    for pt in points:
+        floor, hf = pt.ms("floor"), pt.ms("HF eager")
+        lines.append(f"\n{pt.model}  N={pt.new_tokens}  P={pt.prefix_tokens}")
+        lines.append(f"  {'arm':<18} {'ms':>9} {'x floor':>8} {'x HF':>7} {'launches':>9}  note")
+        for a in pt.arms:
+            ms = f"{a.ms:9.2f}" if a.ms is not None else f"{'-':>9}"
+            xf = f"{a.ms / floor:8.2f}" if a.ms and floor else f"{'-':>8}"
+            xh = f"{a.ms / hf:7.2f}" if a.ms and hf else f"{'-':>7}"
+            la = f"{a.launches:9d}" if a.launches is not None else f"{'-':>9}"
+            lines.append(f"  {a.arm:<18} {ms} {xf} {xh} {la}  {a.note}")
+    return "\n".join(lines)
+
+
+def run_step_bench(args) -> list[PointResult]:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    points: list[PointResult] = []
+    for model in args.models:
+        sb = StepBench(model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
+        hf = None
+        if not args.no_hf:
+            try:
+                hf = HFArms(sb.engine, args.compile_timeout)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("HF arms unavailable: %s", e)
+        for p in args.prefix_tokens:
+            for n in args.new_tokens:
+                pt = bench_point(sb, hf, n, p, args.reps, not args.no_compile and device == "cuda")
+                points.append(pt)
+                print(format_table([pt]), flush=True)
+        del sb, hf
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(p) for p in points], f, indent=1)
+    return points
+
+
+def add_step_args(p) -> None:
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
+    p.add_argument("--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192])
+    p.add_argument("--prefix-tokens", "-P", type=int, nargs="+", default=[0])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-timeout", type=float, default=120.0)
+    p.add_argument("--json", default=None)
