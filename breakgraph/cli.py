@@ -63,6 +63,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, on_ready)
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from breakgraph.bench.decode import run_decode_bench
+
+    run_decode_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__)
     parser.add_argument("--log-level", default="warning")
@@ -96,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_step_args(step)
     step.set_defaults(func=cmd_bench_step)
+    decode = bench_sub.add_parser("decode", help="one decode step per batch size: graph vs eager")
+    from breakgraph.bench.decode import add_decode_args
+
+    add_decode_args(decode)
+    decode.set_defaults(func=cmd_bench_decode)
     return parser
 
 

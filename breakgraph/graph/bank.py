@@ -82,6 +82,7 @@ class GraphBank:
             )
             for spec in inputs
         }
+        self._dirty_rows = {spec.name: 0 for spec in inputs}
         self.graphs: dict[int, BreakableGraph] = {}
         self._addresses: list[int] = []
         self.capture_seconds = 0.0
@@ -102,6 +103,7 @@ class GraphBank:
         start = time.perf_counter()
         stream = torch.cuda.Stream()  # one capture stream for every bucket
         stream.wait_stream(torch.cuda.current_stream())
+        pool_before = torch.cuda.memory_reserved(self.device)
         if warmup:
             with self.capture_context(self.max_size), torch.cuda.stream(stream):
                 self.fn(**self.views(self.max_size))
@@ -128,12 +130,13 @@ class GraphBank:
         self._addresses = [t.data_ptr() for t in self._watched()]
         self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "%s: captured %d buckets (%d..%d) in %.2f s",
+            "%s: captured %d buckets (%d..%d) in %.2f s, %.0f MiB reserved",
             self.name,
             len(self.sizes),
             self.sizes[0],
             self.max_size,
             self.capture_seconds,
+            (torch.cuda.memory_reserved(self.device) - pool_before) / 2**20,
         )
 
     def bucket_for(self, n: int) -> int | None:
@@ -163,8 +166,11 @@ class GraphBank:
         for spec in self.inputs:
             buf = self.static[spec.name]
             buf[:n].copy_(live[spec.name], non_blocking=True)
-            if size > n:
-                buf[n:size].fill_(spec.pad_value)
+            # rows past n hold the pad value except up to the high-water mark of live rows
+            dirty = self._dirty_rows[spec.name]
+            if dirty > n:
+                buf[n:dirty].fill_(spec.pad_value)
+            self._dirty_rows[spec.name] = n
         if self.check_addresses:
             self.check_guard()
         return self.graphs[size].replay()
