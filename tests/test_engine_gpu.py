@@ -173,3 +173,46 @@ def test_default_buckets_capture_fast_qwen3_0_6b():
         [list(range(10, 1010))], SamplingParams(max_new_tokens=4, temperature=0.0)
     )
     assert len(res.output_ids) == 4
+
+
+WARMUP_SCRIPT = r"""
+import json, random, sys
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.engine.request import SamplingParams
+from breakgraph.kernels import jit_watch
+
+eng = Engine(EngineArgs(model_path=sys.argv[1], load_format="dummy", device="cuda",
+    max_total_tokens=60000, chunked_prefill_size=1024, max_running_requests=48,
+    cuda_graph_max_bs=32, warmups=sys.argv[2]))
+report = eng.run_warmups()
+jit_watch.mark_ready()
+rng = random.Random(7)
+rand = lambda n: [rng.randrange(5, 1000) for _ in range(n)]
+base = rand(333)
+sp = [SamplingParams(max_new_tokens=3, temperature=t, ignore_eos=True) for t in (0.0, 0.9)]
+eng.generate([base], sp[0])
+work = [[base + rand(e)] for e in (1, 32, 5, 700)] + [[rand(n)] for n in (2500, 900, 48, 3)]
+work += [[rand(9) for _ in range(40)], [rand(20) for _ in range(12)]]
+for prompts in work:
+    eng.generate(prompts, [sp[i % 2] for i in range(len(prompts))])
+st = jit_watch.stats()
+print(json.dumps({"warmup_requests": report.requests if report else 0,
+                  "after_ready": st.after_ready, "names": st.names_after_ready}))
+"""
+
+
+def test_no_compilation_after_serving_shape_warmup(small_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", WARMUP_SCRIPT, str(small_dir), "serving-shapes"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["warmup_requests"] > 20
+    assert result["after_ready"] == 0, result["names"]

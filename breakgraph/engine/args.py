@@ -27,6 +27,8 @@ class EngineArgs:
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256
     cuda_graph_max_tokens_prefill: int | None = None  # default: --chunked-prefill-size
     prefill_graph_max_pad_factor: float = 2.0
+    warmups: str = "auto"  # serving-shapes | none; auto: serving-shapes on CUDA
+    skip_server_warmup: bool = False
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -84,3 +86,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-graph-max-pad-factor", type=float, default=d.prefill_graph_max_pad_factor
     )
+    g.add_argument(
+        "--warmups",
+        choices=["auto", "serving-shapes", "none"],
+        default=d.warmups,
+        help="before serving, run internal requests over every kernel shape class "
+        "(auto: serving-shapes on CUDA)",
+    )
+    g.add_argument("--skip-server-warmup", action="store_true", help="no warm-up at all")

@@ -21,6 +21,8 @@ from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
+from breakgraph.kernels import jit_watch
 from breakgraph.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class Engine:
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table)
         if self.device.type == "cuda":
+            jit_watch.install()
             self._capture_graphs()
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None:
@@ -111,6 +114,16 @@ class Engine:
             self.max_running_requests,
             self.context_len,
         )
+
+    def run_warmups(self) -> WarmupReport | None:
+        """The serving-shape warm-up, when enabled (see ``--warmups``)."""
+        args = self.args
+        wanted = args.warmups
+        if wanted == "auto":
+            wanted = "serving-shapes" if self.device.type == "cuda" else "none"
+        if args.skip_server_warmup or wanted == "none":
+            return None
+        return warmup_serving_shapes(self, seed=args.seed)
 
     def _capture_graphs(self) -> None:
         args = self.args

@@ -1,0 +1,96 @@
+"""Serving-shape warm-up: internal requests through the scheduler and runner that cover
+every shape class selecting a different kernel variant, so nothing compiles in traffic."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from breakgraph.engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmupReport:
+    requests: int
+    seconds: float
+    compiles: int
+
+
+def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    rids = [
+        engine.add_request(p, sp, rid=f"warmup-{random.getrandbits(48):x}")
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    pending = set(rids)
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.rid)
+
+
+def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
+    """Run the shape classes (see the module docstring); flush the cache; raise if it cannot."""
+    from breakgraph.kernels import jit_watch
+
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    cap = engine.allocator.capacity
+    chunk = engine.args.chunked_prefill_size
+    runner = engine.runner
+    before = jit_watch.stats().total
+    start = time.perf_counter()
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(
+        max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, ignore_eos=True
+    )
+    seeded = SamplingParams(max_new_tokens=2, temperature=1.0, seed=1, ignore_eos=True)
+    sent = 0
+
+    def go(prompts, params=None):
+        nonlocal sent
+        prompts = [p for p in prompts if 0 < len(p) < min(cap, engine.context_len) - 4]
+        if prompts:
+            _run(engine, prompts, params or [greedy] * len(prompts))
+            sent += len(prompts)
+
+    # prefill sizes: every graph bucket, eager sizes around and above them, odd sizes
+    buckets = runner.prefill_graphs.bank.sizes if runner.prefill_graphs is not None else []
+    sizes = sorted(set(buckets) | {1, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
+    for n in sizes:
+        go([rand(min(n, chunk))])
+    # prefix hits with 1-token, multiple-of-16, odd and long extends
+    base = rand(min(600, cap // 8))
+    go([base])
+    go([base + rand(e) for e in (1, 16, 7, min(1000, cap // 8))])
+    # a chunked prompt (longer than one prefill step), if the pool holds it
+    if 2 * chunk + 10 < min(cap, engine.context_len):
+        go([rand(chunk + chunk // 2)])
+    # concurrent prefills of mixed sizes, greedy and sampled
+    go([rand(n) for n in (5, 64, 300, 17)], [greedy, sampled, seeded, sampled])
+    # every decode batch size with a graph, and eager decode above the largest
+    decode_sizes = runner.decode_graphs.bank.sizes if runner.decode_graphs is not None else [1, 8]
+    max_run = engine.max_running_requests
+    for bs in sorted(set(decode_sizes) | {min(max(decode_sizes) + 1, max_run)}):
+        if bs * 40 < cap:
+            go(
+                [rand(8 + i % 5) for i in range(bs)],
+                [greedy if i % 2 else sampled for i in range(bs)],
+            )
+    if not engine.flush_cache():
+        raise RuntimeError("warm-up could not flush the prefix cache: requests still hold it")
+    report = WarmupReport(sent, time.perf_counter() - start, jit_watch.stats().total - before)
+    logger.info(
+        "serving-shape warm-up: %d requests in %.1f s, %d kernel compilations",
+        report.requests,
+        report.seconds,
+        report.compiles,
+    )
+    return report
