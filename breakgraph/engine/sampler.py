@@ -55,11 +55,9 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
     if any(p.min_p > 0 for p in params):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_ps[:, None] * max_p, 0.0)
-    noise = torch.empty_like(probs)
+    noise = torch.empty_like(probs).exponential_()  # one launch for unseeded rows
     for row, gen in enumerate(generators):
-        if gen is None:
-            noise[row].exponential_()
-        else:
+        if gen is not None:  # seeded rows draw from their own generator, reproducibly
             noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy.bool(), greedy_ids, sampled)
