@@ -91,7 +91,8 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     # KV state: slots of the tokens of fill_ids whose KV is computed, in order
     req_pool_idx: int | None = None
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    kv_len: int = 0  # tokens of fill_ids whose KV is computed; their slots: kv_slots
+    _kv_buf: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
     last_node: Any = None
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
@@ -104,8 +105,25 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
-    def kv_len(self) -> int:
-        return self.kv_slots.shape[0]
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        return self._kv_buf[: self.kv_len]
+
+    def set_kv(self, slots: torch.Tensor) -> None:
+        self._kv_buf, self.kv_len = slots, slots.numel()
+
+    def append_kv(self, slots: torch.Tensor) -> None:
+        """Amortized O(1) per token: the buffer grows by doubling (decode appends one)."""
+        n = self.kv_len + slots.numel()
+        if n > self._kv_buf.numel() or self._kv_buf.numel() == self.kv_len:
+            buf = torch.empty(max(2 * n, 64), dtype=torch.int64)
+            buf[: self.kv_len] = self._kv_buf[: self.kv_len]
+            self._kv_buf = buf
+        self._kv_buf[self.kv_len : n] = slots
+        self.kv_len = n
 
     @property
     def finished(self) -> bool:

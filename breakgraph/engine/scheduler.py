@@ -173,7 +173,7 @@ class Scheduler:
             return {"type": "stop", "matched": tok}
         if len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": sp.max_new_tokens}
-        if len(req.fill_ids) >= self.cfg.max_context_len:
+        if req.fill_len >= self.cfg.max_context_len:
             return {"type": "length", "length": len(req.output_ids)}
         if sp.stop and self.stop_text is not None:
             longest = max(len(s) for s in sp.stop)
@@ -205,7 +205,8 @@ class Scheduler:
             req.fill_ids[:n], req.kv_slots, req.cached_len, req.last_node, keep_locked=False
         )
         self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.kv_slots, req.cached_len, req.last_node = None, _EMPTY, 0, None
+        req.req_pool_idx, req.cached_len, req.last_node = None, 0, None
+        req.set_kv(_EMPTY)
 
     # ---- memory ----
     def _available(self) -> int:
@@ -239,7 +240,8 @@ class Scheduler:
         fill = req.fill_ids
         m = self.tree.match_prefix(fill[:-1])
         self.tree.lock(m.node)
-        req.last_node, req.kv_slots, req.cached_len = m.node, m.slots, m.prefix_len
+        req.last_node, req.cached_len = m.node, m.prefix_len
+        req.set_kv(m.slots)
         if req.num_retractions == 0:
             req.prefix_hit_tokens = m.prefix_len
         if m.prefix_len:
@@ -249,7 +251,8 @@ class Scheduler:
     def _unadmit(self, req: Req) -> None:
         self.tree.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.kv_slots, req.cached_len, req.last_node = None, _EMPTY, 0, None
+        req.req_pool_idx, req.cached_len, req.last_node = None, 0, None
+        req.set_kv(_EMPTY)
 
     def _schedule_prefill(self, outputs: list[StepOutput]):
         budget = self.cfg.chunked_prefill_size
@@ -272,7 +275,7 @@ class Scheduler:
                     continue
                 if not self._admit(req):
                     break
-            extend = min(len(req.fill_ids) - req.kv_len, budget)
+            extend = min(req.fill_len - req.kv_len, budget)
             available = self._available()
             # a new request leaves room for the running ones' future decode tokens, unless
             # nothing else is in flight (then it must make progress, in chunks if need be)
@@ -305,8 +308,8 @@ class Scheduler:
             input_ids.extend(req.fill_ids[pre : pre + ext])
             rows.extend([req.req_pool_idx] * ext)
             cols.extend(range(pre, pre + ext))
-            req.kv_slots = torch.cat([req.kv_slots, slots])
-            if req.kv_len < len(req.fill_ids):
+            req.append_kv(slots)
+            if req.kv_len < req.fill_len:
                 self.chunked = req
         all_slots = torch.cat(new_slots)
         self._write_table(rows, cols, all_slots)
@@ -340,7 +343,8 @@ class Scheduler:
             if changed.numel():
                 cols = (changed + owned_from).tolist()
                 self._write_table([req.req_pool_idx] * len(cols), cols, slots[cols])
-            req.kv_slots, req.cached_len, req.last_node = slots, n, node
+            req.set_kv(slots)
+            req.cached_len, req.last_node = n, node
 
     # ---- decode ----
     def _schedule_decode(self, outputs: list[StepOutput]):
@@ -362,7 +366,7 @@ class Scheduler:
         prefixes = [r.kv_len for r in reqs]
         self._write_table([r.req_pool_idx for r in reqs], prefixes, slots)
         for req, slot in zip(reqs, slots.split(1), strict=True):
-            req.kv_slots = torch.cat([req.kv_slots, slot])
+            req.append_kv(slot)
         self.new_token_ratio = max(
             self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
         )
