@@ -70,6 +70,20 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from breakgraph.bench.prefill import run_prefill_bench
+
+    run_prefill_bench(args)
+    return 0
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from breakgraph.bench.serving import run_serving_bench
+
+    run_serving_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__)
     parser.add_argument("--log-level", default="warning")
@@ -108,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decode_args(decode)
     decode.set_defaults(func=cmd_bench_decode)
+    prefill = bench_sub.add_parser(
+        "prefill", help="TTFT of concurrent prefills against a running server: cold | hit"
+    )
+    from breakgraph.bench.prefill import add_prefill_args
+
+    add_prefill_args(prefill)
+    prefill.set_defaults(func=cmd_bench_prefill)
+    serving = bench_sub.add_parser(
+        "serving", help="closed-loop serving tables per concurrency against a running server"
+    )
+    from breakgraph.bench.serving import add_serving_args
+
+    add_serving_args(serving)
+    serving.set_defaults(func=cmd_bench_serving)
     return parser
 
 

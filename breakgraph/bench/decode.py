@@ -27,6 +27,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
     from breakgraph.engine.engine import Engine
     from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
+    if args.plot:  # fail before the run, not after it
+        from breakgraph.bench.plot import require_matplotlib
+
+        require_matplotlib()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     max_bs = max(args.batch_sizes)
     points = []
@@ -80,6 +84,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(p) for p in points], f, indent=1)
+    if args.plot:
+        from breakgraph.bench.plot import plot_decode
+
+        plot_decode([asdict(p) for p in points], args.plot)
     return points
 
 
@@ -90,3 +98,4 @@ def add_decode_args(p) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")

@@ -245,6 +245,10 @@ def format_table(points: list[PointResult]) -> str:
 
 
 def run_step_bench(args) -> list[PointResult]:
+    if args.plot:  # fail before the run, not after it
+        from breakgraph.bench.plot import require_matplotlib
+
+        require_matplotlib()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     points: list[PointResult] = []
     for model in args.models:
@@ -266,6 +270,10 @@ def run_step_bench(args) -> list[PointResult]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(p) for p in points], f, indent=1)
+    if args.plot:
+        from breakgraph.bench.plot import plot_step
+
+        plot_step([asdict(p) for p in points], args.plot)
     return points
 
 
@@ -280,3 +288,4 @@ def add_step_args(p) -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-timeout", type=float, default=120.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against N")

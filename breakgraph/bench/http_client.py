@@ -1,0 +1,174 @@
+"""A small async client of breakgraph's (SGLang-native) HTTP API for the server benches.
+
+One streamed ``POST /generate`` per request, timed on the client: TTFT is the time from
+sending to the first ``data:`` line; each later event's gap is split evenly over the tokens
+it carries (the server coalesces tokens that pile up), giving one inter-token latency per
+token after the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:30000"
+# SGLang's prefill repro draws token ids from this range (clipped to the vocabulary)
+TOKEN_ID_RANGE = (1000, 120000)
+
+
+class BenchError(Exception):
+    """The server answered something a bench cannot use (an error status or event)."""
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    e2e_ms: float
+    decode_ms: float  # first event to last event: the request's decode phase
+    itl_ms: list[float] = field(default_factory=list)  # one per token after the first
+    finish_reason: dict | None = None
+
+    @property
+    def tok_s(self) -> float | None:
+        """Decode tokens per second this request saw (1000 / its mean inter-token latency)."""
+        if self.completion_tokens < 2 or self.decode_ms <= 0:
+            return None
+        return (self.completion_tokens - 1) / (self.decode_ms / 1e3)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """n token ids in SGLang's repro range, clipped to the vocabulary (tiny test models too)."""
+    hi = min(TOKEN_ID_RANGE[1], vocab_size)
+    lo = min(TOKEN_ID_RANGE[0], hi // 2)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+class ServerClient:
+    """An ``httpx.AsyncClient`` on one server, with the calls the benches make."""
+
+    def __init__(
+        self,
+        url: str,
+        max_connections: int = 16,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: a mock server
+    ):
+        self.url = url.rstrip("/")
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=30.0),
+            limits=httpx.Limits(
+                max_connections=max_connections + 4, max_keepalive_connections=max_connections + 4
+            ),
+        )
+
+    async def __aenter__(self) -> ServerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+
+    async def vocab_size(self) -> int:
+        """From /get_model_info, else /get_server_info; fails clearly if the server is down."""
+        for path in ("/get_model_info", "/get_server_info"):
+            try:
+                r = await self.http.get(path)
+            except httpx.TransportError as e:
+                raise BenchError(f"cannot reach the server at {self.url}: {e!r}") from None
+            try:
+                vocab = r.json().get("vocab_size") if r.status_code == 200 else None
+            except ValueError:  # not JSON
+                vocab = None
+            if isinstance(vocab, int):
+                return vocab
+        raise BenchError(f"{self.url} reports no vocab_size (/get_model_info, /get_server_info)")
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """POST /flush_cache, retried while the server still has requests in flight."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = await self.http.post("/flush_cache")
+            if r.status_code == 200:
+                return
+            # 400: requests still in flight (their streams have ended, their frees may not)
+            if r.status_code != 400 or time.monotonic() > deadline:
+                raise BenchError(f"/flush_cache failed ({r.status_code}): {r.text[:200]}")
+            await asyncio.sleep(0.05)
+
+    async def generate(self, input_ids: list[int], max_new_tokens: int) -> RequestResult:
+        """One streamed greedy request that ignores EOS, timed from sending."""
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        first = last = None
+        tokens = 0
+        itl: list[float] = []
+        meta: dict = {}
+        async with self.http.stream("POST", "/generate", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise BenchError(f"/generate answered {resp.status_code}: {resp.text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    raise BenchError(f"/generate stream error: {event['error']}")
+                meta = event.get("meta_info", {})
+                count = meta.get("completion_tokens", len(event.get("output_ids", [])))
+                new = count - tokens
+                if first is None:
+                    first = now
+                elif new > 0:
+                    itl += [(now - last) * 1e3 / new] * new
+                if new > 0:
+                    last, tokens = now, count
+        end = time.perf_counter()
+        if first is None:
+            raise BenchError("/generate stream ended without an event")
+        return RequestResult(
+            prompt_tokens=meta.get("prompt_tokens", len(input_ids)),
+            cached_tokens=meta.get("cached_tokens", 0),
+            completion_tokens=tokens,
+            ttft_ms=(first - t0) * 1e3,
+            e2e_ms=(end - t0) * 1e3,
+            decode_ms=((last or first) - first) * 1e3,
+            itl_ms=itl,
+            finish_reason=meta.get("finish_reason"),
+        )

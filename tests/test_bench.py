@@ -1,0 +1,246 @@
+"""The benches as a user runs them, on the CPU: ``bench prefill cold|hit`` and ``bench serving``
+through the CLI against a real server subprocess (a tiny random model, token ids only), their
+JSON and PNG outputs, ``bench step --plot``, and the client's stream accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from breakgraph.bench.http_client import BenchError, ServerClient
+from tests.conftest import make_hf_model
+
+pytest.importorskip("matplotlib")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NUM = r"(\d+(?:\.\d+)?)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, timeout_s: float = 120.0) -> str:
+    """Run ``python -m breakgraph.cli ARGS``; its stdout (fails with its stderr)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "breakgraph.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), f"{path} not written"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The URL of a ``breakgraph serve`` subprocess on a tiny llama (vocab 256, context 512)."""
+    model_dir = tmp_path_factory.mktemp("bench-model")
+    make_hf_model("llama").save_pretrained(model_dir)
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("bench-logs") / "server.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "breakgraph.cli", "serve", "--port", str(port),
+            "--model-path", str(model_dir), "--device", "cpu",
+            "--max-total-tokens", "4096", "--chunked-prefill-size", "256",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited ({proc.returncode}):\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready in 120 s:\n{log_path.read_text()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def check_prefill_json(path: Path, mode: str, new_tokens: int) -> dict:
+    d = json.loads(path.read_text())
+    assert d["bench"] == "prefill" and d["mode"] == mode
+    assert (d["tokens"], d["concurrency"], d["new_tokens"]) == (64, 2, new_tokens)
+    assert d["vocab_size"] == 256
+    assert len(d["waves"]) == 5  # measured waves; the two warm-up waves are not reported
+    for w in d["waves"]:
+        assert len(w["ttft_ms"]) == 2 and all(t > 0 for t in w["ttft_ms"])
+        assert w["wall_ms"] >= max(w["ttft_ms"])
+        assert w["prompt_tokens"] == 2 * (64 + (new_tokens if mode == "hit" else 0))
+        assert w["input_tok_s"] > 0
+    assert 0 < d["ttft_p50_ms"] <= d["ttft_p90_ms"]
+    assert d["input_tok_s"] > 0 and d["new_input_tok_s"] > 0
+    return d
+
+
+def test_prefill_cold(server, tmp_path):
+    out = cli(
+        "bench", "prefill", "cold", "64", "2", "--url", server,
+        "--json", str(tmp_path / "cold.json"), "--plot", str(tmp_path / "cold.png"),
+    )  # fmt: skip
+    m = re.fullmatch(
+        rf"cold 64 x2: TTFT p50 {NUM} ms, p90 {NUM} ms, input (\d+) tok/s", out.strip()
+    )
+    assert m, out
+    d = check_prefill_json(tmp_path / "cold.json", "cold", 64)
+    assert float(m[1]) == pytest.approx(d["ttft_p50_ms"], abs=0.01)
+    assert d["cached_tokens_per_req"] == 0  # the cache is flushed before every wave
+    assert_png(tmp_path / "cold.png")
+
+
+def test_prefill_hit(server, tmp_path):
+    out = cli(
+        "bench", "prefill", "hit", "64", "2", "--hit-new-tokens", "32", "--url", server,
+        "--json", str(tmp_path / "hit.json"), "--plot", str(tmp_path / "hit.png"),
+    )  # fmt: skip
+    m = re.fullmatch(
+        rf"hit 64\+32 x2: TTFT p50 {NUM} ms, p90 {NUM} ms, input (\d+) tok/s, cached (\d+) tok/req",
+        out.strip(),
+    )
+    assert m, out
+    d = check_prefill_json(tmp_path / "hit.json", "hit", 32)
+    assert d["cached_tokens_per_req"] > 0
+    assert all(w["cached_tokens"] > 0 for w in d["waves"])  # every wave hits the prefix
+    assert d["cached_tokens_per_req"] <= 64  # the prefix, never the new tokens
+    assert_png(tmp_path / "hit.png")
+
+
+def test_serving(server, tmp_path):
+    out = cli(
+        "bench", "serving", "--url", server, "--concurrency", "1", "2",
+        "--input-len", "32", "--output-len", "8", "--requests-per-level", "2",
+        "--json", str(tmp_path / "serving.json"), "--plot", str(tmp_path / "serving.png"),
+    )  # fmt: skip
+    rows = re.findall(rf"^\| (\d+) \| (\d+) \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 2, 1], out  # round 2 in reverse order
+    assert out.count("| concurrency | requests | decode step p50 (ms) |") == 2
+    assert "round 1" in out and "round 2" in out
+    d = json.loads((tmp_path / "serving.json").read_text())
+    assert d["bench"] == "serving" and (d["input_len"], d["output_len"]) == (32, 8)
+    assert [(r["round"], r["concurrency"]) for r in d["rows"]] == [(1, 1), (1, 2), (2, 2), (2, 1)]
+    for r in d["rows"]:
+        assert r["requests"] == 2
+        for key in (
+            "decode_step_p50_ms", "tok_s_per_user_p50", "output_tok_s", "input_tok_s",
+            "ttft_p50_ms", "e2e_p50_ms", "wall_s",
+        ):  # fmt: skip
+            assert r[key] > 0, (key, r)
+        # 8 tokens per request, 2 requests: the aggregate rate is output / wall time
+        assert r["output_tok_s"] == pytest.approx(16 / r["wall_s"])
+    assert_png(tmp_path / "serving.png")
+
+
+def test_step_plot(tmp_path):
+    cli(
+        "bench", "step", "--models", "smollm2-135m", "-N", "8", "16", "--reps", "1", "--no-hf",
+        "--device", "cpu", "--json", str(tmp_path / "step.json"), "--plot", str(tmp_path / "step.png"),
+    )  # fmt: skip
+    points = json.loads((tmp_path / "step.json").read_text())
+    assert [p["new_tokens"] for p in points] == [8, 16]
+    assert_png(tmp_path / "step.png")
+
+
+def test_plots_from_saved_results(tmp_path):
+    """decode (no GPU: no graph arm) and step with a floor arm, from JSON as the benches save it."""
+    from breakgraph.bench.plot import main
+
+    step = [
+        {"model": "m", "new_tokens": n, "prefix_tokens": p, "arms": [
+            {"arm": "breakgraph graphs", "ms": 1.0 + n / 256, "launches": 40, "note": ""},
+            {"arm": "floor", "ms": 0.9 + n / 256, "launches": 1, "note": ""},
+            {"arm": "HF compile", "ms": None, "launches": None, "note": "skipped"},
+        ]}
+        for n in (256, 1024) for p in (0, 4096)
+    ]  # fmt: skip
+    decode = [
+        {"model": "m", "batch_size": bs, "context": 1024, "eager_ms": 20.0, "graph_ms": None,
+         "eager_launches": None, "graph_launches": None}
+        for bs in (1, 2, 4)
+    ]  # fmt: skip
+    for name, data in (("step", step), ("decode", decode)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+        assert (
+            main([name, str(tmp_path / f"{name}.json"), "-o", str(tmp_path / f"{name}.png")]) == 0
+        )
+        assert_png(tmp_path / f"{name}.png")
+
+
+def test_plot_without_matplotlib(monkeypatch):
+    from breakgraph.bench.plot import require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        require_matplotlib()
+
+
+def _sse_server(events: list[str]) -> httpx.MockTransport:
+    body = "".join(f"data: {e}\n\n" for e in events)
+    return httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=body.encode()
+        )
+    )
+
+
+def _event(n: int, finish: dict | None = None) -> str:
+    meta = {"prompt_tokens": 5, "completion_tokens": n, "cached_tokens": 2, "finish_reason": finish}
+    return json.dumps({"text": None, "output_ids": list(range(n)), "meta_info": meta})
+
+
+def test_stream_accounting_counts_coalesced_tokens():
+    """An event carrying several tokens gives each of them an inter-token latency."""
+    events = [_event(1), _event(3), _event(4), _event(4, {"type": "length"}), "[DONE]"]
+
+    async def go():
+        async with ServerClient("http://bench", transport=_sse_server(events)) as c:
+            return await c.generate([1, 2, 3, 4, 5], max_new_tokens=4)
+
+    r = asyncio.run(go())
+    assert (r.prompt_tokens, r.cached_tokens, r.completion_tokens) == (5, 2, 4)
+    assert len(r.itl_ms) == 3  # one per token after the first
+    assert r.finish_reason == {"type": "length"}
+    assert 0 < r.ttft_ms <= r.e2e_ms
+
+
+def test_stream_error_event_is_an_error():
+    events = [_event(1), json.dumps({"error": {"message": "engine died", "code": 503}}), "[DONE]"]
+
+    async def go():
+        async with ServerClient("http://bench", transport=_sse_server(events)) as c:
+            await c.generate([1, 2], max_new_tokens=4)
+
+    with pytest.raises(BenchError, match="engine died"):
+        asyncio.run(go())
