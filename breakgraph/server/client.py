@@ -1,0 +1,278 @@
+"""API-side handle on the engine process: spawn it, wait for ready, route its outputs.
+
+Each in-flight request has an asyncio queue; one receive task reads the engine's step
+messages and puts each output on its request's queue (an exception instead ends the
+request: rejected by the engine, or the engine died). Request metrics are kept here, so
+they are exact whether or not the HTTP client is still listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.request import SamplingParams
+from breakgraph.server.engine_process import run_engine_process
+from breakgraph.server.ipc import IpcPaths, ModelInfo, make_socket, pack, unpack
+from breakgraph.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """The engine cannot serve the request; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+class RequestRejected(EngineError):
+    def __init__(self, message: str):
+        super().__init__(message, status=400)
+
+
+@dataclass
+class _InFlight:
+    queue: asyncio.Queue
+    submitted_at: float
+    last_token_at: float | None = None
+
+
+class EngineClient:
+    def __init__(self, engine_args: EngineArgs, log_level: str = "warning"):
+        self.engine_args = engine_args
+        self.log_level = log_level
+        self.metrics = ServerMetrics()
+        self.info: ModelInfo | None = None
+        self.process: multiprocessing.Process | None = None
+        self.dead = False  # the engine process exited without being asked to
+        self.on_death: Callable[[], None] | None = None
+        self._closing = False
+        self._inflight: dict[str, _InFlight] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._paths: IpcPaths | None = None
+        self._actx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context | None = None
+        self._inbox: zmq.asyncio.Socket | None = None
+        self._outbox: zmq.Socket | None = None
+        self._recv_task: asyncio.Task | None = None
+
+    # ---- lifecycle ----
+    async def start(self) -> ModelInfo:
+        """Spawn the engine process and wait until its model is loaded."""
+        self._paths = paths = IpcPaths.create()
+        self._actx, self._ctx = zmq.asyncio.Context(), zmq.Context()
+        self._inbox = make_socket(self._actx, zmq.PULL, paths.from_engine, bind=True)
+        self._outbox = make_socket(self._ctx, zmq.PUSH, paths.to_engine, bind=True)
+        mp = multiprocessing.get_context("spawn")
+        self.process = mp.Process(
+            target=run_engine_process,
+            args=(self.engine_args, paths, self.log_level),
+            name="breakgraph-engine",
+            daemon=True,  # multiprocessing terminates it if the API process exits without close()
+        )
+        self.process.start()
+        logger.info("engine process %d started; loading the model", self.process.pid)
+        self.info = await self._wait_ready()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.process.sentinel, self._on_process_exit)
+        self._recv_task = asyncio.create_task(self._recv_loop(), name="engine-recv")
+        return self.info
+
+    async def _wait_ready(self) -> ModelInfo:
+        while True:
+            if await self._inbox.poll(timeout=200):
+                msg = unpack(await self._inbox.recv())
+                if msg["type"] == "ready":
+                    return ModelInfo(**msg["info"])
+                if msg["type"] == "startup_error":
+                    raise RuntimeError(f"the engine failed to start: {msg['message']}")
+            elif not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self.process.exitcode}")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process (politely, then by force) and release the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        proc = self.process
+        start = time.monotonic()
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            if proc.is_alive() and self.info is not None:
+                with contextlib.suppress(EngineError):
+                    self._send({"type": "shutdown"})
+                proc.join(timeout_s)
+            if proc.is_alive():
+                if self.info is not None:
+                    logger.warning("engine process did not stop; terminating it")
+                proc.terminate()  # still loading the model: nothing to lose
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            logger.info(
+                "engine process exited (code %s) in %.2f s", proc.exitcode, time.monotonic() - start
+            )
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._fail_all(EngineError("the server is shutting down"))
+        for sock in (self._inbox, self._outbox):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._actx, self._ctx):
+            if ctx is not None:
+                ctx.term()
+        if self._paths is not None:
+            self._paths.remove()
+
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        if self._closing:
+            return
+        self.process.join(1)
+        self.dead = True
+        logger.error("the engine process died (exit code %s)", self.process.exitcode)
+        self._fail_all(EngineError("the engine process died"))
+        if self.on_death is not None:
+            self.on_death()
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and not self._closing and self.process is not None
+
+    # ---- requests ----
+    def submit(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool
+    ) -> asyncio.Queue:
+        """Send a validated request; its outputs (dicts, or an exception last) arrive on the queue."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        if rid in self._inflight:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        entry = _InFlight(asyncio.Queue(), time.perf_counter())
+        self._inflight[rid] = entry
+        self._send(
+            {
+                "type": "add",
+                "rid": rid,
+                "input_ids": input_ids,
+                "sampling": asdict(sampling),
+                "return_logprob": return_logprob,
+            }
+        )
+        return entry.queue
+
+    def abort(self, rid: str) -> bool:
+        """Ask the engine to abort a request; it answers with a finished output."""
+        if rid not in self._inflight or not self.alive:
+            return False
+        self._send({"type": "abort", "rid": rid})
+        return True
+
+    def abort_all(self) -> int:
+        rids = list(self._inflight)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def call(self, method: str, timeout_s: float = 30.0) -> Any:
+        """A control call answered by the engine between two steps ("stats", "flush_cache")."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send({"type": "call", "call_id": call_id, "method": method})
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise EngineError(f"the engine did not answer {method!r} in {timeout_s} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self._outbox.send(pack(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineError(f"cannot reach the engine process: {e}") from e
+
+    # ---- receiving ----
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = unpack(await self._inbox.recv())
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            try:
+                self._dispatch(msg)
+            except Exception:
+                logger.exception("failed to dispatch an engine message")
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "step":
+            now = time.perf_counter()
+            if msg["step_ms"] is not None:
+                self.metrics.step_time.observe(msg["step_ms"] / 1000.0)
+            for err in msg["errors"]:
+                entry = self._inflight.pop(err["rid"], None)
+                self.metrics.requests.inc(label_value="error")
+                if entry is not None:
+                    entry.queue.put_nowait(RequestRejected(err["message"]))
+            for out in msg["outputs"]:
+                self._route_output(out, now)
+        elif kind == "reply":
+            fut = self._calls.get(msg["call_id"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg["result"])
+        else:
+            logger.error("unexpected engine message %r", kind)
+
+    def _route_output(self, out: dict[str, Any], now: float) -> None:
+        entry = self._inflight.get(out["rid"])
+        if entry is None:
+            return
+        m, n = self.metrics, len(out["ids"])
+        if n:
+            m.generation_tokens.inc(n)
+            if entry.last_token_at is None:
+                m.ttft.observe(now - entry.submitted_at)
+                m.prompt_tokens.inc(out["prompt_tokens"])
+                m.cached_tokens.inc(out["cached_tokens"])
+            else:
+                gap = (now - entry.last_token_at) / n
+                for _ in range(n):
+                    m.itl.observe(gap)
+            entry.last_token_at = now
+        if out["finished"]:
+            del self._inflight[out["rid"]]
+            m.e2e.observe(now - entry.submitted_at)
+            m.requests.inc(label_value=(out["finish_reason"] or {}).get("type", "unknown"))
+        entry.queue.put_nowait(out)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for entry in self._inflight.values():
+            entry.queue.put_nowait(error)
+        self._inflight.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)

@@ -1,0 +1,173 @@
+"""One request's life in the API process, shared by the native and the OpenAI routes.
+
+``stream_generation`` submits a validated request and yields its cumulative state after each
+batch of engine outputs; if the consumer stops early (client gone), the request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.server.client import EngineClient
+from breakgraph.server.detokenize import TextStream
+from breakgraph.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    rid: str | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class GenerationState:
+    """Cumulative state of one request: what a response or a stream chunk is built from."""
+
+    rid: str
+    prompt_tokens: int
+    started_at: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str | None = None  # None without a tokenizer
+    finished: bool = False
+    finish_reason: dict | None = None
+    cached_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def meta_info(self) -> dict:
+        """SGLang's meta_info."""
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "e2e_latency": time.perf_counter() - self.started_at,
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
+            ]
+        return meta
+
+
+async def stream_generation(
+    client: EngineClient, tokenizer: Tokenizer | None, req: GenerationRequest
+) -> AsyncIterator[GenerationState]:
+    """Yield the request's state (the same object, updated) until it finishes."""
+    rid = req.rid or uuid.uuid4().hex
+    state = GenerationState(rid=rid, prompt_tokens=len(req.input_ids))
+    text = None
+    if tokenizer is not None:
+        text = TextStream(tokenizer, req.sampling.stop, req.skip_special_tokens, req.no_stop_trim)
+        state.text = ""
+    queue = client.submit(rid, req.input_ids, req.sampling, req.return_logprob)
+    try:
+        while not state.finished:
+            items = [await queue.get()]
+            while not queue.empty():  # coalesce what piled up while the consumer was busy
+                items.append(queue.get_nowait())
+            new_ids: list[int] = []
+            for item in items:
+                if isinstance(item, Exception):
+                    state.finished = True  # nothing left to abort
+                    raise item
+                new_ids += item["ids"]
+                state.logprobs += item["logprobs"]
+                state.cached_tokens = item["cached_tokens"]
+                if item["finished"]:
+                    state.finished = True
+                    state.finish_reason = item["finish_reason"]
+            state.output_ids += new_ids
+            if text is not None:
+                if state.finished:
+                    state.text = text.finish(state.output_ids, state.finish_reason)
+                else:
+                    state.text = text.feed(new_ids)
+            yield state
+    finally:
+        if not state.finished:
+            client.abort(rid)
+
+
+async def run_to_completion(
+    client: EngineClient,
+    tokenizer: Tokenizer | None,
+    reqs: list[GenerationRequest],
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    poll_s: float = 0.5,
+) -> list[GenerationState] | None:
+    """Run requests to the end concurrently; None (all aborted) if the client goes away."""
+
+    async def last(req: GenerationRequest) -> GenerationState:
+        final = None
+        async for state in stream_generation(client, tokenizer, req):
+            final = state
+        return final
+
+    tasks = [asyncio.create_task(last(r)) for r in reqs]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=poll_s, return_when=asyncio.FIRST_EXCEPTION
+            )
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # the others are aborted on the way out
+            if pending and is_disconnected is not None and await is_disconnected():
+                return None
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[GenerationState]],
+) -> AsyncIterator[tuple[int, GenerationState]]:
+    """Interleave several requests' streams as their states change: (index, state)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[GenerationState]) -> None:
+        try:
+            async for state in stream:
+                # wait until the consumer is done with this state: the stream updates it in place
+                consumed = asyncio.Event()
+                await queue.put((i, state, consumed))
+                await consumed.wait()
+            await queue.put(done)
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                i, state, consumed = item
+                yield i, state
+                consumed.set()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

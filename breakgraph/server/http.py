@@ -1,0 +1,232 @@
+"""The FastAPI app: SGLang-native routes, health, metrics and server info, and error handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+import breakgraph
+from breakgraph.engine.request import SamplingParams
+from breakgraph.server.client import EngineError
+from breakgraph.server.generation import (
+    GenerationRequest,
+    GenerationState,
+    merge_streams,
+    run_to_completion,
+    stream_generation,
+)
+from breakgraph.server.openai_api import router as openai_router
+from breakgraph.server.protocol import (
+    APIError,
+    GenerateReqInput,
+    batch_fields,
+    check_fits,
+    parse_model,
+    prompts_of,
+    read_json,
+    sampling_from_dict,
+    unsupported,
+)
+from breakgraph.server.sse import DONE, event_stream, sse
+from breakgraph.server.state import ServerState, server_state
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        logger.info("shutting down the engine process")
+        state.client.close()
+
+    app = FastAPI(title="breakgraph", version=breakgraph.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.include_router(router)
+    app.include_router(openai_router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(EngineError, _engine_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
+    return await _api_error(request, APIError(str(e), status=e.status))
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return await _api_error(request, APIError(f"invalid request: {e.errors()}"))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return await _api_error(request, APIError(f"internal error: {e}", status=500))
+
+
+router = APIRouter()
+
+
+# ---- generation ----
+def _native_output(state: GenerationState, index: int | None = None) -> dict[str, Any]:
+    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info()}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    s = server_state(request)
+    req = parse_model(GenerateReqInput, await read_json(request))
+    unsupported(req)
+    prompts, is_batch = prompts_of(req, s.tokenizer, s.info)
+    sampling, logprob, rids = batch_fields(req, len(prompts))
+    given = [r for r in rids if r is not None]
+    if len(set(given)) != len(given):
+        raise APIError("rid values must be unique")
+    gen_reqs = []
+    for ids, sp_dict, lp, rid in zip(prompts, sampling, logprob, rids, strict=True):
+        sp, api_opts = sampling_from_dict(sp_dict)
+        check_fits(ids, sp, s.info)
+        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts))
+    s.require_alive()
+
+    if req.stream:
+        if not is_batch:
+            states = stream_generation(s.client, s.tokenizer, gen_reqs[0])
+            return await event_stream(_native_events(_single(states)))
+        streams = [stream_generation(s.client, s.tokenizer, r) for r in gen_reqs]
+        return await event_stream(_native_events(merge_streams(streams), batch=True))
+
+    states = await run_to_completion(s.client, s.tokenizer, gen_reqs, request.is_disconnected)
+    if states is None:
+        return Response(status_code=499)  # client closed the connection; requests aborted
+    outs = [_native_output(st) for st in states]
+    return JSONResponse(outs if is_batch else outs[0])
+
+
+async def _single(states: AsyncIterator[GenerationState]):
+    try:
+        async for st in states:
+            yield 0, st
+    finally:
+        await states.aclose()
+
+
+async def _native_events(items, batch: bool = False) -> AsyncIterator[str]:
+    try:
+        async for i, st in items:
+            yield sse(_native_output(st, i if batch else None))
+        yield DONE
+    finally:
+        await items.aclose()
+
+
+# ---- health and control ----
+@router.get("/health")
+async def health(request: Request) -> Response:
+    s = server_state(request)
+    return Response(status_code=200 if s.client.alive else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy if a 1-token generation completes."""
+    s = server_state(request)
+    s.require_alive()
+    bos = s.tokenizer.bos_token_id if s.tokenizer is not None else None
+    req = GenerationRequest(
+        [bos if bos is not None else 0],
+        SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        rid=f"health-{uuid.uuid4().hex}",
+    )
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            await run_to_completion(s.client, s.tokenizer, [req])
+    except (TimeoutError, EngineError) as e:
+        logger.error("health_generate failed: %r", e)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    s = server_state(request)
+    return {
+        "model_path": s.model_path or s.info.model_source,
+        "tokenizer_path": s.model_path if s.tokenizer is not None else None,
+        "served_model_name": s.served_model_name,
+        "is_generation": True,
+        "architecture": s.info.architecture,
+        "vocab_size": s.info.vocab_size,
+        "context_length": s.info.context_length,
+        "has_tokenizer": s.tokenizer is not None,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    s = server_state(request)
+    s.require_alive()
+    stats = await s.client.call("stats")
+    return {
+        **s.server_args,
+        "version": breakgraph.__version__,
+        "served_model_name": s.served_model_name,
+        **s.info.to_dict(),
+        "max_total_num_tokens": s.info.kv_capacity_tokens,
+        "num_inflight_requests": s.client.num_inflight,
+        **stats,
+        "internal_states": [stats],
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    s = server_state(request)
+    s.require_alive()
+    if await s.client.call("flush_cache"):
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+    return JSONResponse(
+        {"success": False, "message": "Cache not flushed: requests are in flight."},
+        status_code=400,
+    )
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict[str, Any]:
+    s = server_state(request)
+    body = await read_json(request)
+    if not isinstance(body, dict) or not ({"rid", "abort_all"} & set(body)):
+        raise APIError('give {"rid": ...} or {"abort_all": true}')
+    if body.get("abort_all"):
+        return {"success": True, "aborted": s.client.abort_all()}
+    rid = body["rid"]
+    if not isinstance(rid, str):
+        raise APIError(f"rid must be a string, got {rid!r}")
+    found = s.client.abort(rid)
+    return {"success": found, "aborted": int(found)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    s = server_state(request)
+    stats = await s.client.call("stats") if s.client.alive else None
+    return PlainTextResponse(
+        s.client.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

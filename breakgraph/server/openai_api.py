@@ -1,0 +1,300 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from breakgraph.server.generation import (
+    GenerationRequest,
+    GenerationState,
+    merge_streams,
+    run_to_completion,
+    stream_generation,
+)
+from breakgraph.server.ipc import ModelInfo
+from breakgraph.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    build_sampling,
+    chat_prompt,
+    check_all_fit,
+    completion_prompts,
+)
+from breakgraph.server.protocol import APIError, parse_model, read_json
+from breakgraph.server.sse import DONE, event_stream, sse
+from breakgraph.server.state import ServerState, server_state
+from breakgraph.tokenizer import Tokenizer
+
+router = APIRouter(prefix="/v1")
+
+DEFAULT_MODEL_ALIAS = "default"  # accepted in place of the served name, as in SGLang's examples
+
+
+def _check_model(s: ServerState, name: str) -> None:
+    if name not in (s.served_model_name, DEFAULT_MODEL_ALIAS):
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {s.served_model_name!r}",
+            status=404,
+            param="model",
+        )
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    s = server_state(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": s.served_model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "breakgraph",
+                "root": s.model_path or s.info.model_source,
+                "max_model_len": s.info.context_length,
+            }
+        ],
+    }
+
+
+def _finish_reason(state: GenerationState) -> str | None:
+    if not state.finished:
+        return None
+    return (state.finish_reason or {}).get("type", "stop")
+
+
+def _matched_stop(state: GenerationState) -> Any:
+    return (state.finish_reason or {}).get("matched")
+
+
+def _usage(prompts: list[list[int]], states: list[GenerationState]) -> dict[str, Any]:
+    """Prompts count once each, as OpenAI bills them, whatever n is (states: prompt-major)."""
+    n = len(states) // len(prompts)
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(st.completion_tokens for st in states)
+    cached = sum(st.cached_tokens for st in states[::n])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _token_strings(tokenizer: Tokenizer | None, ids: list[int]) -> list[str]:
+    if tokenizer is None:
+        return [f"token_id:{t}" for t in ids]
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+class _Choices:
+    """What each choice of a streamed response has sent so far (text chars, tokens)."""
+
+    def __init__(self, n: int):
+        self.chars = [0] * n
+        self.tokens = [0] * n
+
+    def take(self, i: int, st: GenerationState) -> tuple[str, list[int], list[float]]:
+        text = st.text or ""
+        delta = text[self.chars[i] :]
+        ids = st.output_ids[self.tokens[i] :]
+        lps = st.logprobs[self.tokens[i] :]
+        self.chars[i], self.tokens[i] = len(text), len(st.output_ids)
+        return delta, ids, lps
+
+
+def _requests(
+    prompts: list[list[int]], n: int, base_id: str, req: Any, logprob: bool, info: ModelInfo
+) -> list[GenerationRequest]:
+    """n requests per prompt (prompt-major); a seeded request's choices get seeds seed+j."""
+    sampling, api_opts = build_sampling(req, req.max_new_tokens(), [len(p) for p in prompts], info)
+    check_all_fit(prompts, sampling, info)
+    per_choice = [
+        sampling if j == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + j)
+        for j in range(n)
+    ]
+    return [
+        GenerationRequest(ids, per_choice[j], logprob, f"{base_id}-{i * n + j}", **api_opts)
+        for i, ids in enumerate(prompts)
+        for j in range(n)
+    ]
+
+
+async def _run(
+    request: Request, s: ServerState, gen_reqs: list[GenerationRequest]
+) -> list[GenerationState] | None:
+    s.require_alive()
+    return await run_to_completion(s.client, s.tokenizer, gen_reqs, request.is_disconnected)
+
+
+def _streams(s: ServerState, gen_reqs: list[GenerationRequest]):
+    s.require_alive()
+    return merge_streams([stream_generation(s.client, s.tokenizer, r) for r in gen_reqs])
+
+
+# ---- /v1/completions ----
+def _completion_logprobs(tokenizer, ids: list[int], lps: list[float], offset: int) -> dict:
+    tokens = _token_strings(tokenizer, ids)
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    s = server_state(request)
+    req = parse_model(CompletionRequest, await read_json(request))
+    _check_model(s, req.model)
+    req.check()
+    prompts = completion_prompts(req.prompt, s.tokenizer, s.info)
+    want_logprobs = req.logprobs is not None
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    gen_reqs = _requests(prompts, req.n, cid, req, want_logprobs, s.info)
+    created = int(time.time())
+    head = {"id": cid, "object": "text_completion", "created": created, "model": req.model}
+
+    if req.stream:
+        return await event_stream(
+            _completion_events(s, req, prompts, gen_reqs, head, want_logprobs)
+        )
+    states = await _run(request, s, gen_reqs)
+    if states is None:
+        return Response(status_code=499)
+    choices = []
+    for i, st in enumerate(states):
+        logprobs = None
+        if want_logprobs:
+            logprobs = _completion_logprobs(s.tokenizer, st.output_ids, st.logprobs, 0)
+        choices.append(
+            {
+                "index": i,
+                "text": st.text or "",
+                "logprobs": logprobs,
+                "finish_reason": _finish_reason(st),
+                "matched_stop": _matched_stop(st),
+            }
+        )
+    return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+
+
+async def _completion_events(
+    s: ServerState, req: CompletionRequest, prompts, gen_reqs, head, want_logprobs
+) -> AsyncIterator[str]:
+    sent = _Choices(len(gen_reqs))
+    final: dict[int, GenerationState] = {}
+    async for i, st in _streams(s, gen_reqs):
+        offset = sent.chars[i]
+        delta, ids, lps = sent.take(i, st)
+        if not delta and not st.finished:
+            continue
+        logprobs = None
+        if want_logprobs:
+            logprobs = _completion_logprobs(s.tokenizer, ids, lps, offset)
+        choice = {
+            "index": i,
+            "text": delta,
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(st),
+        }
+        if st.finished:
+            choice["matched_stop"] = _matched_stop(st)
+            final[i] = st
+        yield sse({**head, "choices": [choice]})
+    if req.include_usage:
+        states = [final[i] for i in sorted(final)]
+        yield sse({**head, "choices": [], "usage": _usage(prompts, states)})
+    yield DONE
+
+
+# ---- /v1/chat/completions ----
+def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict:
+    tokens = _token_strings(tokenizer, ids)
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(tokens, lps, strict=False)
+        ]
+    }
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    s = server_state(request)
+    req = parse_model(ChatCompletionRequest, await read_json(request))
+    _check_model(s, req.model)
+    req.check()
+    prompts = [chat_prompt(req, s.tokenizer, s.info)]
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    gen_reqs = _requests(prompts, req.n, cid, req, req.logprobs, s.info)
+    created = int(time.time())
+
+    if req.stream:
+        head = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+        }
+        return await event_stream(_chat_events(s, req, prompts, gen_reqs, head))
+    states = await _run(request, s, gen_reqs)
+    if states is None:
+        return Response(status_code=499)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": st.text or ""},
+            "logprobs": _chat_logprobs(s.tokenizer, st.output_ids, st.logprobs)
+            if req.logprobs
+            else None,
+            "finish_reason": _finish_reason(st),
+            "matched_stop": _matched_stop(st),
+        }
+        for i, st in enumerate(states)
+    ]
+    head = {"id": cid, "object": "chat.completion", "created": created, "model": req.model}
+    return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+
+
+async def _chat_events(
+    s: ServerState, req: ChatCompletionRequest, prompts, gen_reqs, head
+) -> AsyncIterator[str]:
+    sent = _Choices(len(gen_reqs))
+    started: set[int] = set()
+    final: dict[int, GenerationState] = {}
+    async for i, st in _streams(s, gen_reqs):
+        if i not in started:
+            started.add(i)
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+            yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+        delta, ids, lps = sent.take(i, st)
+        if delta or (ids and req.logprobs):
+            choice = {
+                "index": i,
+                "delta": {"content": delta},
+                "logprobs": _chat_logprobs(s.tokenizer, ids, lps) if req.logprobs else None,
+                "finish_reason": None,
+            }
+            yield sse({**head, "choices": [choice]})
+        if st.finished:
+            final[i] = st
+            choice = {
+                "index": i,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": _finish_reason(st),
+                "matched_stop": _matched_stop(st),
+            }
+            yield sse({**head, "choices": [choice]})
+    if req.include_usage:
+        states = [final[i] for i in sorted(final)]
+        yield sse({**head, "choices": [], "usage": _usage(prompts, states)})
+    yield DONE

@@ -1,0 +1,205 @@
+"""OpenAI request bodies (completions, chat) and their translation into breakgraph requests.
+
+Unknown fields are ignored, as in SGLang; fields breakgraph cannot honour are refused when
+set to anything but their neutral value. SGLang's extra sampling fields (top_k, min_p,
+ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.server.ipc import ModelInfo
+from breakgraph.server.protocol import (
+    APIError,
+    check_fits,
+    check_input_ids,
+    encode_text,
+    sampling_from_dict,
+)
+from breakgraph.tokenizer import Tokenizer
+
+MAX_CHOICES = 64
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    repetition_penalty: float | None = None
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+
+    def sampling_dict(self, max_new_tokens: int) -> dict[str, Any]:
+        """The request's sampling fields in SGLang's sampling_params shape."""
+        return {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise APIError("logprobs must be in [0, 5]", param="logprobs")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"message content of type {part.type!r} is not supported")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise APIError("messages is empty", param="messages")
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("only the text response_format is supported", param="response_format")
+        if self.top_logprobs:
+            raise APIError("top_logprobs is not supported", param="top_logprobs")
+
+
+def completion_prompts(
+    prompt: Any, tokenizer: Tokenizer | None, info: ModelInfo
+) -> list[list[int]]:
+    """OpenAI's prompt: a string, a list of strings, token ids, or a list of token id lists."""
+    if isinstance(prompt, str):
+        return [check_input_ids(encode_text(tokenizer, prompt), info)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [check_input_ids(encode_text(tokenizer, p), info) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [check_input_ids(p, info) for p in prompt]
+        return [check_input_ids(prompt, info)]
+    if prompt == [] or prompt == "":
+        raise APIError("the prompt is empty", param="prompt")
+    raise APIError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of those",
+        param="prompt",
+    )
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None, info: ModelInfo):
+    if tokenizer is None or not tokenizer.has_chat_template:
+        raise APIError("this model has no tokenizer with a chat template: use /v1/completions")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **(req.chat_template_kwargs or {})
+        )
+    except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+        raise APIError(f"cannot apply the chat template: {e}") from None
+    return check_input_ids(encode_text(tokenizer, text), info)
+
+
+def build_sampling(
+    req: _SamplingFields, max_tokens: int | None, prompt_lens: list[int], info: ModelInfo
+) -> tuple[SamplingParams, dict[str, bool]]:
+    """Sampling for every prompt; no max_tokens means up to the context length (as SGLang)."""
+    default = info.context_length - max(prompt_lens)
+    sampling, api_opts = sampling_from_dict(
+        req.sampling_dict(max_tokens if max_tokens is not None else max(default, 1))
+    )
+    return sampling, api_opts
+
+
+def check_all_fit(prompts: list[list[int]], sampling: SamplingParams, info: ModelInfo) -> None:
+    for ids in prompts:
+        check_fits(ids, sampling, info)

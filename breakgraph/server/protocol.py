@@ -1,0 +1,225 @@
+"""Request parsing and validation in the API process (SGLang-native shapes), and the error type.
+
+Everything that can be checked without the engine is checked here, with the limits the
+engine reported when it became ready, so a bad request is answered 400 before it is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.server.ipc import ModelInfo
+from breakgraph.tokenizer import Tokenizer
+
+# sampling parameters handled in the API process (detokenization), not by the engine
+API_SAMPLING_KEYS = {"skip_special_tokens": True, "no_stop_trim": False}
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p")
+_INT_PARAMS = ("max_new_tokens", "top_k", "seed")
+# SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
+_NEUTRAL_PARAMS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+    "min_new_tokens": 0,
+    "spaces_between_special_tokens": True,
+}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class APIError(Exception):
+    """An error answered as JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 404: "not_found_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"malformed JSON body: {e}") from None
+
+
+def parse_model(model: type[M], body: Any) -> M:
+    """Validate a JSON body against a pydantic model; errors become one readable 400."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            problems.append(f"{where}: {err['msg']}")
+        raise APIError("invalid request: " + "; ".join(problems)) from None
+
+
+class GenerateReqInput(BaseModel):
+    """SGLang's /generate body (the fields breakgraph serves; a few more are accepted if unset)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: Any = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    return_logprob: StrictBool | list[StrictBool] = False
+    rid: str | list[str] | None = None
+    # accepted for compatibility; only their defaults are supported
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    image_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+
+
+def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[str, bool]]:
+    """SamplingParams (validated) and the API-side options (skip_special_tokens, no_stop_trim)."""
+    d = {k: v for k, v in (d or {}).items() if v is not None}  # null means the default
+    for key, neutral in _NEUTRAL_PARAMS.items():
+        if key in d and d.pop(key) != neutral:
+            raise APIError(f"{key} is not supported (only {neutral!r})", param=key)
+    api_opts = {}
+    for key, default in API_SAMPLING_KEYS.items():
+        value = d.pop(key, default)
+        if not isinstance(value, bool):
+            raise APIError(f"{key} must be a boolean, got {value!r}", param=key)
+        api_opts[key] = value
+    for key in _FLOAT_PARAMS:
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise APIError(f"{key} must be a number, got {value!r}", param=key)
+        if value is not None:
+            if math.isnan(value):
+                raise APIError(f"{key} must be a number, got NaN", param=key)
+            d[key] = float(value)
+    for key in _INT_PARAMS:
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise APIError(f"{key} must be an integer, got {value!r}", param=key)
+    if isinstance(d.get("stop"), str):
+        d["stop"] = [d["stop"]]
+    for key in ("stop", "stop_token_ids"):
+        if d.get(key) is not None and not isinstance(d[key], list):
+            raise APIError(f"{key} must be a list, got {d[key]!r}", param=key)
+    try:
+        params = SamplingParams.from_dict(d)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e)) from None
+    return params, api_opts
+
+
+def encode_text(tokenizer: Tokenizer | None, text: str) -> list[int]:
+    if tokenizer is None:
+        raise APIError(
+            "this model has no tokenizer (dummy weights or no tokenizer.json): "
+            "send input_ids instead of text"
+        )
+    return tokenizer.encode(text)
+
+
+def check_input_ids(ids: Any, info: ModelInfo) -> list[int]:
+    """A prompt of token ids, checked against the vocabulary."""
+    if not isinstance(ids, list):
+        raise APIError(f"input_ids must be a list of integers, got {type(ids).__name__}")
+    if not ids:
+        raise APIError("the prompt is empty")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise APIError(f"token id {t!r} is not an integer")
+        if not 0 <= t < info.vocab_size:
+            raise APIError(f"token id {t} is out of range [0, {info.vocab_size})")
+    return ids
+
+
+def check_fits(ids: list[int], sampling: SamplingParams, info: ModelInfo) -> None:
+    """Prompt + max_new_tokens within the context length; the prompt within the KV pool."""
+    if not ids:
+        raise APIError("the prompt is empty")
+    total = len(ids) + sampling.max_new_tokens
+    if total > info.context_length:
+        raise APIError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+            f"exceeds the context length {info.context_length}"
+        )
+    if len(ids) + 1 > info.kv_capacity_tokens:
+        raise APIError(
+            f"prompt ({len(ids)} tokens) does not fit the KV pool ({info.kv_capacity_tokens} tokens)"
+        )
+
+
+def _as_batch(value: Any, n: int, name: str, is_single: Any) -> list[Any]:
+    """A per-prompt value given once (shared) or as a list of n."""
+    if isinstance(value, list) and not is_single(value):
+        if len(value) != n:
+            raise APIError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def prompts_of(req: GenerateReqInput, tokenizer: Tokenizer | None, info: ModelInfo):
+    """(token id prompts, is_batch) of a /generate request."""
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("give exactly one of text and input_ids")
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        if not texts:
+            raise APIError("text is an empty list")
+        return [check_input_ids(encode_text(tokenizer, t), info) for t in texts], not isinstance(
+            req.text, str
+        )
+    ids = req.input_ids
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return [check_input_ids(x, info) for x in ids], True
+    return [check_input_ids(ids, info)], False
+
+
+def unsupported(req: GenerateReqInput) -> None:
+    if req.image_data is not None:
+        raise APIError("image_data is not supported: this is a text-only server")
+    if req.lora_path is not None:
+        raise APIError("lora_path is not supported")
+    if req.custom_logit_processor is not None:
+        raise APIError("custom_logit_processor is not supported")
+    if req.top_logprobs_num not in (None, 0):
+        raise APIError("top_logprobs_num is not supported (only the sampled token's logprob)")
+
+
+def batch_fields(req: GenerateReqInput, n: int) -> tuple[list, list, list]:
+    """Per-prompt (sampling_params, return_logprob, rid) lists."""
+    sampling = _as_batch(req.sampling_params, n, "sampling_params", lambda v: False)
+    logprob = _as_batch(req.return_logprob, n, "return_logprob", lambda v: False)
+    if isinstance(req.rid, list):
+        rids = _as_batch(req.rid, n, "rid", lambda v: False)
+    elif req.rid is not None and n > 1:
+        rids = [f"{req.rid}-{i}" for i in range(n)]
+    else:
+        rids = [req.rid] * n
+    return sampling, logprob, rids

