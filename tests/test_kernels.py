@@ -113,6 +113,149 @@ def test_extend_attention_other_head_dims(head_dim):
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
+SPLIT_CASES = [  # (group, head_dim, dtype): GQA 1/2/8, d 64/128, bf16 and fp32
+    (1, 64, torch.bfloat16),
+    (2, 128, torch.bfloat16),
+    (8, 128, torch.bfloat16),
+    (8, 64, torch.bfloat16),
+    (1, 128, torch.float32),
+    (2, 64, torch.float32),
+    (8, 128, torch.float32),
+]
+
+
+def _split_count(q, batch, max_extend_len, max_seq_len):
+    """The split count ``extend_attention_triton`` picks for this launch."""
+    block_m = ext._extend_config(q.shape[-1], q.dtype, q.device)[0]
+    return ext.num_kv_splits(
+        q.shape[1], batch, max_extend_len, max_seq_len, block_m, ext._sm_count(q.device)
+    )
+
+
+@gpu
+@pytest.mark.parametrize("extend", [1, 7, 256])
+@pytest.mark.parametrize(("group", "head_dim", "dtype"), SPLIT_CASES)
+def test_extend_attention_split_kv_long_prefix(group, head_dim, dtype, extend):
+    """A few query rows over a 20K cached prefix take the split-KV path (two launches)."""
+    prefix = 20000
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(prefix, extend)], 1, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(rows, group, head_dim, device="cuda").to(dtype)
+    assert _split_count(q, 1, extend, prefix + extend) > 1
+    o_ref = torch.full_like(q, 7.0)
+    o = torch.full_like(q, 7.0)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, extend)
+    ext.extend_attention_torch(q, o_ref, *args)
+    ext.extend_attention_triton(q, o, *args, max_seq_len=prefix + extend)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+RAGGED_LONG = [  # long and short prefixes in one batch, odd lengths, an empty extend
+    (20000, 7),
+    (0, 50),
+    (3000, 256),
+    (130, 1),
+    (9001, 100),
+    (0, 1),
+    (5000, 0),
+    (64, 64),
+]
+
+
+@gpu
+@pytest.mark.parametrize(("group", "head_dim", "dtype"), SPLIT_CASES)
+def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        RAGGED_LONG, 1, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(rows, group, head_dim, device="cuda").to(dtype)
+    max_extend = max(e for _, e in RAGGED_LONG)
+    max_seq = max(p + e for p, e in RAGGED_LONG)
+    o_ref = torch.full_like(q, 7.0)  # padding rows (no request) must be left untouched
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5)
+    ext.extend_attention_torch(q, o_ref, *args, max_extend)
+    # exact bounds, and overestimated ones (extra query blocks exit early); the bigger
+    # grids here (8 query heads) may fill the GPU and stay one pass
+    for bounds in ((max_extend, max_seq), (max_extend + 100, max_seq + 3000)):
+        o = torch.full_like(q, 7.0)
+        ext.extend_attention_triton(q, o, *args, bounds[0], max_seq_len=bounds[1])
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # the split path itself on this batch, whatever the heuristic picks for it
+    o = torch.full_like(q, 7.0)
+    cfg = ext._extend_config(head_dim, dtype, q.device)
+    ext._launch_extend_split(q, o, *args, max_extend, 5, *cfg)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if group == 1:  # 8 requests x 2 query blocks x 1 head: too small a grid, splits
+        assert _split_count(q, len(RAGGED_LONG), max_extend, max_seq) > 1
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_extend_attention_split_kv_any_split_count(num_splits):
+    """One split, a count that divides nothing, more splits than short sequences fill."""
+    dtype, head_dim = torch.bfloat16, 128
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        RAGGED_LONG, 2, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
+    max_extend = max(e for _, e in RAGGED_LONG)
+    o_ref = torch.full_like(q, 7.0)
+    o = torch.full_like(q, 7.0)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, max_extend)
+    ext.extend_attention_torch(q, o_ref, *args)
+    cfg = ext._extend_config(head_dim, dtype, q.device)
+    ext._launch_extend_split(q, o, *args, num_splits, *cfg)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_extend_attention_split_kernel_unsplit_writes_o_directly():
+    """1024 new over 20K (Qwen3-0.6B heads): a full wave already, so the split kernel runs
+    with one split and stores into ``o`` itself (no workspace, no merge)."""
+    dtype, head_dim, prefix, extend = torch.bfloat16, 128, 20000, 1024
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(prefix, extend)], 8, head_dim, dtype, "cuda"
+    )
+    q = torch.randn(rows, 16, head_dim, device="cuda").to(dtype)
+    assert _split_count(q, 1, extend, prefix + extend) == 1
+    o_ref = torch.full_like(q, 7.0)
+    o = torch.full_like(q, 7.0)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, extend)
+    ext.extend_attention_torch(q, o_ref, *args)
+    ext.extend_attention_triton(q, o, *args, max_seq_len=prefix + extend)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_extend_attention_full_grid_keeps_one_pass():
+    """A grid that fills the GPU (8K new tokens, no prefix) keeps the one-pass kernel, as
+    does any launch without the ``max_seq_len`` bound."""
+    q = torch.empty(8192, 16, 128, device="cuda", dtype=torch.bfloat16)
+    assert _split_count(q, 1, 8192, 8192) == 0
+    assert _split_count(q, 1, 256, None) == 0
+
+
+@pytest.mark.skipif(ext.triton is None, reason="needs triton")
+def test_num_kv_splits_host_heuristic():
+    """Host sizes only: split small grids over long keys, never big grids or short keys."""
+    sms = 132
+    assert ext.num_kv_splits(16, 1, 256, None, 128, sms) == 0  # no bound: one pass
+    assert ext.num_kv_splits(16, 1, 8192, 8192, 128, sms) == 0  # fills the GPU
+    assert ext.num_kv_splits(16, 1, 1024, 1024, 128, sms) == 0  # P=0 prefills: one pass
+    assert ext.num_kv_splits(16, 1, 2048, 2048, 128, sms) == 0
+    assert ext.num_kv_splits(16, 1, 256, 256 + 32768, 128, sms) > 1
+    assert ext.num_kv_splits(16, 1, 1, 1 + 20000, 128, sms) > 1
+    assert ext.num_kv_splits(16, 1, 1024, 1024 + 32768, 128, sms) == 1  # a full wave
+    assert ext.num_kv_splits(16, 1, 256, 600, 128, sms) == 0  # keys too few to split
+    assert ext.num_kv_splits(16, 1, 0, 600, 128, sms) == 0
+    for batch, ext_len in ((1, 1), (1, 256), (3, 100), (1, 1100), (2, 1)):
+        heads = 16
+        splits = ext.num_kv_splits(heads, batch, ext_len, 50000, 128, sms)
+        programs = heads * batch * -(-ext_len // 128)
+        assert 1 <= splits <= ext._SPLIT_MAX and programs * splits <= 8 * sms
+
+
 DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
 
 
@@ -312,6 +455,19 @@ def test_ops_on_cpu_equal_the_twins():
     ops.store_kv(kc, vc, slots, q[:3, :2], q[:3, 2:])
     kv_store.store_kv_torch(kc2, vc2, slots, q[:3, :2], q[:3, 2:])
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_ops_extend_attention_passes_max_seq_len_on_cpu():
+    """The twin ignores the split hint: same result with and without it."""
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(30, 4), (0, 2)], 2, 32, torch.float32, "cpu"
+    )
+    q = torch.randn(rows, 4, 32)
+    o, o_ref = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.2, 4)
+    ops.extend_attention(q, o, *args, max_seq_len=34)
+    ext.extend_attention_torch(q, o_ref, *args)
+    assert torch.equal(o, o_ref)
 
 
 def test_extend_twin_is_causal_softmax_attention():

@@ -3,8 +3,10 @@
     python -m breakgraph.bench.kernels [--sweep]
 
 Extend attention at 8K new tokens (Qwen3-0.6B shape) against torch's flash varlen
-attention (or SDPA's flash backend); decode attention (batch 32 x 8K context) against
-the bandwidth floor, KV bytes / measured device-to-device copy bandwidth. Medians.
+attention (or SDPA's flash backend); extend attention of 256 and 1024 new tokens over a
+32K cached prefix (the split-KV path; before: the one-pass kernel) against the same
+references with bottom-right causal alignment; decode attention (batch 32 x 8K context)
+against the bandwidth floor, KV bytes / measured device-to-device copy bandwidth. Medians.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from breakgraph.kernels import fused
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
 
 
-def _bench_ms(fn) -> float:
+def _bench_ms(fn, rep: int = 200) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def _copy_bandwidth_bytes_per_ms(nbytes: int = 1 << 30) -> float:
@@ -54,8 +56,13 @@ def _paged_kv(num_tokens_per_req: list[int], shuffle: bool, device="cuda"):
     return k_cache, v_cache, req_to_token, pool, seq_lens
 
 
-def _varlen_reference(q, k, v, n: int):
-    """A closure running torch's varlen flash attention (causal, GQA), or None."""
+def _varlen_reference(q, k, v, n: int, n_k: int | None = None):
+    """A closure running torch's varlen flash attention (causal, GQA), or None.
+
+    With ``n_k`` keys (> ``n`` queries) flash's causal mask is bottom-right aligned: query
+    i sees keys ``0 .. n_k - n + i``, the extend layout (the bench checks the output).
+    """
+    n_k = n if n_k is None else n_k
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -73,8 +80,9 @@ def _varlen_reference(q, k, v, n: int):
     else:  # older API: same head count for q and kv
         k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
         v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    fn = lambda: varlen_attn(q, k, v, cu, cu, n, n, **kwargs)  # noqa: E731
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, n_k], dtype=torch.int32, device="cuda")
+    fn = lambda: varlen_attn(q, k, v, cu_q, cu_k, n, n_k, **kwargs)  # noqa: E731
     try:
         fn()
     except Exception as e:  # report, and the SDPA reference still runs
@@ -132,6 +140,105 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
             fn = lambda cfg=cfg: ext._launch_extend(q, o, *args, n, *cfg)  # noqa: E731
             rows.append(("  extend sweep", f"BM,BN,warps,stages={cfg}", _bench_ms(fn), "", None))
     return rows
+
+
+def _sdpa_flash_lower_right_reference(q, k, v):
+    """SDPA's flash backend with a bottom-right causal mask (``causal_lower_right``): for
+    more keys than queries torch calls flash with causal=True, which is bottom-right."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = HEADS // KV_HEADS
+    qt = q.transpose(0, 1)[None]
+    kt = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    vt = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    mask = causal_lower_right(q.shape[0], k.shape[0])
+
+    def fn():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        return out[0].transpose(0, 1)
+
+    return fn
+
+
+def _max_diff(out, ref) -> float:
+    return (out.float() - ref.float()).abs().max().item()
+
+
+LONG_SPLIT_CONFIGS = [  # (BLOCK_M, BLOCK_N, warps, stages) swept for the split path
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 2),
+]
+
+
+def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
+    """1 request, ``n`` new tokens over a ``prefix``-token cached prefix (split-KV path).
+
+    References get the same problem laid out contiguously: q = the new tokens, k/v = the
+    prefix and the new tokens, causal with the offset (bottom-right aligned).
+    """
+    seq = prefix + n
+    k_cache, v_cache, req_to_token, pool, seq_lens = _paged_kv([seq], shuffle=False)
+    q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    o = torch.empty_like(q)
+    o_one = torch.empty_like(q)
+    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ext_lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    args = (k_cache, v_cache, req_to_token, pool, seq_lens, starts, ext_lens, HEAD_DIM**-0.5)
+    after = lambda: ext.extend_attention_triton(q, o, *args, n, max_seq_len=seq)  # noqa: E731
+    before = lambda: ext.extend_attention_triton(q, o_one, *args, n)  # noqa: E731
+    after()
+    before()
+    cfg = ext._extend_config(HEAD_DIM, DTYPE, q.device)
+    splits = ext.num_kv_splits(HEADS, 1, n, seq, cfg[0], ext._sm_count(q.device))
+    print(f"{n} new over {prefix} prefix: {splits} splits; |split - one pass| max "
+          f"{_max_diff(o, o_one):.2e}")  # fmt: skip
+    k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
+    refs = []
+    varlen = _varlen_reference(q, k, v, n, seq)
+    if varlen is not None:
+        refs.append(("varlen_attn (flash)", varlen))
+    sdpa = _sdpa_flash_lower_right_reference(q, k, v)
+    try:
+        sdpa()
+        refs.append(("SDPA flash lower-right", sdpa))
+    except Exception as e:
+        print(f"SDPA flash lower-right unavailable: {type(e).__name__}: {str(e)[:200]}")
+    shape = f"1 x {n} new + {prefix} prefix, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
+    after_ms, before_ms = _bench_ms(after), _bench_ms(before)
+    rows = [(f"extend long prefix ({splits} splits)", shape, after_ms, "", None)]
+    rows.append(("  one pass (before)", shape, before_ms, "split-KV (after)", after_ms))
+    for name, fn in refs:
+        # exact only if the reference's causal mask is bottom-right aligned, as flash's is
+        print(f"  {name}: |reference - triton| max {_max_diff(fn(), o):.2e}")
+        rows.append(("  split-KV vs reference", shape, after_ms, name, _bench_ms(fn)))
+    if sweep:
+        for cfg_ in LONG_SPLIT_CONFIGS:
+            for s in (1, 2, 4, 8, 16) if n <= 256 else (1, 2, 4, 8):
+                fn = lambda c=cfg_, s=s: ext._launch_extend_split(  # noqa: E731
+                    q, o, *args, n, s, *c
+                )
+                rows += _sweep_row("  split sweep", f"{n} new, BM,BN,warps,stages={cfg_} S={s}", fn)
+        for cfg_ in LONG_SPLIT_CONFIGS:
+            fn = lambda c=cfg_: ext._launch_extend(q, o_one, *args, n, *c)  # noqa: E731
+            rows += _sweep_row("  one-pass sweep", f"{n} new, BM,BN,warps,stages={cfg_}", fn)
+    return rows
+
+
+def _sweep_row(kind: str, label: str, fn) -> list[tuple]:
+    """One timed sweep point, printed at once (a config may not compile: reported)."""
+    try:
+        ms = _bench_ms(fn, rep=60)
+    except Exception as e:
+        print(f"{kind.strip()} {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        return []
+    print(f"{kind.strip()} {label}: {ms:.3f} ms", flush=True)
+    return [(kind, label, ms, "", None)]
 
 
 def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
@@ -203,15 +310,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extend-tokens", type=int, default=8192)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--prefix", type=int, default=32768, help="long-prefix case's prefix")
+    parser.add_argument(
+        "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("breakgraph.bench.kernels needs a CUDA device; nothing to measure here.")
         return
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows = bench_extend(args.extend_tokens, args.sweep)
-    rows += bench_decode(args.decode_batch, args.decode_context, args.sweep)
-    rows += bench_fused(args.extend_tokens)
+    rows = []
+    if not args.long_prefix_only:
+        rows += bench_extend(args.extend_tokens, args.sweep)
+    for n in (256, 1024):
+        rows += bench_long_prefix(n, args.prefix, args.sweep)
+    if not args.long_prefix_only:
+        rows += bench_decode(args.decode_batch, args.decode_context, args.sweep)
+        rows += bench_fused(args.extend_tokens)
     header = ("kernel", "shape", "triton ms", "reference", "ref ms", "ratio")
     table = [
         (

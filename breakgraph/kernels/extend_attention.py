@@ -29,6 +29,7 @@ def extend_attention_torch(
     extend_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int,
+    max_seq_len: int | None = None,
 ) -> None:
     """Reference twin. q/o [T, H, D]; the new tokens' k/v are already stored in the cache.
 
@@ -36,7 +37,7 @@ def extend_attention_torch(
     ``seq_lens[r] - extend_lens[r] + i``; its keys are ``req_to_token[req, :seq_lens[r]]``.
     Row i sees keys 0 .. prefix + i. Accumulates in float32.
     """
-    del max_extend_len  # a launch-size hint for the Triton kernel
+    del max_extend_len, max_seq_len  # launch-size hints for the Triton kernel
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     for req, seq_len, start, ext in zip(
@@ -168,6 +169,210 @@ def _extend_attention_kernel(
         tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+@_jit
+def _extend_split_kernel(
+    q,
+    o,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_start_loc,
+    extend_lens,
+    part_o,
+    part_lse,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    group,  # query heads per kv head
+    num_splits,
+    num_m_blocks,  # query blocks per request: cdiv(max_extend_len, BLOCK_M)
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_s,
+    stride_k_h,
+    stride_v_s,
+    stride_v_h,
+    stride_req,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: normalize and store into ``o``, no workspace
+):
+    """Split-KV stage 1: one (head, request, query block, key split).
+
+    Query block m of a request sees keys ``0 .. kv_end`` (``kv_end`` = its last row's
+    position + 1); that range is cut into ``num_splits`` runs of whole key blocks. Writes
+    the split's normalized output and base-2 log-sum-exp per row into the fp32 workspace
+    ``part_o [S, H, B * num_m_blocks * BLOCK_M, D]``, ``part_lse [S, H, B * ... ]``; a row
+    that sees no key of the split gets lse -inf. Empty splits write nothing (stage 2 skips
+    them by the same arithmetic). With ``DIRECT`` (one split) it is a one-pass kernel.
+    """
+    head = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid // num_m_blocks
+    # The last query blocks see the most keys: launch them first for a better tail.
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    extend_len = tl.load(extend_lens + b)
+    if m_block * BLOCK_M < extend_len:
+        seq_len = tl.load(seq_lens + b)
+        prefix = seq_len - extend_len
+        kv_end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+        if lo < hi:
+            row0 = tl.load(extend_start_loc + b).to(tl.int64)
+            req = tl.load(req_pool_indices + b).to(tl.int64)
+            kv_head = head // group
+
+            offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = tl.arange(0, BLOCK_N)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask_m = offs_m < extend_len
+            mask_d = offs_d < HEAD_DIM
+            q_ptrs = q + (row0 + offs_m)[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+            q_tile = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+            tokens = req_to_token + req * stride_req
+            k_base = k_cache + kv_head * stride_k_h
+            v_base = v_cache + kv_head * stride_v_h
+            m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+            # Whole key blocks before the block's first query position: no mask.
+            q_first = prefix + m_block * BLOCK_M
+            full_end = tl.minimum((q_first // BLOCK_N) * BLOCK_N, hi)
+            for n0 in range(lo, full_end, BLOCK_N):
+                slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
+                k = tl.load(
+                    k_base + slots[None, :] * stride_k_s + offs_d[:, None], mask=mask_d[:, None]
+                )
+                qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                p = tl.math.exp2(qk - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_base + slots[:, None] * stride_v_s + offs_d[None, :], mask=mask_d[None, :]
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+
+            # The rest of the split: causal mask and the split's end.
+            q_pos = prefix + offs_m
+            for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
+                offs = n0 + offs_n
+                mask_n = offs < hi
+                slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
+                k = tl.load(
+                    k_base + slots[None, :] * stride_k_s + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None],
+                    other=0.0,
+                )
+                qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
+                visible = (offs[None, :] <= q_pos[:, None]) & mask_n[None, :]
+                qk = tl.where(visible, qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                p = tl.math.exp2(qk - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_base + slots[:, None] * stride_v_s + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+
+            if DIRECT:  # every row sees key 0: l_i > 0
+                out = acc / l_i[:, None]
+                o_ptrs = (
+                    o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+                )
+                tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+            else:
+                seen = l_i > 0.0
+                out = acc / tl.where(seen, l_i, 1.0)[:, None]
+                lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+                ws_len = tl.num_programs(1) * BLOCK_M  # workspace rows per (split, head)
+                ws_rows = (split * tl.num_programs(0) + head).to(tl.int64) * ws_len + (
+                    b * num_m_blocks * BLOCK_M + offs_m
+                )
+                tl.store(
+                    part_o + ws_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    out,
+                    mask=mask_m[:, None] & mask_d[None, :],
+                )
+                tl.store(part_lse + ws_rows, lse, mask=mask_m)
+
+
+@_jit
+def _extend_merge_kernel(
+    part_o,
+    part_lse,
+    o,
+    seq_lens,
+    extend_start_loc,
+    extend_lens,
+    num_splits,
+    num_m_blocks,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # stage 1's query block
+    BLOCK_N: tl.constexpr,  # stage 1's key block
+    MERGE_M: tl.constexpr,  # rows per program here; divides BLOCK_M
+):
+    """Split-KV stage 2: one (head, request, MERGE_M rows); log-sum-exp merge into ``o``."""
+    head = tl.program_id(0)
+    pid = tl.program_id(1)
+    sub_blocks: tl.constexpr = BLOCK_M // MERGE_M
+    b = pid // (num_m_blocks * sub_blocks)
+    r0 = (pid % (num_m_blocks * sub_blocks)) * MERGE_M
+    extend_len = tl.load(extend_lens + b)
+    if r0 < extend_len:
+        seq_len = tl.load(seq_lens + b)
+        prefix = seq_len - extend_len
+        m_block = r0 // BLOCK_M
+        kv_end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        used = tl.cdiv(kv_end, split_len)  # the non-empty splits
+        row0 = tl.load(extend_start_loc + b).to(tl.int64)
+        offs_m = r0 + tl.arange(0, MERGE_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < extend_len
+        mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
+        ws_len = tl.num_programs(1) * MERGE_M  # workspace rows per (split, head)
+        base_rows = head.to(tl.int64) * ws_len + b * num_m_blocks * BLOCK_M + offs_m
+        m = tl.full([MERGE_M], -1.0e30, dtype=tl.float32)
+        total = tl.zeros([MERGE_M], dtype=tl.float32)
+        acc = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
+        split_stride = tl.num_programs(0).to(tl.int64) * ws_len
+        rows = base_rows
+        for _ in range(0, used):
+            lse = tl.load(part_lse + rows, mask=mask_m, other=float("-inf"))
+            part = tl.load(
+                part_o + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
+            )
+            m_new = tl.maximum(m, lse)
+            alpha = tl.math.exp2(m - m_new)
+            w = tl.math.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            total = total * alpha + w
+            m = m_new
+            rows += split_stride
+        out = acc / tl.maximum(total, 1.0e-30)[:, None]
+        o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -191,6 +396,69 @@ def _extend_config(
     return 64, 32, 8, 2
 
 
+# Split-KV path (flash-decoding style) for grids too small to fill the GPU: few query
+# blocks, each facing a long cached prefix.
+_SPLIT_MIN_KEYS = 512  # each split walks at least this many keys of the longest sequence
+_SPLIT_MAX = 64
+_SPLIT_COST = 0.01  # per split, as a fraction of the one-pass time: workspace and merge
+# Small grids over this many keys take the split kernel even unsplit (one launch, no
+# workspace). On an H200 at 1024 new over 32K it matched the one-pass kernel (0.816 vs
+# 0.819 ms); an earlier variant that walked the query blocks in ascending order measured
+# 0.768 ms there, including the merge: a lead for this path. Below it, small grids (P=0
+# prefills up to 2K tokens) keep the one-pass kernel.
+_DIRECT_MIN_KEYS = 8192
+_MERGE_M = 16  # rows per merge program
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter: a nominal H100/H200
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_kv_splits(
+    num_heads: int,
+    batch: int,
+    max_extend_len: int,
+    max_seq_len: int | None,
+    block_m: int,
+    num_sms: int,
+) -> int:
+    """Which kernel and how many key splits, from host-known sizes only.
+
+    0: the one-pass kernel. ``S >= 1``: the split-KV kernel with ``S`` key splits per
+    query block (``S == 1``: one launch writing ``o`` directly).
+
+    The one-pass grid has ``heads * batch * cdiv(max_extend_len, BLOCK_M)`` programs, each
+    walking up to ``max_seq_len`` keys. When that is under two waves, splitting the keys
+    ``S`` ways changes the critical path from ``ceil(programs / SMs)`` program times to
+    ``ceil(programs * S / SMs) / S`` (one program per SM at the Hopper config), plus a
+    small cost per split for the fp32 workspace and the merge; the cheapest ``S`` wins.
+    Splits keep at least ``_SPLIT_MIN_KEYS`` keys each, and the split programs stay
+    within ~8 waves (the workspace is ``S * programs * BLOCK_M * D`` fp32).
+    """
+    if max_seq_len is None or max_extend_len <= 0 or batch == 0:
+        return 0
+    programs = num_heads * batch * triton.cdiv(max_extend_len, block_m)
+    if programs >= 2 * num_sms:
+        return 0
+    best, best_cost = 1, float(triton.cdiv(programs, num_sms))
+    # at most ~8 waves of split programs: bounds the workspace (~66 MiB at d128 bf16)
+    most = min(_SPLIT_MAX, max_seq_len // _SPLIT_MIN_KEYS, 8 * num_sms // programs)
+    for splits in range(2, most + 1):
+        cost = triton.cdiv(programs * splits, num_sms) / splits + _SPLIT_COST * splits
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    if best == 1 and max_seq_len < _DIRECT_MIN_KEYS:
+        return 0
+    return best
+
+
 def extend_attention_triton(
     q: torch.Tensor,
     o: torch.Tensor,
@@ -203,17 +471,113 @@ def extend_attention_triton(
     extend_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int,
+    max_seq_len: int | None = None,
 ) -> None:
     """Triton twin of :func:`extend_attention_torch` (flash attention over the paged KV).
 
     Grid (heads, batch, cdiv(max_extend_len, BLOCK_M)) from host-known sizes only; the
     per-request lengths are read on the device. ``max_extend_len`` may overestimate.
+    ``max_seq_len``, a host-known upper bound of ``seq_lens``, lets a grid too small to
+    fill the GPU (few query blocks over a long prefix) split the keys: partial results in
+    an fp32 workspace, merged by a second launch (see :func:`num_kv_splits`). Without it,
+    always the one-pass kernel.
     """
     block_m, block_n, num_warps, num_stages = _extend_config(q.shape[-1], q.dtype, q.device)
+    splits = num_kv_splits(
+        q.shape[1], req_pool_indices.shape[0], max_extend_len, max_seq_len, block_m,
+        _sm_count(q.device),
+    )  # fmt: skip
+    if splits >= 1:
+        _launch_extend_split(
+            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+            extend_start_loc, extend_lens, sm_scale, max_extend_len, splits, block_m,
+            block_n, num_warps, num_stages,
+        )  # fmt: skip
+        return
     _launch_extend(
         q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
         extend_lens, sm_scale, max_extend_len, block_m, block_n, num_warps, num_stages,
     )  # fmt: skip
+
+
+def _launch_extend_split(
+    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
+    extend_lens, sm_scale, max_extend_len, num_splits, block_m, block_n, num_warps, num_stages,
+) -> None:  # fmt: skip
+    num_tokens, num_heads, head_dim = q.shape
+    batch = req_pool_indices.shape[0]
+    if num_tokens == 0 or batch == 0 or max_extend_len <= 0:
+        return
+    num_kv_heads = k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
+    assert q.stride(-1) == 1 and o.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert num_splits >= 1 and block_m % _MERGE_M == 0
+    num_m_blocks = triton.cdiv(max_extend_len, block_m)
+    direct = num_splits == 1
+    if direct:  # unused
+        part_o = part_lse = o
+    else:
+        ws_len = batch * num_m_blocks * block_m  # rows: (request, row) padded to blocks
+        part_o = torch.empty(
+            num_splits, num_heads, ws_len, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(num_splits, num_heads, ws_len, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _extend_split_kernel[(num_heads, batch * num_m_blocks, num_splits)](
+        q,
+        o,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_start_loc,
+        extend_lens,
+        part_o,
+        part_lse,
+        sm_scale * _LOG2E,
+        num_heads // num_kv_heads,
+        num_splits,
+        num_m_blocks,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if direct:
+        return
+    _extend_merge_kernel[(num_heads, batch * num_m_blocks * (block_m // _MERGE_M))](
+        part_o,
+        part_lse,
+        o,
+        seq_lens,
+        extend_start_loc,
+        extend_lens,
+        num_splits,
+        num_m_blocks,
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MERGE_M=_MERGE_M,
+        num_warps=4 if block_d <= 128 else 8,
+    )
 
 
 def _launch_extend(

@@ -62,13 +62,18 @@ def extend_attention(
     extend_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int,
+    max_seq_len: int | None = None,
 ) -> None:
-    """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D]."""
+    """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D].
+
+    ``max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel split
+    long prefixes over more programs; the twin ignores it.
+    """
     use = _use_triton(q)
     fn = _extend.extend_attention_triton if use else _extend.extend_attention_torch
     fn(
         q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-        extend_lens, sm_scale, max_extend_len,
+        extend_lens, sm_scale, max_extend_len, max_seq_len,
     )  # fmt: skip
 
 
