@@ -57,6 +57,7 @@ def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) ->
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
+        self.warmup_report: WarmupReport | None = None
         self.device = torch.device(args.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
@@ -123,7 +124,12 @@ class Engine:
             wanted = "serving-shapes" if self.device.type == "cuda" else "none"
         if args.skip_server_warmup or wanted == "none":
             return None
-        return warmup_serving_shapes(self, seed=args.seed)
+        self.warmup_report = warmup_serving_shapes(self, seed=args.seed)
+        return self.warmup_report
+
+    def mark_ready(self) -> None:
+        """Serving starts: JIT compilations from now on are counted as stalls in traffic."""
+        jit_watch.mark_ready()
 
     def _capture_graphs(self) -> None:
         args = self.args
@@ -224,9 +230,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Live load and KV usage, for the server's /metrics and /get_server_info."""
         s = self.scheduler
+        compiles = jit_watch.stats()
         in_prefill = s.chunked is not None and s.chunked not in s.running
         return {
             "num_running_reqs": len(s.running) + int(in_prefill),
@@ -235,6 +242,10 @@ class Engine:
             "kv_tokens_cached": self.tree.evictable_size,
             "kv_tokens_total": self.allocator.capacity,
             "num_retractions": s.num_retractions,
+            "kernel_compilations_total": compiles.total,
+            "kernel_compilations_after_ready": compiles.after_ready,
+            "warmup_requests": self.warmup_report.requests if self.warmup_report else 0,
+            "warmup_seconds": round(self.warmup_report.seconds, 2) if self.warmup_report else 0,
         }
 
     def flush_cache(self) -> bool:

@@ -51,6 +51,7 @@ def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: fl
             batch.extend_lens,
             scaling,
             batch.max_extend_len,
+            max_seq_len=batch.max_seq_len,  # host-known: lets the kernel split long prefixes
         )
 
 

@@ -55,6 +55,7 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
             code = 1
             return
         signal.signal(signal.SIGTERM, _on_sigterm)  # while loading, SIGTERM just ends us
+        engine.mark_ready()
         outbox.send(pack({"type": "ready", "info": model_info(engine).to_dict()}))
         EngineLoop(engine, inbox, outbox).run()
     except Exception:

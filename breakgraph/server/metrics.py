@@ -87,6 +87,14 @@ GAUGES = {
     "kv_tokens_used": ("kv_slots_used", "KV slots held by requests (cached prefixes excluded)."),
     "kv_tokens_cached": ("kv_slots_cached", "KV slots held by evictable cached prefixes."),
     "kv_tokens_total": ("kv_slots_total", "KV slots in the pool."),
+    "kernel_compilations_after_ready": (
+        "kernel_compilations_after_ready",
+        "JIT kernel compilations (Triton) since the server became ready: each is a stall.",
+    ),
+    "kernel_compilations_total": (
+        "kernel_compilations_total",
+        "JIT kernel compilations (Triton) since the engine started.",
+    ),
 }
 
 
