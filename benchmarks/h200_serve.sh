@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Server benches on one H200 (Qwen3-0.6B shape, dummy weights): prefill cold/hit with and
 # without prefill graphs, and the first 8K requests after ready with and without warm-up on a
-# cold Triton cache. Results under ${OUT:-results}.
+# cold Triton cache. Stages: warmup, prefill (default both). Results under ${OUT:-results}.
 set -uo pipefail
 OUT=${OUT:-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s)
   python3 -m breakgraph.cli serve --model-path qwen3-0.6b --load-format dummy --port $PORT \
     --mem-fraction-static 0.6 "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 600); do curl -sf $URL/health >/dev/null && break; sleep 0.5; done
-  echo "$name: ready after $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$OUT/serve.log"
+  echo "$name: ready after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/serve.log"
 }
 stop() { kill -TERM $SERVER; wait $SERVER; }
 first3() {  # time the first three 8K-token requests after ready
@@ -35,14 +35,20 @@ PY
 }
 bench() { python3 -m breakgraph.cli bench prefill "$@" --url $URL 2>&1 | grep -v -e Warning | tee -a "$OUT/serve.log"; }
 
-export TRITON_CACHE_DIR=/tmp/triton_cold_a
-serve no_warmup --skip-server-warmup; first3; stop
-export TRITON_CACHE_DIR=/tmp/triton_cold_b
-serve graphs; first3
-bench cold 8192 8 --json "$OUT/prefill_cold_graphs.json"
-bench hit 65536 1 --json "$OUT/prefill_hit_graphs.json"
-stop
-serve disabled --cuda-graph-backend-prefill disabled
-bench cold 8192 8 --json "$OUT/prefill_cold_disabled.json"
-bench hit 65536 1 --json "$OUT/prefill_hit_disabled.json"
-stop
+warmup_stage() {  # first 8K requests after ready, cold Triton cache, without and with warm-up
+  export TRITON_CACHE_DIR=/tmp/triton_cold_a
+  serve no_warmup --skip-server-warmup; first3; stop
+  export TRITON_CACHE_DIR=/tmp/triton_cold_b
+  serve warmup; first3; stop
+}
+prefill_stage() {  # prefill cold/hit, with prefill graphs and without
+  serve graphs --context-length 70000
+  bench cold 8192 8 --json "$OUT/prefill_cold_graphs.json"
+  bench hit 65536 1 --json "$OUT/prefill_hit_graphs.json"
+  stop
+  serve disabled --context-length 70000 --cuda-graph-backend-prefill disabled
+  bench cold 8192 8 --json "$OUT/prefill_cold_disabled.json"
+  bench hit 65536 1 --json "$OUT/prefill_hit_disabled.json"
+  stop
+}
+for stage in "${@:-warmup prefill}"; do ${stage}_stage; done

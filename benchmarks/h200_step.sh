@@ -4,7 +4,7 @@ set -uo pipefail
 OUT=${OUT:-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs -k "${GPU_TESTS:-}" 2>&1 | tee "$OUT/gpu_suite.log" | tail -15

@@ -66,19 +66,26 @@ def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
     sizes = sorted(set(buckets) | {1, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
     for n in sizes:
         go([rand(min(n, chunk))])
-    # prefix hits with 1-token, multiple-of-16, odd and long extends
-    base = rand(min(600, cap // 8))
-    go([base])
-    go([base + rand(e) for e in (1, 16, 7, min(1000, cap // 8))])
+    # prefix hits with 1-token, multiple-of-16, odd and long extends, over a short and a
+    # long prefix (attention splits the keys of a long prefix: other kernel variants)
+    for prefix in (600, 4096):
+        base = rand(min(prefix, cap // 8))
+        go([base])
+        go([base + rand(e) for e in (1, 16, 7, 256, min(1000, cap // 8))])
     # a chunked prompt (longer than one prefill step), if the pool holds it
     if 2 * chunk + 10 < min(cap, engine.context_len):
         go([rand(chunk + chunk // 2)])
     # concurrent prefills of mixed sizes, greedy and sampled
     go([rand(n) for n in (5, 64, 300, 17)], [greedy, sampled, seeded, sampled])
-    # every decode batch size with a graph, and eager decode above the largest
-    decode_sizes = runner.decode_graphs.bank.sizes if runner.decode_graphs is not None else [1, 8]
+    # every decode batch size with a graph, and eager decode above the largest at doubling
+    # sizes (the decode kernel's split count, a compile-time constant, halves as bs doubles)
+    decode_sizes = runner.decode_graphs.bank.sizes if runner.decode_graphs is not None else [1]
     max_run = engine.max_running_requests
-    for bs in sorted(set(decode_sizes) | {min(max(decode_sizes) + 1, max_run)}):
+    eager_sizes, bs = set(), max(decode_sizes) + 1
+    while bs <= max_run:
+        eager_sizes.add(bs)
+        bs *= 2
+    for bs in sorted(set(decode_sizes) | eager_sizes | {max_run}):
         if bs * 40 < cap:
             go(
                 [rand(8 + i % 5) for i in range(bs)],

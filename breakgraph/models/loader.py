@@ -47,6 +47,7 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     seed: int = 0,
+    context_length: int | None = None,
 ) -> LoadedModel:
     """Build the model on ``device`` with weights from ``model_path`` (None: the embedded model)."""
     device = torch.device(device)
@@ -90,6 +91,14 @@ def load_model(
             tokenizer = Tokenizer.from_pretrained(path)
         weights = _safetensors_weights(path) if load_format == "auto" else None
 
+    if context_length and context_length > config.max_position_embeddings:
+        logger.warning(
+            "--context-length %d exceeds the model's max_position_embeddings %d: positions "
+            "beyond it are extrapolated",
+            context_length,
+            config.max_position_embeddings,
+        )
+        config.max_position_embeddings = context_length
     model = build_model(config, torch_dtype, device)
     if weights is None:
         init_dummy_weights(model, seed)
