@@ -51,4 +51,5 @@ prefill_stage() {  # prefill cold/hit, with prefill graphs and without
   bench hit 65536 1 --json "$OUT/prefill_hit_disabled.json"
   stop
 }
-for stage in "${@:-warmup prefill}"; do ${stage}_stage; done
+stages=${*:-warmup prefill}
+for stage in $stages; do "${stage}_stage"; done
