@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # per-step state the attention break derives once and every layer reuses (launch plan)
+    attention_plan: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

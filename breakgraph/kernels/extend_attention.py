@@ -482,143 +482,141 @@ def extend_attention_triton(
     an fp32 workspace, merged by a second launch (see :func:`num_kv_splits`). Without it,
     always the one-pass kernel.
     """
-    block_m, block_n, num_warps, num_stages = _extend_config(q.shape[-1], q.dtype, q.device)
-    splits = num_kv_splits(
-        q.shape[1], req_pool_indices.shape[0], max_extend_len, max_seq_len, block_m,
-        _sm_count(q.device),
+    plan = ExtendPlan(
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
+        sm_scale, max_extend_len, max_seq_len,
     )  # fmt: skip
-    if splits >= 1:
-        _launch_extend_split(
-            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-            extend_start_loc, extend_lens, sm_scale, max_extend_len, splits, block_m,
-            block_n, num_warps, num_stages,
-        )  # fmt: skip
-        return
-    _launch_extend(
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-        extend_lens, sm_scale, max_extend_len, block_m, block_n, num_warps, num_stages,
-    )  # fmt: skip
+    plan(q, o, k_cache, v_cache)
 
 
-def _launch_extend_split(
-    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-    extend_lens, sm_scale, max_extend_len, num_splits, block_m, block_n, num_warps, num_stages,
-) -> None:  # fmt: skip
-    num_tokens, num_heads, head_dim = q.shape
-    batch = req_pool_indices.shape[0]
-    if num_tokens == 0 or batch == 0 or max_extend_len <= 0:
-        return
-    num_kv_heads = k_cache.shape[1]
-    assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
-    assert q.stride(-1) == 1 and o.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert num_splits >= 1 and block_m % _MERGE_M == 0
-    num_m_blocks = triton.cdiv(max_extend_len, block_m)
-    direct = num_splits == 1
-    if direct:  # unused
-        part_o = part_lse = o
-    else:
-        ws_len = batch * num_m_blocks * block_m  # rows: (request, row) padded to blocks
-        part_o = torch.empty(
-            num_splits, num_heads, ws_len, head_dim, dtype=torch.float32, device=q.device
+class ExtendPlan:
+    """Everything about one step's extend-attention launch but the per-layer tensors.
+
+    Every layer of a step shares the metadata, the shapes, the kernel choice, the grid and
+    the split workspace, so the attention break computes them once per step and each layer
+    pays only its launches: ``plan(q, o, k_cache, v_cache)``. Host-known values only.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_start_loc: torch.Tensor,
+        extend_lens: torch.Tensor,
+        sm_scale: float,
+        max_extend_len: int,
+        max_seq_len: int | None = None,
+        config: tuple[int, int, int, int] | None = None,
+        splits: int | None = None,
+    ):
+        """``config`` (BLOCK_M, BLOCK_N, warps, stages) and ``splits`` override the choices
+        (benchmark sweeps and tests)."""
+        num_tokens, num_heads, head_dim = q.shape
+        batch = req_pool_indices.shape[0]
+        num_kv_heads = k_cache.shape[1]
+        self.empty = num_tokens == 0 or batch == 0 or max_extend_len <= 0
+        if self.empty:
+            return
+        assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+        block_m, block_n, num_warps, num_stages = config or _extend_config(
+            head_dim, q.dtype, q.device
         )
-        part_lse = torch.empty(num_splits, num_heads, ws_len, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    _extend_split_kernel[(num_heads, batch * num_m_blocks, num_splits)](
-        q,
-        o,
-        k_cache,
-        v_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        extend_start_loc,
-        extend_lens,
-        part_o,
-        part_lse,
-        sm_scale * _LOG2E,
-        num_heads // num_kv_heads,
-        num_splits,
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        o.stride(0),
-        o.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        req_to_token.stride(0),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-        DIRECT=direct,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if direct:
-        return
-    _extend_merge_kernel[(num_heads, batch * num_m_blocks * (block_m // _MERGE_M))](
-        part_o,
-        part_lse,
-        o,
-        seq_lens,
-        extend_start_loc,
-        extend_lens,
-        num_splits,
-        num_m_blocks,
-        o.stride(0),
-        o.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        MERGE_M=_MERGE_M,
-        num_warps=4 if block_d <= 128 else 8,
-    )
+        if splits is None:
+            splits = num_kv_splits(
+                num_heads, batch, max_extend_len, max_seq_len, block_m, _sm_count(q.device)
+            )
+        self.splits = splits
+        num_m_blocks = triton.cdiv(max_extend_len, block_m)
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        self.meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
+        self.scale_group = (sm_scale * _LOG2E, num_heads // num_kv_heads)
+        self.table_stride = req_to_token.stride(0)
+        self.consts = dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        if splits == 0:
+            self.grid = (num_heads, batch, num_m_blocks)
+            return
+        assert block_m % _MERGE_M == 0
+        self.grid = (num_heads, batch * num_m_blocks, splits)
+        self.split_args = (splits, num_m_blocks)
+        self.consts["DIRECT"] = splits == 1
+        self.part_o = self.part_lse = None  # direct: the kernel writes o
+        if splits > 1:
+            ws_len = batch * num_m_blocks * block_m  # rows: (request, row) padded to blocks
+            self.part_o = torch.empty(
+                splits, num_heads, ws_len, head_dim, dtype=torch.float32, device=q.device
+            )
+            self.part_lse = torch.empty(
+                splits, num_heads, ws_len, dtype=torch.float32, device=q.device
+            )
+            self.merge_grid = (num_heads, batch * num_m_blocks * (block_m // _MERGE_M))
+            self.merge_consts = dict(
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                MERGE_M=_MERGE_M,
+                num_warps=4 if block_d <= 128 else 8,
+            )
+
+    def __call__(
+        self, q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        if self.empty:
+            return
+        strides = (
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), self.table_stride,
+        )  # fmt: skip
+        if self.splits == 0:
+            _extend_attention_kernel[self.grid](
+                q, o, k_cache, v_cache, *self.meta, *self.scale_group, *strides, **self.consts
+            )
+            return
+        part_o = o if self.part_o is None else self.part_o
+        part_lse = o if self.part_lse is None else self.part_lse
+        _extend_split_kernel[self.grid](
+            q, o, k_cache, v_cache, *self.meta, part_o, part_lse, *self.scale_group,
+            *self.split_args, *strides, **self.consts,
+        )  # fmt: skip
+        if self.part_o is None:
+            return
+        _extend_merge_kernel[self.merge_grid](
+            self.part_o, self.part_lse, o, self.meta[2], self.meta[3], self.meta[4],
+            *self.split_args, o.stride(0), o.stride(1), **self.merge_consts,
+        )  # fmt: skip
 
 
 def _launch_extend(
     q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
     extend_lens, sm_scale, max_extend_len, block_m, block_n, num_warps, num_stages,
 ) -> None:  # fmt: skip
-    num_tokens, num_heads, head_dim = q.shape
-    batch = req_pool_indices.shape[0]
-    if num_tokens == 0 or batch == 0 or max_extend_len <= 0:
-        return
-    num_kv_heads = k_cache.shape[1]
-    assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
-    assert q.stride(-1) == 1 and o.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    grid = (num_heads, batch, triton.cdiv(max_extend_len, block_m))
-    _extend_attention_kernel[grid](
-        q,
-        o,
-        k_cache,
-        v_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        extend_start_loc,
-        extend_lens,
-        sm_scale * _LOG2E,
-        num_heads // num_kv_heads,
-        q.stride(0),
-        q.stride(1),
-        o.stride(0),
-        o.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        req_to_token.stride(0),
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    """The one-pass kernel at a given config (benchmark sweeps, tests)."""
+    ExtendPlan(
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
+        sm_scale, max_extend_len, config=(block_m, block_n, num_warps, num_stages), splits=0,
+    )(q, o, k_cache, v_cache)  # fmt: skip
+
+
+def _launch_extend_split(
+    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
+    extend_lens, sm_scale, max_extend_len, num_splits, block_m, block_n, num_warps, num_stages,
+) -> None:  # fmt: skip
+    """The split-KV kernel (and merge) with a given split count and config."""
+    assert num_splits >= 1
+    ExtendPlan(
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
+        sm_scale, max_extend_len, config=(block_m, block_n, num_warps, num_stages),
+        splits=num_splits,
+    )(q, o, k_cache, v_cache)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ __all__ = [
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
+    "plan_extend_attention",
     "fused_add_rms_norm",
     "qk_norm_rope",
     "rms_norm",
@@ -75,6 +77,30 @@ def extend_attention(
         q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
         extend_lens, sm_scale, max_extend_len, max_seq_len,
     )  # fmt: skip
+
+
+def plan_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int,
+    max_seq_len: int | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """:func:`extend_attention` split in two: the step's part, computed once, returns a
+    ``plan(q, o, k_cache, v_cache)`` that each layer calls (same result, less host work)."""
+    meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
+    if _use_triton(q):
+        return _extend.ExtendPlan(q, k_cache, *meta, sm_scale, max_extend_len, max_seq_len)
+
+    def plan(q, o, k_cache, v_cache):
+        _extend.extend_attention_torch(q, o, k_cache, v_cache, *meta, sm_scale, max_extend_len)
+
+    return plan
 
 
 def decode_attention(

@@ -39,20 +39,22 @@ def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: fl
             q, o, k_cache, v_cache, ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, scaling
         )
     else:
-        ops.extend_attention(
-            q,
-            o,
-            k_cache,
-            v_cache,
-            ctx.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            batch.extend_start_loc,
-            batch.extend_lens,
-            scaling,
-            batch.max_extend_len,
-            max_seq_len=batch.max_seq_len,  # host-known: lets the kernel split long prefixes
-        )
+        # the step's launch plan is shared by every layer: computed at the first, cached
+        plan = batch.attention_plan
+        if plan is None:
+            plan = batch.attention_plan = ops.plan_extend_attention(
+                q,
+                k_cache,
+                ctx.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                batch.extend_start_loc,
+                batch.extend_lens,
+                scaling,
+                batch.max_extend_len,
+                max_seq_len=batch.max_seq_len,  # host-known: lets the kernel split long prefixes
+            )
+        plan(q, o, k_cache, v_cache)
 
 
 class Attention(nn.Module):
