@@ -3,12 +3,11 @@ each request over a context of C tokens (dummy weights, in-process)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-from breakgraph.bench.step import count_launches, time_ms
+from breakgraph.bench.step import count_launches, save_results, time_ms
 
 
 @dataclass
@@ -81,13 +80,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
         del eng, runner, rows, slots
         if device == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(p) for p in points], f, indent=1)
-    if args.plot:
-        from breakgraph.bench.plot import plot_decode
-
-        plot_decode([asdict(p) for p in points], args.plot)
+    save_results(points, args.json, args.plot, "plot_decode")
     return points
 
 

@@ -267,14 +267,20 @@ def run_step_bench(args) -> list[PointResult]:
         del sb, hf
         if device == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(p) for p in points], f, indent=1)
-    if args.plot:
-        from breakgraph.bench.plot import plot_step
-
-        plot_step([asdict(p) for p in points], args.plot)
+    save_results(points, args.json, args.plot, "plot_step")
     return points
+
+
+def save_results(points: list, json_path: str | None, plot_path: str | None, plot_fn: str) -> None:
+    """Write a bench's points as JSON and draw them with ``bench.plot.<plot_fn>``."""
+    rows = [asdict(p) for p in points]
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    if plot_path:
+        from breakgraph.bench import plot
+
+        getattr(plot, plot_fn)(rows, plot_path)
 
 
 def add_step_args(p) -> None:
