@@ -30,7 +30,9 @@ def run_decode_bench(args) -> list[DecodePoint]:
         from breakgraph.bench.plot import require_matplotlib
 
         require_matplotlib()
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     max_bs = max(args.batch_sizes)
     points = []
     for model in args.models:
@@ -76,7 +78,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
             points.append(pt)
             g = f"{pt.graph_ms:8.3f}" if pt.graph_ms is not None else f"{'-':>8}"
             ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else ""
-            print(f"{model:<14} bs={bs:<4} C={args.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}", flush=True)
+            print(
+                f"{model:<14} bs={bs:<4} C={args.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}",
+                flush=True,
+            )
         del eng, runner, rows, slots
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -68,7 +68,13 @@ def count_launches(fn: Callable[[], object]) -> int | None:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    names = (
+        "cudaLaunchKernel",
+        "cuLaunchKernel",
+        "cudaGraphLaunch",
+        "cuLaunchKernelEx",
+        "cudaLaunchKernelExC",
+    )
     return sum(1 for e in prof.events() if e.name in names)
 
 
@@ -168,7 +174,9 @@ class HFArms:
 
         def run():
             with torch.inference_mode():
-                out = self.model(ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+                out = self.model(
+                    ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1
+                )
             if cache is not None:
                 cache.crop(-new_tokens)  # drop what this step appended
             return out.logits
@@ -197,10 +205,14 @@ class HFArms:
 
 
 def arch_model_type(arch: str) -> str:
-    return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+    return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        arch
+    ]
 
 
-def bench_point(sb: StepBench, hf: HFArms | None, n: int, p: int, reps: int, do_compile: bool) -> PointResult:
+def bench_point(
+    sb: StepBench, hf: HFArms | None, n: int, p: int, reps: int, do_compile: bool
+) -> PointResult:
     runner = sb.engine.runner
     batch = sb.batch(n, p)
     res = PointResult(sb.model_name, n, p)
@@ -249,7 +261,9 @@ def run_step_bench(args) -> list[PointResult]:
         from breakgraph.bench.plot import require_matplotlib
 
         require_matplotlib()
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     points: list[PointResult] = []
     for model in args.models:
         sb = StepBench(model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)

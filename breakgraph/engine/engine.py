@@ -63,7 +63,12 @@ class Engine:
             torch.cuda.set_device(self.device.index or 0)
         torch.manual_seed(args.seed)
         loaded = load_model(
-            args.model_path, args.load_format, args.dtype, self.device, args.seed, args.context_length
+            args.model_path,
+            args.load_format,
+            args.dtype,
+            self.device,
+            args.seed,
+            args.context_length,
         )
         self.model = loaded.model
         self.model_config = cfg = loaded.config

@@ -36,7 +36,14 @@ def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: fl
     v_cache = ctx.kv_pool.v_buffers[layer_id]
     if batch.mode is ForwardMode.DECODE:
         ops.decode_attention(
-            q, o, k_cache, v_cache, ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, scaling
+            q,
+            o,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            scaling,
         )
     else:
         # the step's launch plan is shared by every layer: computed at the first, cached
