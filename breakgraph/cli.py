@@ -25,7 +25,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.request import SamplingParams
 
-    engine = Engine(EngineArgs.from_namespace(args))
+    from breakgraph.models.gguf_loader import EmbeddedModelMissing
+
+    try:
+        engine = Engine(EngineArgs.from_namespace(args))
+    except (EmbeddedModelMissing, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sampling = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

