@@ -24,7 +24,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.request import SamplingParams
-
     from breakgraph.models.gguf_loader import EmbeddedModelMissing
 
     try:

