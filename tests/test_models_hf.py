@@ -99,12 +99,17 @@ def test_chunked_prefill_matches_hf(hf_checkpoint):
     assert len(got) == 2
 
 
-@pytest.mark.parametrize("disable_radix", [False, True])
-def test_greedy_decode_matches_hf_generate(tiny_llama_dir, disable_radix):
+@pytest.mark.parametrize("disable_radix,mixed", [(False, False), (True, False), (False, True)])
+def test_greedy_decode_matches_hf_generate(tiny_llama_dir, disable_radix, mixed):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    engine = make_engine(tiny_llama_dir, chunked_prefill_size=32, disable_radix_cache=disable_radix)
+    engine = make_engine(
+        tiny_llama_dir,
+        chunked_prefill_size=32,
+        disable_radix_cache=disable_radix,
+        enable_mixed_chunk=mixed,
+    )
     ps = prompts(3, [20, 45, 20], seed=5)
     ps[2] = ps[0][:12] + ps[2][:8]  # shares a prefix with the first
     sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

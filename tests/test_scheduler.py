@@ -130,3 +130,45 @@ def test_rejects_bad_requests(tiny_llama_dir):
         engine.add_request([1], SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.encode_prompt("text")
+
+
+def test_mixed_chunk_decodes_during_a_long_prefill(tiny_llama_dir):
+    """With --enable-mixed-chunk, running requests keep decoding while a long prompt is
+    prefilled in chunks, and every output equals the one computed alone."""
+    engine = make_engine(tiny_llama_dir, chunked_prefill_size=32, enable_mixed_chunk=True)
+    rng = random.Random(3)
+    short = [[rng.randrange(3, 256) for _ in range(10)] for _ in range(3)]
+    long = [rng.randrange(3, 256) for _ in range(200)]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sp) for p in short]
+    first = engine.step()  # the short prompts prefill together, then decode
+    rids.append(engine.add_request(long, sp))
+    outputs: dict[str, list[int]] = {r: [] for r in rids}
+    for o in first:
+        outputs[o.rid].extend(o.token_ids)
+    mixed_steps = 0
+    while engine.has_work:
+        decoding = len(engine.scheduler.running)
+        prefilling = engine.scheduler.chunked is not None or bool(engine.scheduler.waiting)
+        outs = engine.step()
+        if decoding and prefilling and engine.scheduler.last_step_tokens > decoding:
+            mixed_steps += any(o.rid != rids[-1] and o.token_ids for o in outs)
+        for o in outs:
+            outputs[o.rid].extend(o.token_ids)
+    assert mixed_steps >= 3, "short requests should decode while the long prompt prefills"
+    solo = make_engine(tiny_llama_dir)
+    for rid, p in zip(rids, short + [long], strict=True):
+        assert outputs[rid] == solo.generate([p], sp)[0].output_ids
+    assert_no_leak(engine)
+
+
+def test_mixed_chunk_no_leak_under_pressure(tiny_llama_dir):
+    engine = make_engine(
+        tiny_llama_dir, max_total_tokens=300, chunked_prefill_size=48, enable_mixed_chunk=True
+    )
+    rng = random.Random(4)
+    ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 70))] for _ in range(30)]
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    results = engine.generate(ps, sp)
+    assert all(len(r.output_ids) == 12 for r in results)
+    assert_no_leak(engine)

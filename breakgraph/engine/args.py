@@ -20,6 +20,7 @@ class EngineArgs:
     max_running_requests: int | None = None
     max_prefill_tokens: int | None = None
     disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
     seed: int = 0
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
@@ -64,6 +65,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="running requests decode inside prefill steps instead of waiting for them",
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")

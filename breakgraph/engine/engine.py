@@ -111,6 +111,7 @@ class Engine:
                 max_running_requests=self.max_running_requests,
                 max_context_len=self.context_len,
                 eos_token_ids=eos,
+                enable_mixed_chunk=args.enable_mixed_chunk,
             ),
             self.device,
             stop_text=self._stop_text if self.tokenizer is not None else None,

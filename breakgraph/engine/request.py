@@ -97,6 +97,7 @@ class Req:
     last_node: Any = None
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
     generator: torch.Generator | None = None
+    decoding: bool = False  # in the scheduler's running (decode) list
     num_retractions: int = 0
 
     @property

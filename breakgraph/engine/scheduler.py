@@ -51,6 +51,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     reserve_cap_tokens: int = 4096  # a request reserves at most this many future decode tokens
+    enable_mixed_chunk: bool = False  # running requests decode inside prefill steps
 
 
 class Scheduler:
@@ -123,9 +124,8 @@ class Scheduler:
             return outputs
         ids_list = ids.tolist()  # the step's one host sync
         lp_list = logprobs.tolist() if logprobs is not None else [None] * len(done)
-        is_prefill = batch.mode is ForwardMode.EXTEND
         for req, tok, lp in zip(done, ids_list, lp_list, strict=True):
-            outputs.append(self._append_token(req, tok, lp, is_prefill))
+            outputs.append(self._append_token(req, tok, lp))
         return outputs
 
     def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
@@ -150,20 +150,21 @@ class Scheduler:
         )
         return done, ids, logprobs
 
-    def _append_token(self, req: Req, tok: int, lp: float | None, is_prefill: bool) -> StepOutput:
+    def _append_token(self, req: Req, tok: int, lp: float | None) -> StepOutput:
         req.output_ids.append(tok)
         if lp is not None:
             req.output_logprobs.append(lp)
         out = StepOutput(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
         reason = self._check_finish(req, tok)
         if reason is not None:
-            if not is_prefill:
+            if req.decoding:
                 self.running.remove(req)
             fin = self._finish(req, reason)
             fin.token_ids, fin.logprobs = out.token_ids, out.logprobs
             return fin
-        if is_prefill:
+        if not req.decoding:  # its prefill just completed
             self.running.append(req)
+            req.decoding = True
         self._fill_meta(out, req)
         return out
 
@@ -191,6 +192,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> StepOutput:
         self._release(req)
+        req.decoding = False
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         self.reqs.pop(req.rid, None)
@@ -255,7 +257,9 @@ class Scheduler:
         req.set_kv(_EMPTY)
 
     def _schedule_prefill(self, outputs: list[StepOutput]):
-        budget = self.cfg.chunked_prefill_size
+        mixed = self.cfg.enable_mixed_chunk and bool(self.running)
+        # a mixed step keeps one row per running request inside the chunk (and its bucket)
+        budget = self.cfg.chunked_prefill_size - (len(self.running) if mixed else 0)
         reqs: list[Req] = []
         extends: list[int] = []
         prefixes: list[int] = []
@@ -275,7 +279,8 @@ class Scheduler:
                     continue
                 if not self._admit(req):
                     break
-            extend = min(req.fill_len - req.kv_len, budget)
+            remaining = req.fill_len - req.kv_len
+            extend = min(remaining, budget)
             available = self._available()
             # a new request leaves room for the running ones' future decode tokens, unless
             # nothing else is in flight (then it must make progress, in chunks if need be)
@@ -298,8 +303,18 @@ class Scheduler:
             prefixes.append(req.kv_len)
             new_slots.append(slots)
             budget -= extend
+            if extend < remaining:  # this request continues next step: it is the chunked one
+                break
         if not reqs:
             return [], None
+        prefill_reqs = list(reqs)
+        if mixed and self._available() >= len(self.running):
+            slots = self._alloc(len(self.running))
+            for req, slot in zip(self.running, slots.split(1), strict=True):
+                reqs.append(req)
+                extends.append(1)
+                prefixes.append(req.kv_len)
+                new_slots.append(slot)
 
         input_ids: list[int] = []
         rows: list[int] = []
@@ -322,7 +337,7 @@ class Scheduler:
             extends,
             self.device,
         )
-        self._cache_prefill(reqs)
+        self._cache_prefill(prefill_reqs)
         return reqs, batch
 
     def _cache_prefill(self, reqs: list[Req]) -> None:
@@ -383,6 +398,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self._release(req)
+        req.decoding = False
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
