@@ -296,7 +296,12 @@ class Engine:
         }
         pending = set(rids)
         while pending:
-            for out in self.step():
+            outs = self.step()
+            if not outs and not self.has_work:
+                raise RuntimeError(
+                    f"the scheduler holds none of the {len(pending)} pending requests"
+                )
+            for out in outs:
                 res = results[out.rid]
                 res.output_ids.extend(out.token_ids)
                 res.output_logprobs.extend(out.logprobs)

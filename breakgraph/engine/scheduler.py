@@ -256,6 +256,14 @@ class Scheduler:
         req.req_pool_idx, req.cached_len, req.last_node = None, 0, None
         req.set_kv(_EMPTY)
 
+    def _prefill_candidates(self, chunked: Req | None):
+        """The chunked request, then the head of the queue, one at a time: each waiting
+        candidate is either taken off the queue's head by the loop or ends it (O(admitted))."""
+        if chunked is not None:
+            yield chunked
+        while self.waiting:
+            yield self.waiting[0]
+
     def _schedule_prefill(self, outputs: list[StepOutput]):
         mixed = self.cfg.enable_mixed_chunk and bool(self.running)
         # a mixed step keeps one row per running request inside the chunk (and its bucket)
@@ -264,7 +272,7 @@ class Scheduler:
         extends: list[int] = []
         prefixes: list[int] = []
         new_slots: list[torch.Tensor] = []
-        candidates = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
+        candidates = self._prefill_candidates(self.chunked)
         self.chunked = None
         reserve = self._reserved_decode_tokens(self.running)
         for req in candidates:
@@ -274,7 +282,7 @@ class Scheduler:
                 if len(self.running) + len(reqs) >= self.cfg.max_running_requests:
                     break
                 if req.sampling.max_new_tokens == 0:
-                    self.waiting.remove(req)
+                    self.waiting.popleft()
                     outputs.append(self._finish(req, {"type": "length", "length": 0}))
                     continue
                 if not self._admit(req):
@@ -295,7 +303,7 @@ class Scheduler:
                     self.chunked = req
                 break
             if req.status is ReqStatus.WAITING:
-                self.waiting.remove(req)
+                self.waiting.popleft()
                 req.status = ReqStatus.RUNNING  # in flight; joins `running` after its last chunk
                 reserve += self._reserved_decode_tokens([req])
             reqs.append(req)
