@@ -71,12 +71,11 @@ def extend_attention(
     ``max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel split
     long prefixes over more programs; the twin ignores it.
     """
-    use = _use_triton(q)
-    fn = _extend.extend_attention_triton if use else _extend.extend_attention_torch
-    fn(
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-        extend_lens, sm_scale, max_extend_len, max_seq_len,
+    plan = plan_extend_attention(
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
+        sm_scale, max_extend_len, max_seq_len,
     )  # fmt: skip
+    plan(q, o, k_cache, v_cache)
 
 
 def plan_extend_attention(
