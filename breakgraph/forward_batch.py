@@ -127,6 +127,9 @@ class ForwardContext:
     batch: ForwardBatch
     kv_pool: object  # cache.kv_pool.KVPool: k_buffers[layer], v_buffers[layer] of [slots, kv_heads, head_dim]
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32
+    # Set only while a graph bucket is captured: rows at or past it may be padding in a
+    # replay; layers whose kernels leave such rows unwritten zero them inside the graph.
+    pad_rows_from: int | None = None
 
 
 _CONTEXT: ForwardContext | None = None

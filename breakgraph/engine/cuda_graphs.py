@@ -1,14 +1,18 @@
 """CUDA graphs for the model runner: decode (whole forward per batch size) and prefill
 (breakable forward per token bucket, attention as the eager break).
 
-Both banks share one memory pool. Padding rows write KV slot 0 (reserved) and read the
-padding request row of req_to_token (all zeros, so slot 0); their outputs are dropped.
+Both banks share one memory pool. The padding convention, in one place: a bucket's rows past
+the live ones are padding; their input ids and positions are 0, their KV slot is 0 (reserved,
+never part of a real request's context), decode padding rows belong to the padding request
+(``pad_req_idx``: its req_to_token row is all zeros, so slot 0) with ``seq_len`` 1, and their
+outputs are dropped. Prefill padding rows belong to no request, so attention leaves them
+unwritten: the captured graph zeroes them first, so every padding value stays defined (slot
+0 never receives NaN/Inf from uninitialized memory).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import torch
@@ -16,6 +20,7 @@ from torch import nn
 
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from breakgraph.graph import GraphBank, StaticInput
+from breakgraph.kernels import jit_watch, ops
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +54,20 @@ class _GraphsBase:
         return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
 
     def _guard_tensors(self):
-        """Buffers captured kernels read by address: weights, rotary caches, KV, the table."""
+        """Buffers captured kernels read by address: weights, rotary caches, KV, the table,
+        kernel workspaces. (cuBLAS's workspaces are allocated inside the captures, in the
+        pool: see graph/breakable.py.)"""
         yield from self.model.parameters()
         yield from self.model.buffers()
         yield from self.kv_pool.k_buffers
         yield from self.kv_pool.v_buffers
         yield self.req_to_token
+        yield from ops.graph_workspaces()
+
+    @staticmethod
+    def _compile_counter():
+        """JIT compilations (Triton), or None where Triton is absent."""
+        return (lambda: jit_watch.stats().total) if jit_watch.install() else None
 
 
 class DecodeGraphs(_GraphsBase):
@@ -80,6 +93,7 @@ class DecodeGraphs(_GraphsBase):
             split_at_breaks=False,
             guard_tensors=self._guard_tensors,
             check_addresses=check_addresses,
+            compile_counter=self._compile_counter(),
             name="decode graphs",
         )
         n = self.bank.max_size
@@ -144,7 +158,7 @@ class PrefillGraphs(_GraphsBase):
             [
                 StaticInput("input_ids", torch.int64),
                 StaticInput("positions", torch.int64),
-                StaticInput("out_cache_loc", torch.int64),  # read by the KV store in the break
+                StaticInput("out_cache_loc", torch.int64),  # the captured KV store's slots
             ],
             buckets,
             self.device,
@@ -154,36 +168,37 @@ class PrefillGraphs(_GraphsBase):
             guard_tensors=self._guard_tensors,
             check_addresses=check_addresses,
             capture_context=self._capture_context,
+            compile_counter=self._compile_counter(),
             name="prefill graphs",
         )
 
     def _forward(self, input_ids, positions, out_cache_loc):
-        del out_cache_loc  # the break reads it through the forward context
+        del out_cache_loc  # the KV store reads it through the capture's forward context
         return self.model(input_ids, positions)
 
     @contextlib.contextmanager
     def _capture_context(self, size: int):
-        """One request of ``size`` new tokens over the padding row (slot 0 everywhere)."""
+        """One request of ``size`` new tokens over the padding row (slot 0 everywhere); the KV
+        store is captured on the bank's static slots. Rows past the next smaller bucket are
+        the ones a replay of this bucket may pad (a smaller ``n`` takes a smaller bucket)."""
         batch = ForwardBatch.build(
             ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx], [0], [size], self.device
         )
-        batch.out_cache_loc = self.bank.static["out_cache_loc"][:size]
-        with forward_context(self._context(batch)):
+        batch.out_cache_loc = self.bank.views(size)["out_cache_loc"]
+        smaller = [b for b in self.bank.sizes if b < size]
+        ctx = self._context(batch)
+        ctx.pad_rows_from = smaller[-1] if smaller else 0
+        with forward_context(ctx):
             yield
 
     def capture(self) -> None:
         self.bank.capture()
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        n = batch.num_tokens
-        size = self.bank.bucket_for(n)
-        if size is None:
-            return None
-        # the break stores KV for all bucket rows: padded slots (0) from the bank's buffer
-        live = dataclasses.replace(batch, out_cache_loc=self.bank.static["out_cache_loc"][:size])
-        with forward_context(self._context(live)):
+        # the attention break reads the live batch; the captured KV store, the bank's slots
+        with forward_context(self._context(batch)):
             hidden = self.bank.run(
-                n,
+                batch.num_tokens,
                 input_ids=batch.input_ids,
                 positions=batch.positions,
                 out_cache_loc=batch.out_cache_loc,

@@ -3,14 +3,20 @@
 Each static input is one buffer of the largest bucket's size; bucket ``b`` is captured on
 the views ``buf[:b]``. ``run(n, **live)`` copies the live rows into ``buf[:n]``, fills rows
 ``n:b`` with the input's pad value, and replays bucket ``b`` (the smallest that fits, if its
-padding stays within ``max_pad_factor``); otherwise it returns None and the caller runs
-eagerly. All buckets share one memory pool, captured largest first so smaller buckets reuse
-its blocks.
+padding stays within ``max_pad_factor``; the smallest bucket takes any smaller ``n``);
+otherwise it returns None and the caller runs eagerly. All buckets share one memory pool,
+captured largest first so smaller buckets reuse its blocks.
+
+Capture runs every bucket once eagerly before capturing any, so lazily sized workspaces and
+JIT-compiled kernels of every shape exist first; it then checks that the captures compiled
+nothing (``compile_counter``). What a capture allocates is in the pool by construction (see
+graph/breakable.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import os
 import time
@@ -29,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 class GraphAddressError(RuntimeError):
     """A buffer a captured kernel reads by address has moved since capture."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture did something serving cannot afford (a JIT compile inside it)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,12 @@ class GraphBank:
         guard_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
         check_addresses: bool | None = None,
         capture_context: Callable[[int], AbstractContextManager] | None = None,
+        compile_counter: Callable[[], int] | None = None,
         name: str = "graph",
     ):
-        """``capture_context(size)``, if given, is entered around the warm-up and each
-        bucket's capture (e.g. to set up state the breaks read during capture)."""
+        """``capture_context(size)``, if given, is entered around each bucket's warm-up and
+        capture (e.g. to set up state the breaks read during capture). ``compile_counter``,
+        if given, counts JIT compilations; a capture that moves it raises."""
         self.fn = fn
         self.inputs = inputs
         self.sizes = sorted(set(sizes))
@@ -68,6 +80,7 @@ class GraphBank:
         self.split_at_breaks = split_at_breaks
         self.guard_tensors = guard_tensors
         self.capture_context = capture_context or (lambda size: nullcontext())
+        self.compile_counter = compile_counter
         if check_addresses is None:
             check_addresses = os.environ.get("BREAKGRAPH_GRAPH_GUARD") == "1"
         self.check_addresses = check_addresses
@@ -99,16 +112,49 @@ class GraphBank:
         return list(self.static.values()) + extra
 
     def capture(self, warmup: bool = True, progress: bool = True) -> None:
-        """Eager run at the largest size (grows lazy workspaces), then capture every bucket."""
+        """Run every bucket eagerly (grows lazy workspaces, compiles every kernel variant),
+        then capture every bucket, largest first; check the captures compiled nothing."""
         start = time.perf_counter()
         stream = torch.cuda.Stream()  # one capture stream for every bucket
-        stream.wait_stream(torch.cuda.current_stream())
         pool_before = torch.cuda.memory_reserved(self.device)
-        if warmup:
-            with self.capture_context(self.max_size), torch.cuda.stream(stream):
-                self.fn(**self.views(self.max_size))
-            torch.cuda.synchronize()
         sizes = sorted(self.sizes, reverse=True)
+        if warmup:
+            for size in sizes:
+                with self.capture_context(size):
+                    stream.wait_stream(torch.cuda.current_stream())  # inputs the context uploaded
+                    with torch.cuda.stream(stream):
+                        self.fn(**self.views(size))
+            torch.cuda.synchronize()
+        compiles = self.compile_counter() if self.compile_counter is not None else 0
+        # A cyclic-GC pass inside a capture may destroy another graph (or free its pool's
+        # blocks) while this stream captures: collect now, and not again until done.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(sizes, stream, warmup, progress)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if self.compile_counter is not None and self.compile_counter() != compiles:
+            raise GraphCaptureError(
+                f"{self.name}: {self.compile_counter() - compiles} kernel(s) compiled during "
+                "capture; the eager run of every bucket before capture should have compiled them"
+            )
+        torch.cuda.empty_cache()
+        self._addresses = [t.data_ptr() for t in self._watched()]
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "%s: captured %d buckets (%d..%d) in %.2f s, %.0f MiB reserved",
+            self.name,
+            len(self.sizes),
+            self.sizes[0],
+            self.max_size,
+            self.capture_seconds,
+            (torch.cuda.memory_reserved(self.device) - pool_before) / 2**20,
+        )
+
+    def _capture_all(self, sizes, stream, warmup: bool, progress: bool) -> None:
         bar = tqdm(sizes, desc=f"Capturing {self.name}", disable=not progress, leave=False)
         for size in bar:
             free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -126,18 +172,6 @@ class GraphBank:
                 (time.perf_counter() - t0) * 1e3,
                 used / 2**20,
             )
-        torch.cuda.empty_cache()
-        self._addresses = [t.data_ptr() for t in self._watched()]
-        self.capture_seconds = time.perf_counter() - start
-        logger.info(
-            "%s: captured %d buckets (%d..%d) in %.2f s, %.0f MiB reserved",
-            self.name,
-            len(self.sizes),
-            self.sizes[0],
-            self.max_size,
-            self.capture_seconds,
-            (torch.cuda.memory_reserved(self.device) - pool_before) / 2**20,
-        )
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured bucket >= n, or None if none fits within the pad factor."""
@@ -148,8 +182,10 @@ class GraphBank:
         return size if size <= n * self.max_pad_factor or size == self.sizes[0] else None
 
     def check_guard(self) -> None:
+        """Every buffer watched at capture is where it was. Watch lists may grow at the end
+        (a workspace outgrown after capture keeps its old buffer alive and adds a new one)."""
         now = [t.data_ptr() for t in self._watched()]
-        if now != self._addresses:
+        if now[: len(self._addresses)] != self._addresses:
             moved = [
                 i for i, (a, b) in enumerate(zip(now, self._addresses, strict=False)) if a != b
             ]

@@ -7,16 +7,27 @@ its arguments and result strongly, and begins the next segment on the same memor
 Replay runs ``seg[0], brk[0], seg[1], ..., seg[n]``. Outside capture a break is a plain call.
 
 Invariants for break authors: write results into tensors the caller allocated (or return
-a tensor: the graph keeps the captured one alive and copies each replay's result into it);
-the next segment reads those addresses. Tensor arguments are held *by address*, not owned:
+one tensor: the graph keeps the captured one alive and copies each replay's result into it;
+anything else returned raises at capture); the next segment reads those addresses. Tensor
+arguments are held *by address*, not owned:
 holding them strongly would pin every layer's activations of every bucket (tens of GB for
 a 28-layer model at 8K tokens), while by address the pool reuses them across layers, which
 is safe because replay runs in capture order. So a break's tensor arguments must be either
 produced inside the captured callable or kept alive by their owner (parameters, caches).
+
+Memory: everything a capture allocates lives in the graph's pool, which outlives every
+replay. Segments allocate there by CUDA-graph capture; a break's eager allocations during
+capture are routed there too; and library workspaces a captured kernel bakes in by address
+(cuBLAS/cuBLASLt keep one per handle and stream, freed whenever anyone calls
+``torch._C._cuda_clearCublasWorkspaces``, as torch.compile's CUDA-graph trees do before
+every recording, followed by ``empty_cache``) are dropped before the capture so that the
+capture allocates fresh ones inside the pool. A workspace in the pool can only be reused by
+another graph of the same pool, which never runs concurrently with this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -86,6 +97,30 @@ def eager_break(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _clear_library_workspaces() -> None:
+    """Drop cuBLAS/cuBLASLt's cached workspaces: the next GEMM allocates a new one (inside a
+    capture: in the graph's pool, where no one else's ``clear`` + ``empty_cache`` frees it)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+@contextlib.contextmanager
+def _allocate_in_pool(device: torch.device, pool):
+    """Route this thread's CUDA allocations to ``pool`` (a break's memory during capture)."""
+    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+    if begin is None:  # older torch: the break allocates from the general allocator
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    begin(index, pool)
+    try:
+        yield
+    finally:
+        torch._C._cuda_endAllocateToPool(index, pool)
+        torch._C._cuda_releasePool(index, pool)
+
+
 def debug_mode() -> bool:
     return os.environ.get("BREAKGRAPH_GRAPH_DEBUG") == "1"
 
@@ -128,6 +163,7 @@ class BreakableGraph:
             for _ in range(warmup):
                 fn(*args, **kwargs)
         torch.cuda.synchronize()
+        _clear_library_workspaces()  # the capture allocates its own, in the pool
         _STATE.capture = self
         try:
             with torch.cuda.stream(self._stream):
@@ -139,6 +175,8 @@ class BreakableGraph:
             raise
         finally:
             _STATE.capture = None
+            # eager work after this must not share the in-pool workspace the graph bakes in
+            _clear_library_workspaces()
         torch.cuda.synchronize()
         return self.output
 
@@ -160,12 +198,19 @@ class BreakableGraph:
 
     def _run_break(self, fn, args, kwargs):
         self.segments[-1].capture_end()
-        result = fn(*args, **kwargs)  # eagerly, on the capture stream, outside any graph
         name = f"{getattr(fn, '__qualname__', repr(fn))}#{len(self.breaks)}"
+        # eagerly, on the capture stream, outside any graph; its memory comes from the pool
+        with _allocate_in_pool(torch.cuda.current_stream().device, self.pool):
+            result = fn(*args, **kwargs)
+        if result is not None and not isinstance(result, torch.Tensor):
+            raise TypeError(
+                f"eager break {name} returned {type(result).__name__}: a break must return "
+                "None or one tensor (replay copies into the captured one; anything else "
+                "would be read later from memory the graph does not own)"
+            )
         held_args = tuple(_by_address(a) for a in args)
         held_kwargs = {k: _by_address(v) for k, v in kwargs.items()}
-        kept = result if isinstance(result, torch.Tensor) else None
-        self.breaks.append(_Break(name, fn, held_args, held_kwargs, kept))
+        self.breaks.append(_Break(name, fn, held_args, held_kwargs, result))
         self._begin_segment()
         return result
 

@@ -66,6 +66,11 @@ class DecodeWorkspace:
         part_lse = buf[rows * head_dim : need].view(batch, num_heads, num_splits)
         return part_o, part_lse
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer a captured decode graph may write by address (for address guards);
+        growing appends: the buffers listed before keep their places."""
+        return [*self._retired, *self._buffers.values()]
+
 
 _DEFAULT_WORKSPACE = DecodeWorkspace()
 

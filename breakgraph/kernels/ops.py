@@ -19,6 +19,7 @@ __all__ = [
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
+    "graph_workspaces",
     "plan_extend_attention",
     "fused_add_rms_norm",
     "qk_norm_rope",
@@ -127,6 +128,11 @@ def decode_attention(
         _decode.decode_attention_torch(
             q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale
         )
+
+
+def graph_workspaces() -> list[torch.Tensor]:
+    """Workspaces that captured kernels write by address (the decode split partials)."""
+    return _decode._DEFAULT_WORKSPACE.buffers()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

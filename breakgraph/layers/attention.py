@@ -29,7 +29,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
 
 @eager_break
 def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: float) -> None:
-    """q/o [T, H, D] over the paged KV of the live step. Writes o; padding rows undefined."""
+    """q/o [T, H, D] over the paged KV of the live step. Writes o's rows of requests only."""
     ctx = get_forward_context()
     batch = ctx.batch
     k_cache = ctx.kv_pool.k_buffers[layer_id]
@@ -77,5 +77,9 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         store_kv(k, v, self.layer_id)
         o = torch.empty_like(q)
+        pad_from = get_forward_context().pad_rows_from
+        if pad_from is not None and pad_from < o.shape[0]:
+            # captured: padding rows get a defined value (the kernels skip rows of no request)
+            o[pad_from:].zero_()
         paged_attention(q, o, self.layer_id, self.scaling)
         return o.view(q.shape[0], self.num_heads * self.head_dim)
