@@ -107,6 +107,15 @@ def _check_write_read(device: str) -> None:
         pool.write(idx, 15, torch.tensor([1, 2]))
 
 
+def test_req_to_token_write_many_scatters_rows_and_cols():
+    pool = ReqToTokenPool(3, 8, "cpu")
+    pool.write_many([0, 2, 2, 1], [5, 0, 7, 3], torch.tensor([11, 12, 13, 14]))
+    pool.write_many([], [], torch.empty(0, dtype=torch.int64))
+    want = torch.zeros(3, 8, dtype=torch.int32)
+    want[0, 5], want[2, 0], want[2, 7], want[1, 3] = 11, 12, 13, 14
+    assert torch.equal(pool.table, want)
+
+
 def test_req_to_token_write_read_cpu():
     _check_write_read("cpu")
 

@@ -1,14 +1,19 @@
-"""Scheduler: queueing under a small KV pool, abort, retraction, no slot leaks."""
+"""Scheduler: queueing under a small KV pool, abort, retraction, no slot leaks; chunking,
+prefix hits and --max-prefill-tokens over a fake model."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
+from breakgraph.cache import RadixCache, ReqToTokenPool, SlotAllocator
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
-from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.request import Req, SamplingParams
+from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
 
 def make_engine(path, **kw) -> Engine:
@@ -46,12 +51,13 @@ def test_small_pool_finishes_all_by_queueing(tiny_llama_dir):
 
 def test_retraction_resumes_to_same_output(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_total_tokens=160, chunked_prefill_size=64)
-    engine.scheduler.new_token_ratio = engine.scheduler.cfg.min_new_token_ratio = 0.0  # over-admit
+    # over-admit: no room reserved for future decode tokens
+    engine.scheduler.decode.new_token_ratio = engine.scheduler.cfg.min_new_token_ratio = 0.0
     rng = random.Random(1)
     ps = [[rng.randrange(3, 256) for _ in range(30)] for _ in range(4)]
     sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     results = engine.generate(ps, sp)
-    assert engine.scheduler.num_retractions > 0, "the pool was meant to run short in decode"
+    assert engine.stats()["num_retractions"] > 0, "the pool was meant to run short in decode"
     solo = make_engine(tiny_llama_dir)
     for p, r in zip(ps, results, strict=True):
         assert solo.generate([p], sp)[0].output_ids == r.output_ids
@@ -79,7 +85,7 @@ def test_abort_waiting_and_chunked(tiny_llama_dir):
     a = engine.add_request(list(range(3, 100)), SamplingParams(max_new_tokens=5))
     b = engine.add_request(list(range(3, 20)), SamplingParams(max_new_tokens=5))
     engine.step()  # a is mid-prefill (chunked), b waits behind max_running_requests
-    assert engine.scheduler.chunked is not None
+    assert engine.scheduler.prefill.chunked is not None
     assert engine.abort(b).finished
     assert engine.abort(a).finished
     assert_no_leak(engine)
@@ -148,8 +154,8 @@ def test_mixed_chunk_decodes_during_a_long_prefill(tiny_llama_dir):
         outputs[o.rid].extend(o.token_ids)
     mixed_steps = 0
     while engine.has_work:
-        decoding = len(engine.scheduler.running)
-        prefilling = engine.scheduler.chunked is not None or bool(engine.scheduler.waiting)
+        decoding = len(engine.scheduler.decode.running)
+        prefilling = engine.scheduler.prefill.has_work
         outs = engine.step()
         if decoding and prefilling and engine.scheduler.last_step_tokens > decoding:
             mixed_steps += any(o.rid != rids[-1] and o.token_ids for o in outs)
@@ -171,4 +177,231 @@ def test_mixed_chunk_no_leak_under_pressure(tiny_llama_dir):
     sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     results = engine.generate(ps, sp)
     assert all(len(r.output_ids) == 12 for r in results)
+    assert_no_leak(engine)
+
+
+# ---- the scheduler alone, over a fake model ----
+
+VOCAB = 64
+
+
+class FakeModel:
+    """Next token = (sum of the context's ids) % VOCAB, the context read back through
+    req_to_token from a fake KV store that each forward writes at ``out_cache_loc``: a
+    wrong table entry, a lost cached prefix or a slot reused too early changes the output."""
+
+    def __init__(self, num_slots: int, req_pool: ReqToTokenPool):
+        self.kv = torch.zeros(num_slots, dtype=torch.int64)
+        self.req_pool = req_pool
+        self.batches: list[ForwardBatch] = []
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        self.batches.append(batch)
+        self.kv[batch.out_cache_loc] = batch.input_ids
+        table = self.req_pool.table
+        rows = batch.req_pool_indices.tolist()
+        nxt = [
+            int(self.kv[table[r, :n].long()].sum()) % VOCAB
+            for r, n in zip(rows, batch.seq_lens_cpu, strict=True)
+        ]
+        return torch.nn.functional.one_hot(torch.tensor(nxt), VOCAB).float() * 10.0
+
+    def prefills(self) -> list[tuple[list[int], list[int]]]:
+        """(prefix_lens, extend_lens) of each extend batch, in order."""
+        return [
+            (b.prefix_lens_cpu, b.extend_lens_cpu)
+            for b in self.batches
+            if b.mode is ForwardMode.EXTEND
+        ]
+
+
+def model_output(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(sum(seq) % VOCAB)
+    return seq[len(prompt) :]
+
+
+def make_scheduler(
+    num_slots: int = 1024, chunk: int = 64, max_running: int = 8, radix: bool = True, **cfg
+) -> tuple[Scheduler, FakeModel]:
+    allocator = SlotAllocator(num_slots + 1, debug=True)
+    req_pool = ReqToTokenPool(max_running, 256, "cpu")
+    model = FakeModel(num_slots + 1, req_pool)
+    config = SchedulerConfig(
+        chunked_prefill_size=chunk,
+        max_running_requests=max_running,
+        max_context_len=256,
+        eos_token_ids=set(),
+        **cfg,
+    )
+    tree = RadixCache(allocator, disable=not radix)
+    return Scheduler(model, allocator, req_pool, tree, config, torch.device("cpu")), model
+
+
+def submit(sched: Scheduler, prompt: list[int], max_new_tokens: int = 8) -> str:
+    rid = f"r{len(sched.reqs)}-{random.getrandbits(32):x}"
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    sched.add(Req(rid=rid, input_ids=list(prompt), sampling=sp))
+    return rid
+
+
+def drain(sched: Scheduler, outputs: dict | None = None) -> dict[str, list[StepOutput]]:
+    """Step until idle; every StepOutput, by request."""
+    outputs = {} if outputs is None else outputs
+    for _ in range(10_000):
+        if not sched.has_work:
+            return outputs
+        for o in sched.step():
+            outputs.setdefault(o.rid, []).append(o)
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def tokens(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def assert_all_free(sched: Scheduler) -> None:
+    """Nothing in flight holds a slot or a row: after a flush the pool is full again."""
+    cache = sched.cache
+    assert not sched.has_work
+    assert sched.stats().kv_tokens_used == 0
+    assert cache.tree.protected_size == 0
+    assert cache.req_pool.available == cache.req_pool.max_reqs
+    assert cache.tree.flush()
+    assert cache.allocator.available == cache.allocator.capacity
+    cache.allocator.check_no_leak(0)
+
+
+def rand_prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_outputs_are_what_the_model_dictates():
+    # shared prefixes: requests prefilled in one batch hand their duplicate slots back
+    # and switch to the tree's; a small pool reuses freed slots soon after
+    sched, _ = make_scheduler(num_slots=200, chunk=64)
+    shared = rand_prompts(10, 1, 24, 25)[0]
+    prompts = [shared[: 4 * i] + p for i, p in enumerate(rand_prompts(0, 10, 1, 40))]
+    rids = [submit(sched, p, max_new_tokens=1 + i) for i, p in enumerate(prompts)]
+    outs = drain(sched)
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        assert tokens(outs[rid]) == model_output(p, 1 + i)
+        last = outs[rid][-1]
+        assert last.finished and last.finish_reason == {"type": "length", "length": 1 + i}
+        assert (last.prompt_tokens, last.completion_tokens) == (len(p), 1 + i)
+    assert_all_free(sched)
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    sched, model = make_scheduler(chunk=16)
+    prompt = rand_prompts(1, 1, 50, 51)[0]
+    rid = submit(sched, prompt, max_new_tokens=3)
+    for _ in range(3):  # no token before the last chunk
+        assert sched.step() == []
+    outs = drain(sched)
+    assert model.prefills() == [([0], [16]), ([16], [16]), ([32], [16]), ([48], [2])]
+    assert tokens(outs[rid]) == model_output(prompt, 3)
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_prefix_hit_skips_the_cached_tokens(radix):
+    sched, model = make_scheduler(chunk=256, radix=radix)
+    shared = rand_prompts(2, 1, 40, 41)[0]
+    a = shared + [1]
+    b = shared + [2, 3, 4, 5, 6]
+    drain(sched, {submit(sched, a, max_new_tokens=4): []})
+    sched.cache.req_pool.table.zero_()  # b must not read what a's row left behind
+    model.batches.clear()
+    rid = submit(sched, b, max_new_tokens=4)
+    outs = drain(sched)
+    hit = 40 if radix else 0
+    assert model.prefills()[0] == ([hit], [len(b) - hit])
+    assert outs[rid][-1].cached_tokens == hit
+    assert tokens(outs[rid]) == model_output(b, 4)  # the reused KV is the right one
+    assert_all_free(sched)
+
+
+def test_aborts_and_finishes_free_every_slot():
+    sched, _ = make_scheduler(chunk=16, max_running=2)
+    long, short = rand_prompts(3, 1, 60, 61)[0], rand_prompts(4, 1, 5, 6)[0]
+    chunked = submit(sched, long)
+    waiting = submit(sched, short)
+    decoding = submit(sched, short, max_new_tokens=50)
+    nothing = submit(sched, short, max_new_tokens=0)
+    done = submit(sched, short, max_new_tokens=3)
+    sched.step()
+    assert sched.prefill.chunked is not None
+    aborted = {rid: sched.abort(rid) for rid in (chunked, waiting)}
+    outs: dict[str, list[StepOutput]] = {}
+    for _ in range(4):
+        for o in sched.step():
+            outs.setdefault(o.rid, []).append(o)
+    assert sched.reqs[decoding].decoding
+    aborted[decoding] = sched.abort(decoding)
+    drain(sched, outs)
+    for out in aborted.values():
+        assert out.finished and out.finish_reason["type"] == "abort"
+    assert outs[nothing] == [outs[nothing][0]] and outs[nothing][0].finish_reason["length"] == 0
+    assert tokens(outs[done]) == model_output(short, 3)
+    assert sched.abort(done) is None and sched.abort("no-such-request") is None
+    assert_all_free(sched)
+
+
+def test_retraction_under_a_tiny_pool_keeps_the_outputs():
+    # 4 requests of 20 prompt + 30 output tokens need 200 slots; the pool has 100
+    sched, _ = make_scheduler(num_slots=100, chunk=32)
+    sched.decode.new_token_ratio = sched.cfg.min_new_token_ratio = 0.0  # over-admit
+    prompts = rand_prompts(5, 4, 20, 21)
+    rids = [submit(sched, p, max_new_tokens=30) for p in prompts]
+    outs = drain(sched)
+    assert sched.stats().num_retractions > 0, "the pool was meant to run short in decode"
+    for rid, p in zip(rids, prompts, strict=True):
+        assert tokens(outs[rid]) == model_output(p, 30)
+    assert_all_free(sched)
+
+
+def test_max_prefill_tokens_bounds_a_prefill_batch():
+    prompts = rand_prompts(6, 5, 8, 9)
+    runs = {}
+    for bound in (None, 20):
+        sched, model = make_scheduler(chunk=64, max_prefill_tokens=bound)
+        rids = [submit(sched, p) for p in prompts]
+        outs = drain(sched)
+        runs[bound] = [tokens(outs[r]) for r in rids]
+        runs[bound, "prefills"] = [ext for _, ext in model.prefills()]
+        assert_all_free(sched)
+    assert runs[None, "prefills"] == [[8] * 5]
+    assert runs[20, "prefills"] == [[8, 8], [8, 8], [8]]
+    assert runs[None] == runs[20] == [model_output(p, 8) for p in prompts]
+
+
+def test_max_prefill_tokens_admits_a_longer_request_as_a_chunk():
+    sched, model = make_scheduler(chunk=32, max_prefill_tokens=10)
+    long, short = rand_prompts(7, 1, 50, 51)[0], rand_prompts(8, 1, 5, 6)[0]
+    rids = [submit(sched, long, max_new_tokens=2), submit(sched, short, max_new_tokens=2)]
+    outs = drain(sched)
+    # the chunk size alone cuts the long prompt; the short one waits to lead a batch
+    assert [ext for _, ext in model.prefills()] == [[32], [18], [5]]
+    assert [tokens(outs[r]) for r in rids] == [model_output(long, 2), model_output(short, 2)]
+    assert_all_free(sched)
+
+
+def test_engine_passes_max_prefill_tokens(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, max_prefill_tokens=16)
+    extends: list[int] = []
+    inner = engine.scheduler.forward
+
+    def forward(batch):
+        if batch.mode is ForwardMode.EXTEND:
+            extends.append(sum(batch.extend_lens_cpu))
+        return inner(batch)
+
+    engine.scheduler.forward = forward
+    ps = rand_prompts(9, 4, 6, 7)
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate(ps, sp)
+    assert extends == [12, 12]
     assert_no_leak(engine)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from breakgraph.forward_batch import upload_many
+
 
 class ReqToTokenPool:
     """``table[max_reqs, max_context_len]`` int32 on ``device`` and a free list of its rows."""
@@ -64,3 +66,17 @@ class ReqToTokenPool:
             dst.copy_(host, non_blocking=True)
         else:
             dst.copy_(slots.reshape(-1))
+
+    def write_many(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """``table[rows[i], cols[i]] = slots[i]`` for all ``i`` (slots: host int tensor).
+
+        One upload of the indices, one of the values (pinned, non-blocking on CUDA) and
+        one scatter kernel, whatever the number of rows: a step's table writes in one go.
+        """
+        if not rows:
+            return
+        r, c = upload_many([rows, cols], torch.int64, self.device)
+        vals = slots.reshape(-1).to(torch.int32)
+        if self.device.type == "cuda":
+            vals = vals.pin_memory()
+        self.table.index_put_((r, c), vals.to(self.device, non_blocking=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -112,6 +112,7 @@ class Engine:
                 max_context_len=self.context_len,
                 eos_token_ids=eos,
                 enable_mixed_chunk=args.enable_mixed_chunk,
+                max_prefill_tokens=args.max_prefill_tokens,
             ),
             self.device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
@@ -240,16 +241,9 @@ class Engine:
 
     def stats(self) -> dict[str, int | float]:
         """Live load and KV usage, for the server's /metrics and /get_server_info."""
-        s = self.scheduler
         compiles = jit_watch.stats()
-        in_prefill = s.chunked is not None and s.chunked not in s.running
         return {
-            "num_running_reqs": len(s.running) + int(in_prefill),
-            "num_queued_reqs": len(s.waiting),
-            "kv_tokens_used": s.kv_tokens_used(),
-            "kv_tokens_cached": self.tree.evictable_size,
-            "kv_tokens_total": self.allocator.capacity,
-            "num_retractions": s.num_retractions,
+            **asdict(self.scheduler.stats()),
             "kernel_compilations_total": compiles.total,
             "kernel_compilations_after_ready": compiles.after_ready,
             "warmup_requests": self.warmup_report.requests if self.warmup_report else 0,

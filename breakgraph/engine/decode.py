@@ -1,0 +1,102 @@
+"""Decode: the running requests, one new token each per step, and retraction when the KV
+pool cannot give every one of them a slot.
+
+``new_token_ratio`` estimates the share of a request's remaining ``max_new_tokens`` it
+will still decode: prefill admission reserves that much room for the running requests.
+It decays step by step and jumps up on each retraction (SGLang's policy).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from breakgraph.engine.cache_manager import CacheManager
+from breakgraph.engine.request import Req, ReqStatus
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from breakgraph.engine.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeManager:
+    def __init__(self, cache: CacheManager, cfg: SchedulerConfig, device: torch.device):
+        self.cache = cache
+        self.cfg = cfg
+        self.device = device
+        self.running: list[Req] = []  # in admission order: retraction takes the newest
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.num_retractions = 0
+
+    def add(self, req: Req) -> None:
+        """A request whose prefill completed starts decoding."""
+        self.running.append(req)
+        req.decoding = True
+
+    def remove(self, req: Req) -> None:
+        if req.decoding:
+            self.running.remove(req)
+            req.decoding = False
+
+    def reserved_tokens(self, reqs: list[Req]) -> int:
+        """KV room to keep for ``reqs``' future decode tokens."""
+        cap = self.cfg.reserve_cap_tokens
+        total = sum(min(r.sampling.max_new_tokens - len(r.output_ids), cap) for r in reqs)
+        return int(total * self.new_token_ratio)
+
+    def make_room(self, others_hold_kv: bool) -> tuple[list[Req], Req | None]:
+        """Retract the newest running requests until each remaining one gets a slot.
+
+        Returns (retracted, exhausted): the retracted requests, released and ready to be
+        re-queued in this order; and a lone request that cannot grow while nothing else
+        holds KV (``others_hold_kv`` False), taken out of ``running`` to be finished.
+        """
+        retracted: list[Req] = []
+        while self.cache.available < len(self.running):
+            if len(self.running) == 1 and not others_hold_kv:
+                req = self.running.pop()
+                logger.warning("KV pool exhausted by one request %s; finishing it", req.rid)
+                return retracted, req
+            retracted.append(self._retract(self.running.pop()))
+        return retracted, None
+
+    def _retract(self, req: Req) -> Req:
+        """Cache the request's KV in the tree (unlocked) and send it back to waiting."""
+        self.cache.release(req)
+        req.decoding = False
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+        logger.info("KV pool short: retracted %s (%d tokens)", req.rid, len(req.fill_ids))
+        return req
+
+    def schedule_batch(self) -> tuple[list[Req], ForwardBatch] | None:
+        """One token for every running request; call ``make_room`` first."""
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        slots = self.cache.alloc(len(reqs))
+        assert slots is not None  # make_room() left room
+        rows = [r.req_pool_idx for r in reqs]
+        prefixes = [r.kv_len for r in reqs]
+        self.cache.write_table(rows, prefixes, slots)
+        for req, slot in zip(reqs, slots.split(1), strict=True):
+            req.append_kv(slot)
+        self.new_token_ratio = max(
+            self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
+        )
+        batch = ForwardBatch.build(
+            ForwardMode.DECODE,
+            [r.output_ids[-1] for r in reqs],
+            slots.tolist(),
+            rows,
+            prefixes,
+            [1] * len(reqs),
+            self.device,
+        )
+        return reqs, batch

@@ -1,0 +1,79 @@
+"""What a step hands back per request: sampled tokens appended, finish checks (stop
+tokens, lengths, stop strings) and the meta info the API reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from breakgraph.engine.request import Req, ReqStatus
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        eos_token_ids: set[int],
+        max_context_len: int,
+        stop_text: Callable[[list[int]], str] | None = None,
+    ):
+        self.eos_token_ids = eos_token_ids
+        self.max_context_len = max_context_len
+        self.stop_text = stop_text  # decodes ids to text for stop strings (None: no tokenizer)
+
+    def append_token(self, req: Req, tok: int, lp: float | None) -> tuple[StepOutput, dict | None]:
+        """Append a sampled token; return its output and the finish reason (None: goes on)."""
+        req.output_ids.append(tok)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        out = StepOutput(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
+        return out, self.check_finish(req, tok)
+
+    def check_finish(self, req: Req, tok: int) -> dict | None:
+        sp = req.sampling
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if req.fill_len >= self.max_context_len:
+            return {"type": "length", "length": len(req.output_ids)}
+        if sp.stop and self.stop_text is not None:
+            # only the tail can hold a stop string that this token completed
+            longest = max(len(s) for s in sp.stop)
+            tail = self.stop_text(req.output_ids[-(longest + 8) :])
+            for s in sp.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+
+def fill_meta(out: StepOutput, req: Req) -> StepOutput:
+    """Token counts as the API reports them (``meta_info``)."""
+    out.prompt_tokens = len(req.input_ids)
+    out.completion_tokens = len(req.output_ids)
+    out.cached_tokens = req.prefix_hit_tokens
+    return out
+
+
+def finished_output(req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
+    """Mark ``req`` finished (its KV already released); ``last``: this step's token, if any."""
+    req.decoding = False
+    req.status = ReqStatus.FINISHED
+    req.finish_reason = reason
+    out = StepOutput(rid=req.rid, finished=True, finish_reason=reason)
+    if last is not None:
+        out.token_ids, out.logprobs = last.token_ids, last.logprobs
+    return fill_meta(out, req)

@@ -1,0 +1,192 @@
+"""Prefill: the waiting queue, admission (table row, cached prefix), chunking, and the
+extend batch.
+
+A batch takes the chunked request first (the one whose prompt did not fit last step),
+then requests from the head of the queue, in order, while the budgets allow:
+
+- ``--chunked-prefill-size``: new tokens in the batch; the request that overflows it is
+  cut into a chunk and continues first next step (it is then the ``chunked`` request);
+- ``--max-prefill-tokens`` (SGLang's meaning): new tokens in the batch; a request that
+  would overflow it waits to lead the next batch, and the batch's first request is
+  admitted whatever its size (bounded by the chunk size alone);
+- ``--max-running-requests``, and KV room: a new request leaves room for the running
+  ones' future decode tokens (see decode.py) unless nothing else is in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from breakgraph.engine.cache_manager import CacheManager
+from breakgraph.engine.decode import DecodeManager
+from breakgraph.engine.request import Req, ReqStatus
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from breakgraph.engine.scheduler import SchedulerConfig
+
+
+class PrefillManager:
+    def __init__(
+        self,
+        cache: CacheManager,
+        decode: DecodeManager,
+        cfg: SchedulerConfig,
+        device: torch.device,
+    ):
+        self.cache = cache
+        self.decode = decode
+        self.cfg = cfg
+        self.device = device
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # mid-prefill: continues first next step
+
+    # ---- queue ----
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted request goes back to the front."""
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Req) -> None:
+        """Take a request out wherever it is here (waiting or chunked)."""
+        if req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.chunked is not None
+
+    @property
+    def num_in_prefill(self) -> int:
+        """Requests between admission and their last prefill chunk (0 or 1)."""
+        return int(self.chunked is not None and not self.chunked.decoding)
+
+    def _candidates(self, chunked: Req | None) -> Iterator[Req]:
+        """The chunked request, then the head of the queue, one at a time: each waiting
+        candidate is either taken off the queue's head by the loop or ends it (O(admitted))."""
+        if chunked is not None:
+            yield chunked
+        while self.waiting:
+            yield self.waiting[0]
+
+    # ---- one batch ----
+    def schedule_batch(self, finished: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
+        """Admit and chunk requests into one extend batch (None: nothing to prefill).
+
+        Waiting requests that need no forward (``max_new_tokens`` 0) leave the queue into
+        ``finished``. With ``--enable-mixed-chunk`` the running requests decode one token
+        each inside the batch, after the prefill rows.
+        """
+        cfg, running = self.cfg, self.decode.running
+        mixed = cfg.enable_mixed_chunk and bool(running)
+        # a mixed step keeps one row per running request inside the chunk (and its bucket)
+        mixed_rows = len(running) if mixed else 0
+        budget = cfg.chunked_prefill_size - mixed_rows
+        input_left = None if cfg.max_prefill_tokens is None else cfg.max_prefill_tokens - mixed_rows
+        reqs: list[Req] = []
+        extends: list[int] = []
+        prefixes: list[int] = []
+        new_slots: list[torch.Tensor] = []
+        candidates = self._candidates(self.chunked)
+        self.chunked = None
+        reserve = self.decode.reserved_tokens(running)
+        for req in candidates:
+            if budget <= 0:
+                break
+            waiting = req.status is ReqStatus.WAITING
+            if waiting:
+                if len(running) + len(reqs) >= cfg.max_running_requests:
+                    break
+                if req.sampling.max_new_tokens == 0:
+                    finished.append(self.waiting.popleft())
+                    continue
+                if not self.cache.admit(req):
+                    break
+            remaining = req.fill_len - req.kv_len
+            extend = min(remaining, budget)
+            if reqs and input_left is not None and extend > input_left:
+                extend = 0  # over --max-prefill-tokens: it leads the next batch instead
+            extend = self._fit_kv(extend, reserve if waiting else 0, alone=not (reqs or running))
+            slots = self.cache.alloc(extend) if extend > 0 else None
+            if slots is None:
+                if waiting:
+                    self.cache.unadmit(req)
+                else:  # a chunked request that cannot continue now stays chunked
+                    self.chunked = req
+                break
+            if waiting:
+                self.waiting.popleft()
+                req.status = ReqStatus.RUNNING  # in flight; starts decoding after its last chunk
+                reserve += self.decode.reserved_tokens([req])
+            reqs.append(req)
+            extends.append(extend)
+            prefixes.append(req.kv_len)
+            new_slots.append(slots)
+            budget -= extend
+            if input_left is not None:
+                input_left -= extend
+            if extend < remaining:  # this request continues next step: it is the chunked one
+                break
+        if not reqs:
+            return None
+        prefill_reqs = list(reqs)
+        if mixed and self.cache.available >= len(running):
+            slots = self.cache.alloc(len(running))
+            for req, slot in zip(running, slots.split(1), strict=True):
+                reqs.append(req)
+                extends.append(1)
+                prefixes.append(req.kv_len)
+                new_slots.append(slot)
+        batch = self._build(reqs, extends, prefixes, new_slots)
+        self.cache.cache_prefill(prefill_reqs)
+        return reqs, batch
+
+    def _fit_kv(self, extend: int, reserve: int, alone: bool) -> int:
+        """Cut ``extend`` to the KV room left after ``reserve`` slots.
+
+        A request alone in flight must make progress: it may use the reserve (in chunks if
+        need be); otherwise it gets what is left, possibly nothing.
+        """
+        available = self.cache.available
+        limit = available - reserve
+        if extend > limit:
+            extend = min(extend, available) if alone else max(0, limit)
+        return extend
+
+    def _build(
+        self,
+        reqs: list[Req],
+        extends: list[int],
+        prefixes: list[int],
+        new_slots: list[torch.Tensor],
+    ) -> ForwardBatch:
+        """Give each request its new slots, write them to the table, upload the batch."""
+        input_ids: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        for req, ext, pre, slots in zip(reqs, extends, prefixes, new_slots, strict=True):
+            input_ids.extend(req.fill_ids[pre : pre + ext])
+            rows.extend([req.req_pool_idx] * ext)
+            cols.extend(range(pre, pre + ext))
+            req.append_kv(slots)
+            if req.kv_len < req.fill_len:
+                self.chunked = req
+        all_slots = torch.cat(new_slots)
+        self.cache.write_table(rows, cols, all_slots)
+        return ForwardBatch.build(
+            ForwardMode.EXTEND,
+            input_ids,
+            all_slots.tolist(),
+            [r.req_pool_idx for r in reqs],
+            prefixes,
+            extends,
+            self.device,
+        )
