@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from breakgraph.bench.args import add_decode_args, add_step_args
 from breakgraph.engine.args import add_engine_args
 
 
@@ -118,13 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     step = bench_sub.add_parser("step", help="one prefill step, in-process, against peers")
-    from breakgraph.bench.step import add_step_args
-
     add_step_args(step)
     step.set_defaults(func=cmd_bench_step)
     decode = bench_sub.add_parser("decode", help="one decode step per batch size: graph vs eager")
-    from breakgraph.bench.decode import add_decode_args
-
     add_decode_args(decode)
     decode.set_defaults(func=cmd_bench_decode)
     prefill = bench_sub.add_parser(

@@ -95,8 +95,8 @@ def test_missing_package_names_the_install_command(monkeypatch):
     def no_distribution(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(gguf_loader.importlib.metadata, "distribution", no_distribution)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.metadata, "distribution", no_distribution)
     with pytest.raises(EmbeddedModelMissing) as info:
         find_embedded_gguf()
     message = str(info.value)

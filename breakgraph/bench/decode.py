@@ -87,13 +87,3 @@ def run_decode_bench(args) -> list[DecodePoint]:
             torch.cuda.empty_cache()
     save_results(points, args.json, args.plot, "plot_decode")
     return points
-
-
-def add_decode_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")

@@ -295,17 +295,3 @@ def save_results(points: list, json_path: str | None, plot_path: str | None, plo
         from breakgraph.bench import plot
 
         getattr(plot, plot_fn)(rows, plot_path)
-
-
-def add_step_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
-    p.add_argument("--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192])
-    p.add_argument("--prefix-tokens", "-P", type=int, nargs="+", default=[0])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--compile-timeout", type=float, default=120.0)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against N")

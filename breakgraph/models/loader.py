@@ -14,11 +14,10 @@ from tqdm import tqdm
 
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.registry import get_model_class
+from breakgraph.models.sources import BUILTIN_MODELS, CONFIG_DIR
 
 logger = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).parent / "configs"
-BUILTIN_MODELS = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

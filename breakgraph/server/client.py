@@ -15,16 +15,32 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.request import SamplingParams
-from breakgraph.server.engine_process import run_engine_process
-from breakgraph.server.ipc import IpcPaths, ModelInfo, make_socket, pack, unpack
+from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server.ipc import IpcPaths, make_socket
+from breakgraph.server.messages import (
+    AbortReq,
+    FlushCacheReply,
+    FlushCacheReq,
+    FromEngine,
+    GenerateReq,
+    ModelInfo,
+    Ready,
+    Shutdown,
+    StartupError,
+    StatsReply,
+    StatsReq,
+    StepResult,
+    ToEngine,
+    TokenDelta,
+    decode,
+    encode,
+)
 from breakgraph.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -41,6 +57,13 @@ class EngineError(Exception):
 class RequestRejected(EngineError):
     def __init__(self, message: str):
         super().__init__(message, status=400)
+
+
+def _engine_main(engine_args: EngineArgs, paths: IpcPaths, log_level: str) -> None:
+    """The spawned engine process's target: the engine (and torch) are imported there, not here."""
+    from breakgraph.server.engine_process import run_engine_process
+
+    run_engine_process(engine_args, paths, log_level)
 
 
 @dataclass
@@ -79,7 +102,7 @@ class EngineClient:
         self._outbox = make_socket(self._ctx, zmq.PUSH, paths.to_engine, bind=True)
         mp = multiprocessing.get_context("spawn")
         self.process = mp.Process(
-            target=run_engine_process,
+            target=_engine_main,
             args=(self.engine_args, paths, self.log_level),
             name="breakgraph-engine",
             daemon=True,  # multiprocessing terminates it if the API process exits without close()
@@ -95,11 +118,11 @@ class EngineClient:
     async def _wait_ready(self) -> ModelInfo:
         while True:
             if await self._inbox.poll(timeout=200):
-                msg = unpack(await self._inbox.recv())
-                if msg["type"] == "ready":
-                    return ModelInfo(**msg["info"])
-                if msg["type"] == "startup_error":
-                    raise RuntimeError(f"the engine failed to start: {msg['message']}")
+                msg = decode(await self._inbox.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                if isinstance(msg, StartupError):
+                    raise RuntimeError(f"the engine failed to start: {msg.message}")
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited with code {self.process.exitcode}")
 
@@ -115,7 +138,7 @@ class EngineClient:
                 asyncio.get_running_loop().remove_reader(proc.sentinel)
             if proc.is_alive() and self.info is not None:
                 with contextlib.suppress(EngineError):
-                    self._send({"type": "shutdown"})
+                    self._send(Shutdown())
                 proc.join(timeout_s)
             if proc.is_alive():
                 if self.info is not None:
@@ -159,29 +182,21 @@ class EngineClient:
     def submit(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool
     ) -> asyncio.Queue:
-        """Send a validated request; its outputs (dicts, or an exception last) arrive on the queue."""
+        """Send a validated request; its TokenDeltas (or an exception, last) arrive on the queue."""
         if not self.alive:
             raise EngineError("the engine is not running")
         if rid in self._inflight:
             raise RequestRejected(f"request id {rid!r} is already in use")
         entry = _InFlight(asyncio.Queue(), time.perf_counter())
         self._inflight[rid] = entry
-        self._send(
-            {
-                "type": "add",
-                "rid": rid,
-                "input_ids": input_ids,
-                "sampling": asdict(sampling),
-                "return_logprob": return_logprob,
-            }
-        )
+        self._send(GenerateReq(rid, input_ids, sampling, return_logprob))
         return entry.queue
 
     def abort(self, rid: str) -> bool:
         """Ask the engine to abort a request; it answers with a finished output."""
         if rid not in self._inflight or not self.alive:
             return False
-        self._send({"type": "abort", "rid": rid})
+        self._send(AbortReq(rid))
         return True
 
     def abort_all(self) -> int:
@@ -194,24 +209,36 @@ class EngineClient:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    async def call(self, method: str, timeout_s: float = 30.0) -> Any:
-        """A control call answered by the engine between two steps ("stats", "flush_cache")."""
+    async def stats(self, timeout_s: float = 30.0) -> dict[str, int | float]:
+        """The engine's live load and KV usage (``Engine.stats()``), answered between two steps."""
+        reply: StatsReply = await self._call(StatsReq, timeout_s)
+        return reply.stats
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> bool:
+        """Drop the prefix cache; False while requests are in flight."""
+        reply: FlushCacheReply = await self._call(FlushCacheReq, timeout_s)
+        return reply.flushed
+
+    async def _call(
+        self, request: type[StatsReq | FlushCacheReq], timeout_s: float
+    ) -> StatsReply | FlushCacheReply:
         if not self.alive:
             raise EngineError("the engine is not running")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send({"type": "call", "call_id": call_id, "method": method})
+        self._send(request(call_id))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise EngineError(f"the engine did not answer {method!r} in {timeout_s} s") from None
+            name = request.__name__
+            raise EngineError(f"the engine did not answer {name} in {timeout_s} s") from None
         finally:
             self._calls.pop(call_id, None)
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: ToEngine) -> None:
         try:
-            self._outbox.send(pack(msg), zmq.NOBLOCK)
+            self._outbox.send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineError(f"cannot reach the engine process: {e}") from e
 
@@ -219,54 +246,57 @@ class EngineClient:
     async def _recv_loop(self) -> None:
         while True:
             try:
-                msg = unpack(await self._inbox.recv())
+                data = await self._inbox.recv()
             except (asyncio.CancelledError, zmq.ContextTerminated):
                 return
             try:
-                self._dispatch(msg)
+                self._dispatch(decode(data))
             except Exception:
                 logger.exception("failed to dispatch an engine message")
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "step":
-            now = time.perf_counter()
-            if msg["step_ms"] is not None:
-                self.metrics.step_time.observe(msg["step_ms"] / 1000.0)
-            for err in msg["errors"]:
-                entry = self._inflight.pop(err["rid"], None)
-                self.metrics.requests.inc(label_value="error")
-                if entry is not None:
-                    entry.queue.put_nowait(RequestRejected(err["message"]))
-            for out in msg["outputs"]:
-                self._route_output(out, now)
-        elif kind == "reply":
-            fut = self._calls.get(msg["call_id"])
-            if fut is not None and not fut.done():
-                fut.set_result(msg["result"])
-        else:
-            logger.error("unexpected engine message %r", kind)
+    def _dispatch(self, msg: FromEngine) -> None:
+        match msg:
+            case StepResult():
+                self._on_step(msg)
+            case StatsReply() | FlushCacheReply():
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            case _:
+                logger.error("unexpected engine message %s", type(msg).__name__)
 
-    def _route_output(self, out: dict[str, Any], now: float) -> None:
-        entry = self._inflight.get(out["rid"])
+    def _on_step(self, msg: StepResult) -> None:
+        now = time.perf_counter()
+        if msg.step_ms is not None:
+            self.metrics.step_time.observe(msg.step_ms / 1000.0)
+        for err in msg.errors:
+            entry = self._inflight.pop(err.rid, None)
+            self.metrics.requests.inc(label_value="error")
+            if entry is not None:
+                entry.queue.put_nowait(RequestRejected(err.message))
+        for out in msg.outputs:
+            self._route_output(out, now)
+
+    def _route_output(self, out: TokenDelta, now: float) -> None:
+        entry = self._inflight.get(out.rid)
         if entry is None:
             return
-        m, n = self.metrics, len(out["ids"])
+        m, n = self.metrics, len(out.token_ids)
         if n:
             m.generation_tokens.inc(n)
             if entry.last_token_at is None:
                 m.ttft.observe(now - entry.submitted_at)
-                m.prompt_tokens.inc(out["prompt_tokens"])
-                m.cached_tokens.inc(out["cached_tokens"])
+                m.prompt_tokens.inc(out.prompt_tokens)
+                m.cached_tokens.inc(out.cached_tokens)
             else:
                 gap = (now - entry.last_token_at) / n
                 for _ in range(n):
                     m.itl.observe(gap)
             entry.last_token_at = now
-        if out["finished"]:
-            del self._inflight[out["rid"]]
+        if out.finished:
+            del self._inflight[out.rid]
             m.e2e.observe(now - entry.submitted_at)
-            m.requests.inc(label_value=(out["finish_reason"] or {}).get("type", "unknown"))
+            m.requests.inc(label_value=(out.finish_reason or {}).get("type", "unknown"))
         entry.queue.put_nowait(out)
 
     def _fail_all(self, error: EngineError) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from breakgraph.models.sources import BUILTIN_MODELS, find_embedded_gguf
 from breakgraph.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -13,12 +14,8 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(model_path: str | None) -> Tokenizer | None:
     """The model's tokenizer without its weights: from GGUF metadata (None: the embedded model)
     or an HF dir's tokenizer.json; None for built-in config-only names and tokenizer-less dirs."""
-    from breakgraph.models.loader import BUILTIN_MODELS
-
     if model_path is None or str(model_path).endswith(".gguf"):
         from gguf import GGUFReader
-
-        from breakgraph.models.gguf_loader import find_embedded_gguf
 
         path = Path(model_path) if model_path else find_embedded_gguf()
         return Tokenizer.from_gguf(GGUFReader(str(path)))

@@ -13,14 +13,35 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
-from breakgraph.engine.request import SamplingParams
-from breakgraph.server.ipc import IpcPaths, ModelInfo, encode_output, make_socket, pack, unpack
+from breakgraph.server.ipc import IpcPaths, make_socket
+from breakgraph.server.messages import (
+    AbortReq,
+    FlushCacheReply,
+    FlushCacheReq,
+    FromEngine,
+    GenerateReq,
+    ModelInfo,
+    Ready,
+    RequestError,
+    Shutdown,
+    StartupError,
+    StatsReply,
+    StatsReq,
+    StepResult,
+    ToEngine,
+    TokenDelta,
+    decode,
+    encode,
+)
+
+if TYPE_CHECKING:  # annotation only: no runtime tie to where the engine defines it
+    from breakgraph.engine.scheduler import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +72,12 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
                 logger.info("warm-up: %s", report)
         except Exception as e:
             logger.exception("engine failed to start")
-            outbox.send(pack({"type": "startup_error", "message": f"{type(e).__name__}: {e}"}))
+            outbox.send(encode(StartupError(f"{type(e).__name__}: {e}")))
             code = 1
             return
         signal.signal(signal.SIGTERM, _on_sigterm)  # while loading, SIGTERM just ends us
         engine.mark_ready()
-        outbox.send(pack({"type": "ready", "info": model_info(engine).to_dict()}))
+        outbox.send(encode(Ready(model_info(engine))))
         EngineLoop(engine, inbox, outbox).run()
     except Exception:
         logger.exception("engine loop crashed")
@@ -99,8 +120,8 @@ class EngineLoop:
         self.outbox = outbox
         self._stop = False
         # produced between steps (aborts, rejected adds); sent with the next step's outputs
-        self._outputs: list[dict[str, Any]] = []
-        self._errors: list[dict[str, str]] = []
+        self._outputs: list[TokenDelta] = []
+        self._errors: list[RequestError] = []
         self._parent = multiprocessing.parent_process()
         self._last_parent_check = time.monotonic()
 
@@ -119,16 +140,18 @@ class EngineLoop:
                 start = time.perf_counter()
                 outs = self.engine.step()
                 step_ms = (time.perf_counter() - start) * 1000.0
-                self._outputs.extend(encode_output(o) for o in outs)
+                self._outputs.extend(token_delta(o) for o in outs)
             if step_ms is not None or self._outputs or self._errors:
                 self._send_step(step_ms)
             self._check_parent()
         logger.info("engine loop stopped")
 
     def _send_step(self, step_ms: float | None) -> None:
-        msg = {"type": "step", "step_ms": step_ms, "outputs": self._outputs, "errors": self._errors}
-        self.outbox.send(pack(msg))
+        self._send(StepResult(step_ms, self._outputs, self._errors))
         self._outputs, self._errors = [], []
+
+    def _send(self, msg: FromEngine) -> None:
+        self.outbox.send(encode(msg))
 
     def _check_parent(self) -> None:
         now = time.monotonic()
@@ -150,39 +173,48 @@ class EngineLoop:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(unpack(data))
+            try:
+                msg = decode(data)
+            except ValueError as e:
+                logger.error("dropped a message: %s", e)
+                continue
+            self._handle(msg)
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "add":
-            self._add(msg)
-        elif kind == "abort":
-            out = self.engine.abort(msg["rid"])
-            if out is not None:
-                self._outputs.append(encode_output(out))
-        elif kind == "call":
-            result = self._call(msg["method"])
-            self.outbox.send(pack({"type": "reply", "call_id": msg["call_id"], "result": result}))
-        elif kind == "shutdown":
-            self._stop = True
-        else:
-            logger.error("unknown message type %r", kind)
+    def _handle(self, msg: ToEngine) -> None:
+        match msg:
+            case GenerateReq():
+                self._add(msg)
+            case AbortReq():
+                out = self.engine.abort(msg.rid)
+                if out is not None:
+                    self._outputs.append(token_delta(out))
+            case StatsReq():
+                self._send(StatsReply(msg.call_id, self.engine.stats()))
+            case FlushCacheReq():
+                self._send(FlushCacheReply(msg.call_id, self.engine.flush_cache()))
+            case Shutdown():
+                self._stop = True
+            case _:
+                logger.error("unexpected message %s", type(msg).__name__)
 
-    def _add(self, msg: dict[str, Any]) -> None:
-        rid = msg["rid"]
+    def _add(self, msg: GenerateReq) -> None:
         try:
             self.engine.add_request(
-                msg["input_ids"],
-                SamplingParams.from_dict(msg["sampling"]),
-                rid=rid,
-                return_logprob=msg.get("return_logprob", False),
+                msg.input_ids, msg.sampling, rid=msg.rid, return_logprob=msg.return_logprob
             )
         except (ValueError, TypeError) as e:  # the API validates first; this is the backstop
-            self._errors.append({"rid": rid, "message": str(e)})
+            self._errors.append(RequestError(msg.rid, str(e)))
 
-    def _call(self, method: str) -> Any:
-        if method == "stats":
-            return self.engine.stats()
-        if method == "flush_cache":
-            return self.engine.flush_cache()
-        return {"error": f"unknown method {method!r}"}
+
+def token_delta(out: StepOutput) -> TokenDelta:
+    """The wire form of an engine output, field by field (the engine may add fields of its own)."""
+    return TokenDelta(
+        rid=out.rid,
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+    )

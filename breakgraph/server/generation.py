@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.client import EngineClient
 from breakgraph.server.detokenize import TextStream
 from breakgraph.tokenizer import Tokenizer
@@ -84,12 +84,12 @@ async def stream_generation(
                 if isinstance(item, Exception):
                     state.finished = True  # nothing left to abort
                     raise item
-                new_ids += item["ids"]
-                state.logprobs += item["logprobs"]
-                state.cached_tokens = item["cached_tokens"]
-                if item["finished"]:
+                new_ids += item.token_ids
+                state.logprobs += item.logprobs
+                state.cached_tokens = item.cached_tokens
+                if item.finished:
                     state.finished = True
-                    state.finish_reason = item["finish_reason"]
+                    state.finish_reason = item.finish_reason
             state.output_ids += new_ids
             if text is not None:
                 if state.finished:

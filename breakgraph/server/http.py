@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import breakgraph
-from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.client import EngineError
 from breakgraph.server.generation import (
     GenerationRequest,
@@ -183,12 +184,12 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 async def get_server_info(request: Request) -> dict[str, Any]:
     s = server_state(request)
     s.require_alive()
-    stats = await s.client.call("stats")
+    stats = await s.client.stats()
     return {
         **s.server_args,
         "version": breakgraph.__version__,
         "served_model_name": s.served_model_name,
-        **s.info.to_dict(),
+        **dataclasses.asdict(s.info),
         "max_total_num_tokens": s.info.kv_capacity_tokens,
         "num_inflight_requests": s.client.num_inflight,
         **stats,
@@ -200,7 +201,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 async def flush_cache(request: Request) -> JSONResponse:
     s = server_state(request)
     s.require_alive()
-    if await s.client.call("flush_cache"):
+    if await s.client.flush_cache():
         return JSONResponse({"success": True, "message": "Cache flushed."})
     return JSONResponse(
         {"success": False, "message": "Cache not flushed: requests are in flight."},
@@ -226,7 +227,7 @@ async def abort_request(request: Request) -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     s = server_state(request)
-    stats = await s.client.call("stats") if s.client.alive else None
+    stats = await s.client.stats() if s.client.alive else None
     return PlainTextResponse(
         s.client.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

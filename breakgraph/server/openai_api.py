@@ -18,7 +18,7 @@ from breakgraph.server.generation import (
     run_to_completion,
     stream_generation,
 )
-from breakgraph.server.ipc import ModelInfo
+from breakgraph.server.messages import ModelInfo
 from breakgraph.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from breakgraph.engine.request import SamplingParams
-from breakgraph.server.ipc import ModelInfo
+from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import (
     APIError,
     check_fits,

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from breakgraph.engine.request import SamplingParams
-from breakgraph.server.ipc import ModelInfo
+from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server.messages import ModelInfo
 from breakgraph.tokenizer import Tokenizer
 
 # sampling parameters handled in the API process (detokenization), not by the engine

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from breakgraph.server.client import EngineClient
-from breakgraph.server.ipc import ModelInfo
+from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import APIError
 from breakgraph.tokenizer import Tokenizer
 

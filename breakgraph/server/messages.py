@@ -1,0 +1,191 @@
+"""Every message between the API process and the engine process, and their one msgpack codec.
+
+Torch-free: the API process imports it. On the wire a message is the map of its fields plus
+``"type": <class name>``; wire names are the field names, and a nested dataclass
+(SamplingParams, ModelInfo, TokenDelta, RequestError) travels as the map of its own fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from breakgraph.engine.sampling_params import SamplingParams
+
+
+# ---- API -> engine ----
+@dataclass
+class GenerateReq:
+    """Add a request; the API process validated it, the engine checks again (the backstop)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Abort a request; the engine answers with the request's finished TokenDelta."""
+
+    rid: str
+
+
+@dataclass
+class StatsReq:
+    """Ask for the engine's live load and KV usage; answered by a StatsReply."""
+
+    call_id: int
+
+
+@dataclass
+class FlushCacheReq:
+    """Drop every cached prefix (refused while requests run); answered by a FlushCacheReply."""
+
+    call_id: int
+
+
+@dataclass
+class Shutdown:
+    """Stop the engine loop; the engine process exits."""
+
+
+# ---- engine -> API ----
+@dataclass
+class ModelInfo:
+    """What the engine reports once the model is loaded."""
+
+    model_source: str
+    architecture: str
+    vocab_size: int
+    context_length: int
+    max_running_requests: int
+    kv_capacity_tokens: int
+    dtype: str
+    device: str
+    engine_pid: int
+
+
+@dataclass
+class Ready:
+    """The model is loaded and warmed up: the engine serves from now on."""
+
+    info: ModelInfo
+
+
+@dataclass
+class StartupError:
+    """The engine could not start (bad model path, out of memory, ...); it exits."""
+
+    message: str
+
+
+@dataclass
+class TokenDelta:
+    """One request's share of one step: its new tokens and, once finished, why."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class RequestError:
+    """A request the engine refused; the API answers it with a 400."""
+
+    rid: str
+    message: str
+
+
+@dataclass
+class StepResult:
+    """What one loop iteration produced; step_ms is None when no step ran (only aborts, errors)."""
+
+    step_ms: float | None
+    outputs: list[TokenDelta] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+
+
+@dataclass
+class StatsReply:
+    """Answer to StatsReq: ``Engine.stats()``."""
+
+    call_id: int
+    stats: dict[str, int | float]
+
+
+@dataclass
+class FlushCacheReply:
+    """Answer to FlushCacheReq: whether the cache was flushed."""
+
+    call_id: int
+    flushed: bool
+
+
+ToEngine = GenerateReq | AbortReq | StatsReq | FlushCacheReq | Shutdown
+FromEngine = Ready | StartupError | StepResult | StatsReply | FlushCacheReply
+Message = ToEngine | FromEngine
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+
+
+# ---- the codec ----
+def encode(msg: Message) -> bytes:
+    """``msg`` as msgpack bytes: its fields, and its class name under "type"."""
+    if MESSAGE_TYPES.get(type(msg).__name__) is not type(msg):
+        raise TypeError(f"{type(msg).__name__} is not a message")
+    return msgpack.packb({"type": type(msg).__name__, **_fields(msg)}, default=_fields)
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``; ValueError if it is not one (unknown type, wrong fields)."""
+    wire = msgpack.unpackb(data)
+    if not isinstance(wire, dict) or MESSAGE_TYPES.get(str(wire.get("type"))) is None:
+        raise ValueError(f"not a message: {str(wire)[:200]}")
+    try:
+        return _build(MESSAGE_TYPES[wire.pop("type")], wire)
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"malformed message: {e}") from None
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A dataclass as the map of its fields (msgpack calls this for what it cannot pack)."""
+    if not hasattr(type(obj), "__dataclass_fields__"):
+        raise TypeError(f"cannot send a {type(obj).__name__}")
+    return vars(obj)  # a plain dataclass's instance dict is its fields, and fast to take
+
+
+def _build(cls: type, wire: dict[str, Any]) -> Any:
+    for name, rebuild in _nested(cls).items():
+        if name in wire:
+            wire[name] = rebuild(wire[name])
+    return cls(**wire)
+
+
+@functools.cache
+def _nested(cls: type) -> dict[str, Callable[[Any], Any]]:
+    """For each field of ``cls`` that holds dataclasses (X or list[X]): how to rebuild it."""
+    rebuild: dict[str, Callable[[Any], Any]] = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        args = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            rebuild[name] = functools.partial(_build, tp)
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
+            rebuild[name] = functools.partial(_build_list, args[0])
+    return rebuild
+
+
+def _build_list(cls: type, items: list[dict[str, Any]]) -> list[Any]:
+    if _nested(cls):
+        return [_build(cls, item) for item in items]
+    return [cls(**item) for item in items]  # the common case (TokenDelta), kept fast
