@@ -41,8 +41,11 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    # per-step state the attention break derives once and every layer reuses (launch plan)
-    attention_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    # per-step state the attention break derives once and every layer reuses: launch plans
+    # keyed by what they depend on besides the step (heads, head_dim, scale, window)
+    attention_plans: dict[tuple, Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -59,6 +62,28 @@ class ForwardBatch:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu)
+
+    def tail(self) -> ForwardBatch:
+        """The step restricted to each request's last row (``logits_rows``), attending to its
+        whole context: the metadata of layers that only the LM head's rows need (the
+        KV-shared layers of Gemma 4, which store no KV). Device ops only, no host sync."""
+        rows, b = self.logits_rows, self.batch_size
+        device = rows.device
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=self.input_ids[rows],
+            positions=self.positions[rows],
+            out_cache_loc=self.out_cache_loc[rows],
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            prefix_lens=self.seq_lens - 1,
+            extend_lens=torch.ones(b, dtype=torch.int32, device=device),
+            extend_start_loc=torch.arange(b, dtype=torch.int32, device=device),
+            logits_rows=torch.arange(b, dtype=torch.int64, device=device),
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            prefix_lens_cpu=[s - 1 for s in self.seq_lens_cpu],
+            extend_lens_cpu=[1] * b,
+        )
 
     @classmethod
     def build(
@@ -125,7 +150,7 @@ class ForwardContext:
     """Live state of the current step, read by the attention break and the KV store."""
 
     batch: ForwardBatch
-    kv_pool: object  # cache.kv_pool.KVPool: k_buffers[layer], v_buffers[layer] of [slots, kv_heads, head_dim]
+    kv_pool: object  # cache.kv_pool.KVPool: k_buffers[kv_layer], v_buffers[kv_layer] of [slots, kv_heads, head_dim]
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32
     # Set only while a graph bucket is captured: rows at or past it may be padding in a
     # replay; layers whose kernels leave such rows unwritten zero them inside the graph.

@@ -535,3 +535,67 @@ def test_twins_follow_hf_arithmetic():
     )
     oq, ok = fused.qk_norm_rope_torch(q, k, qn.weight, kn.weight, 1e-6, cos, sin)
     assert torch.equal(oq, hq[0].transpose(0, 1)) and torch.equal(ok, hk[0].transpose(0, 1))
+
+
+# ------------------------------------------------------------------- CPU: sliding window
+
+
+def _dense_reference(q, kc, vc, r2t, pool, seq, starts, ext_lens, scale, allowed):
+    """Per request: softmax attention over its keys where ``allowed(q_pos, k_pos)``."""
+    group = q.shape[1] // kc.shape[1]
+    out = torch.zeros_like(q)
+    meta = (pool.tolist(), seq.tolist(), starts.tolist(), ext_lens.tolist())
+    for req, s, st, e in zip(*meta, strict=True):
+        slots = r2t[req, :s].long()
+        k = kc[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        v = vc[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.tensor([[allowed(s - e + i, j) for j in range(s)] for i in range(e)])
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[st : st + e].transpose(0, 1), k, v, attn_mask=mask, scale=scale
+        )
+        out[st : st + e] = ref.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window_twins_follow_hf_sliding_mask(window):
+    """Extend and decode twins with a window equal attention under HF's own sliding mask
+    (``sliding_window_causal_mask_function``: a row at p sees keys p - W + 1 .. p)."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    hf_allowed = masking.sliding_window_causal_mask_function(window)
+
+    def allowed(q_pos, k_pos):
+        return bool(hf_allowed(*(torch.tensor(i) for i in (0, 0, q_pos, k_pos))))
+
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(0, 9), (13, 4), (3, 1), (20, 1)], 2, 16, torch.float32, "cpu"
+    )
+    q = torch.randn(rows, 4, 16)
+    o = torch.zeros_like(q)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.3)
+    ext.extend_attention_torch(q, o, *args, 9, sliding_window=window)
+    ref = _dense_reference(q, *args, allowed)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+    # via ops, and decode (one row per request: the last) over the same caches
+    o_ops = torch.zeros_like(q)
+    ops.extend_attention(q, o_ops, *args, 9, sliding_window=window)
+    assert torch.equal(o_ops, o)
+    qd = torch.randn(4, 4, 16)
+    od = torch.zeros_like(qd)
+    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, 0.3, sliding_window=window)
+    one = torch.ones(4, dtype=torch.int32)
+    ref = _dense_reference(qd, kc, vc, r2t, pool, seq, torch.arange(4), one, 0.3, allowed)
+    torch.testing.assert_close(od, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_ops_refuse_a_window_on_the_triton_path(monkeypatch):
+    """No silent full attention on the GPU: the Triton kernels have no window yet."""
+    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+        [(3, 4)], 2, 16, torch.float32, "cpu"
+    )
+    q = torch.randn(rows, 4, 16)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        ops.plan_extend_attention(q, kc, r2t, pool, seq, starts, ext_lens, 0.3, 4, sliding_window=8)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        ops.decode_attention(q[:1], q[:1], kc, vc, r2t, pool, seq, 0.3, sliding_window=8)

@@ -1,4 +1,4 @@
-"""The paged KV store (one slot = one token's k and v in every layer) and its slot allocator.
+"""The paged KV store (one slot = one token's k and v in every KV layer) and its slot allocator.
 
 Slot 0 is reserved: padding rows of a step write their KV there, so it is never handed
 out and never holds real KV.
@@ -6,13 +6,24 @@ out and never holds real KV.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0
 
 
 class KVPool:
-    """Per-layer k and v buffers of shape ``[num_slots, num_kv_heads, head_dim]``, zeroed."""
+    """Per-KV-layer k and v buffers of shape ``[num_slots, num_kv_heads, head_dim]``, zeroed.
+
+    A KV layer is a layer that stores KV. Most models store KV in every layer, all of one
+    shape (the ``num_layers, num_kv_heads, head_dim`` constructor); a model whose late layers
+    reuse earlier layers' KV (Gemma 4) stores fewer, of per-layer shapes: ``from_shapes``
+    with the model's ``kv_cache_shapes()``.
+    """
 
     def __init__(
         self,
@@ -26,18 +37,54 @@ class KVPool:
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is reserved), got {num_slots}")
         self.num_slots = num_slots
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
+        self._allocate([(num_kv_heads, head_dim)] * num_layers)
+
+    @classmethod
+    def from_shapes(
+        cls,
+        num_slots: int,
+        shapes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVPool:
+        """One buffer pair per KV layer, of ``shapes[i] = (num_kv_heads, head_dim)``."""
+        pool = cls(num_slots, 0, 0, 0, dtype, device)
+        pool._allocate(shapes)
+        return pool
+
+    def _allocate(self, shapes: Sequence[tuple[int, int]]) -> None:
+        self.layer_shapes: list[tuple[int, int]] = [tuple(s) for s in shapes]
+        self.num_layers = len(self.layer_shapes)
+        uniform = len(set(self.layer_shapes)) == 1
+        # uniform pools keep their scalar shape; per-layer ones have none
+        self.num_kv_heads, self.head_dim = self.layer_shapes[0] if uniform else (None, None)
         self.k_buffers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=self.device)
+            for h, d in self.layer_shapes
         ]
         self.v_buffers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=self.device)
+            for h, d in self.layer_shapes
         ]
+
+    def relayout(self, shapes: Sequence[tuple[int, int]]) -> None:
+        """Re-allocate (zeroed, same slots) for a model's KV layers; a no-op when they match.
+
+        For a pool built with the model's layer count and one shape when the model stores
+        KV in fewer layers, or of other shapes (see ``from_shapes``).
+        """
+        shapes = [tuple(s) for s in shapes]
+        if shapes == self.layer_shapes:
+            return
+        logger.info(
+            "KV pool: %d KV layers of the model's shapes instead of %d",
+            len(shapes),
+            self.num_layers,
+        )
+        self.k_buffers = self.v_buffers = []  # free the old buffers before allocating
+        self._allocate(shapes)
 
     @property
     def size_bytes(self) -> int:
@@ -49,8 +96,13 @@ class KVPool:
         cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         """Bytes one token's k and v take over all layers (to size the pool from a budget)."""
+        return cls.slot_bytes([(num_kv_heads, head_dim)] * num_layers, dtype)
+
+    @staticmethod
+    def slot_bytes(shapes: Sequence[tuple[int, int]], dtype: torch.dtype) -> int:
+        """Bytes one token's k and v take over KV layers of ``shapes``."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+        return 2 * sum(h * d for h, d in shapes) * itemsize
 
 
 class SlotAllocator:

@@ -1,4 +1,11 @@
-"""Runs one forward of a ForwardBatch: a CUDA graph when one fits, else eagerly."""
+"""Runs one forward of a ForwardBatch: a CUDA graph when one fits, else eagerly.
+
+The model contract: ``model(input_ids, positions)`` -> final hidden states of every row;
+``compute_logits(hidden)``; ``kv_cache_shapes()`` -> (num_kv_heads, head_dim) per layer that
+stores KV; optionally ``forward_logits_rows(input_ids, positions)`` -> the final hidden
+states of the step's ``logits_rows`` only, which eager steps prefer (Gemma 4 runs its
+KV-shared layers on those rows only).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,9 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor):
         self.model = model
+        # the pool holds the model's KV layers, of their shapes: a pool sized per layer of
+        # the config (one shape, every layer) is re-laid out for a model that shares KV
+        kv_pool.relayout(model.kv_cache_shapes())
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.decode_graphs: DecodeGraphs | None = None
@@ -64,6 +74,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
+        logits_rows_only = getattr(self.model, "forward_logits_rows", None)
         with forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
-        return self.model.compute_logits(hidden[batch.logits_rows])
+            if logits_rows_only is not None:
+                hidden = logits_rows_only(batch.input_ids, batch.positions)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions)[batch.logits_rows]
+        return self.model.compute_logits(hidden)

@@ -28,14 +28,17 @@ def decode_attention_torch(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> None:
-    """Reference twin. q/o [B, H, D]; request b's keys are ``req_to_token[req, :seq_lens[b]]``."""
+    """Reference twin. q/o [B, H, D]; request b's keys are ``req_to_token[req, :seq_lens[b]]``
+    (with ``sliding_window`` W, only its last W)."""
     batch = q.shape[0]
     ones = torch.ones(batch, dtype=torch.int32, device=q.device)
     starts = torch.arange(batch, dtype=torch.int32, device=q.device)
     extend_attention_torch(
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, starts, ones, sm_scale, 1
-    )
+        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, starts, ones, sm_scale, 1,
+        sliding_window=sliding_window,
+    )  # fmt: skip
 
 
 class DecodeWorkspace:

@@ -30,12 +30,15 @@ def extend_attention_torch(
     sm_scale: float,
     max_extend_len: int,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Reference twin. q/o [T, H, D]; the new tokens' k/v are already stored in the cache.
 
     Request r's query rows ``extend_start_loc[r] : +extend_lens[r]`` sit at positions
     ``seq_lens[r] - extend_lens[r] + i``; its keys are ``req_to_token[req, :seq_lens[r]]``.
-    Row i sees keys 0 .. prefix + i. Accumulates in float32.
+    Row i at position p sees keys 0 .. p, or with ``sliding_window`` W only p - W + 1 .. p
+    (HF's sliding mask); keys older than every row's window are not read. Accumulates in
+    float32.
     """
     del max_extend_len, max_seq_len  # launch-size hints for the Triton kernel
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
@@ -49,15 +52,19 @@ def extend_attention_torch(
     ):
         if ext == 0:
             continue
-        slots = req_to_token[req, :seq_len].long()
+        prefix = seq_len - ext
+        first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+        slots = req_to_token[req, first:seq_len].long()
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
         qr = q[start : start + ext].float()  # [E, H, D]
         scores = torch.einsum("ehd,shd->hes", qr, k) * sm_scale
-        prefix = seq_len - ext
         q_pos = torch.arange(ext, device=q.device)[:, None] + prefix
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores.masked_fill_((k_pos > q_pos)[None], float("-inf"))
+        k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+        masked = k_pos > q_pos
+        if sliding_window is not None:
+            masked |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(masked[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o[start : start + ext] = torch.einsum("hes,shd->ehd", probs, v).to(o.dtype)
 

@@ -41,6 +41,12 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+def _no_triton_window(sliding_window: int | None) -> None:
+    """The Triton attention kernels attend to the whole context: refuse rather than ignore."""
+    if sliding_window is not None:
+        raise NotImplementedError("sliding window in the Triton kernels: next step")
+
+
 def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -66,15 +72,17 @@ def extend_attention(
     sm_scale: float,
     max_extend_len: int,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D].
 
     ``max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel split
-    long prefixes over more programs; the twin ignores it.
+    long prefixes over more programs; the twin ignores it. ``sliding_window`` W: a row at
+    position p attends to keys p - W + 1 .. p only (None: the whole context).
     """
     plan = plan_extend_attention(
         q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
-        sm_scale, max_extend_len, max_seq_len,
+        sm_scale, max_extend_len, max_seq_len, sliding_window,
     )  # fmt: skip
     plan(q, o, k_cache, v_cache)
 
@@ -90,15 +98,21 @@ def plan_extend_attention(
     sm_scale: float,
     max_extend_len: int,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """:func:`extend_attention` split in two: the step's part, computed once, returns a
-    ``plan(q, o, k_cache, v_cache)`` that each layer calls (same result, less host work)."""
+    ``plan(q, o, k_cache, v_cache)`` that each layer of the same shape, scale and window
+    calls (same result, less host work)."""
     meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
     if _use_triton(q):
+        _no_triton_window(sliding_window)
         return _extend.ExtendPlan(q, k_cache, *meta, sm_scale, max_extend_len, max_seq_len)
 
     def plan(q, o, k_cache, v_cache):
-        _extend.extend_attention_torch(q, o, k_cache, v_cache, *meta, sm_scale, max_extend_len)
+        _extend.extend_attention_torch(
+            q, o, k_cache, v_cache, *meta, sm_scale, max_extend_len,
+            sliding_window=sliding_window,
+        )  # fmt: skip
 
     return plan
 
@@ -114,20 +128,24 @@ def decode_attention(
     sm_scale: float,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """One query row per request into ``o`` [B, H, D]; CUDA-graph capturable on CUDA.
 
-    ``num_kv_splits`` and ``workspace`` only tune the Triton kernel (the twin ignores them).
+    ``num_kv_splits`` and ``workspace`` only tune the Triton kernel (the twin ignores them);
+    ``sliding_window`` W: each request attends to its last W keys only.
     """
     if _use_triton(q):
+        _no_triton_window(sliding_window)
         _decode.decode_attention_triton(
             q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
             num_kv_splits, workspace,
         )  # fmt: skip
     else:
         _decode.decode_attention_torch(
-            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale
-        )
+            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+            sliding_window,
+        )  # fmt: skip
 
 
 def graph_workspaces() -> list[torch.Tensor]:

@@ -4,6 +4,9 @@
 decode attention over the paged cache, writing into the output tensor it is given: it is
 the eager break of the prefill graphs (decode graphs capture it inline). The KV store
 before it only needs the step's slots, which graphs keep in a static buffer.
+
+A layer reads and writes the pool's KV layer ``kv_layer_id`` (its own layer id unless the
+model shares KV: then the KV-shared layers store nothing and read their source's KV).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer_id: int) -> None:
     """Write the new rows' k/v into their KV slots (padding rows carry slot 0).
 
     Capturable: inside a prefill graph ``out_cache_loc`` is the bank's static, padded
@@ -24,16 +27,24 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
     """
     ctx = get_forward_context()
     pool = ctx.kv_pool
-    ops.store_kv(pool.k_buffers[layer_id], pool.v_buffers[layer_id], ctx.batch.out_cache_loc, k, v)
+    ops.store_kv(
+        pool.k_buffers[kv_layer_id], pool.v_buffers[kv_layer_id], ctx.batch.out_cache_loc, k, v
+    )
 
 
 @eager_break
-def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: float) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    kv_layer_id: int,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> None:
     """q/o [T, H, D] over the paged KV of the live step. Writes o's rows of requests only."""
     ctx = get_forward_context()
     batch = ctx.batch
-    k_cache = ctx.kv_pool.k_buffers[layer_id]
-    v_cache = ctx.kv_pool.v_buffers[layer_id]
+    k_cache = ctx.kv_pool.k_buffers[kv_layer_id]
+    v_cache = ctx.kv_pool.v_buffers[kv_layer_id]
     if batch.mode is ForwardMode.DECODE:
         ops.decode_attention(
             q,
@@ -44,12 +55,15 @@ def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: fl
             batch.req_pool_indices,
             batch.seq_lens,
             scaling,
+            sliding_window=sliding_window,
         )
     else:
-        # the step's launch plan is shared by every layer: computed at the first, cached
-        plan = batch.attention_plan
+        # a step's launch plan is shared by every layer of its shape, scale and window:
+        # computed at the first such layer, cached on the batch
+        key = (q.shape[1], *k_cache.shape[1:], scaling, sliding_window)
+        plan = batch.attention_plans.get(key)
         if plan is None:
-            plan = batch.attention_plan = ops.plan_extend_attention(
+            plan = batch.attention_plans[key] = ops.plan_extend_attention(
                 q,
                 k_cache,
                 ctx.req_to_token,
@@ -60,26 +74,53 @@ def paged_attention(q: torch.Tensor, o: torch.Tensor, layer_id: int, scaling: fl
                 scaling,
                 batch.max_extend_len,
                 max_seq_len=batch.max_seq_len,  # host-known: lets the kernel split long prefixes
+                sliding_window=sliding_window,
             )
         plan(q, o, k_cache, v_cache)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int):
+    """Paged attention of one layer.
+
+    ``scaling`` defaults to ``head_dim ** -0.5``; ``sliding_window`` W limits each row to its
+    last W keys (None: the whole context); ``kv_layer_id`` is the pool's KV layer this layer
+    reads and writes (default: ``layer_id``).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_id: int,
+        *,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        kv_layer_id: int | None = None,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_id = layer_id
-        self.scaling = head_dim**-0.5
+        self.kv_layer_id = layer_id if kv_layer_id is None else kv_layer_id
+        self.scaling = head_dim**-0.5 if scaling is None else scaling
+        self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
-        store_kv(k, v, self.layer_id)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D].
+
+        Without k/v the layer stores nothing and attends to the KV already stored in its KV
+        layer (KV sharing: another layer wrote it).
+        """
+        if k is not None:
+            store_kv(k, v, self.kv_layer_id)
         o = torch.empty_like(q)
         pad_from = get_forward_context().pad_rows_from
         if pad_from is not None and pad_from < o.shape[0]:
             # captured: padding rows get a defined value (the kernels skip rows of no request)
             o[pad_from:].zero_()
-        paged_attention(q, o, self.layer_id, self.scaling)
+        paged_attention(q, o, self.kv_layer_id, self.scaling, self.sliding_window)
         return o.view(q.shape[0], self.num_heads * self.head_dim)

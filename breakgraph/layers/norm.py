@@ -21,3 +21,21 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm (HF ``Gemma4RMSNorm``): normalized and scaled by ``weight`` in
+    float32, cast back once at the end; ``with_scale=False`` has no weight (the v norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        # torch.pow, not rsqrt: HF's choice, kept for bit-equality
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)

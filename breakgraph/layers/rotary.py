@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate_half form, as HF), with Llama-3 frequency scaling."""
+"""Rotary position embedding (rotate_half form, as HF): default, Llama-3, linear and
+Gemma 4's proportional frequencies."""
 
 from __future__ import annotations
 
@@ -25,6 +26,34 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _proportional_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """Gemma 4's full layers: the first ``partial_rotary_factor`` of the angles rotate at the
+    frequencies of the whole head_dim, the rest not at all (frequency 0)."""
+    rope_angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponent = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    nope_angles = head_dim // 2 - rope_angles
+    if nope_angles > 0:
+        inv_freq = torch.cat((inv_freq, torch.zeros(nope_angles, dtype=torch.float32)))
+    return inv_freq / scaling.get("factor", 1.0)
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies, as HF's ROPE_INIT_FUNCTIONS compute them."""
+    kind = (rope_scaling or {}).get("rope_type", "default")
+    if kind == "proportional":
+        return _proportional_inv_freq(head_dim, base, rope_scaling)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    if kind == "default":
+        return inv_freq
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if kind == "linear":
+        return inv_freq / rope_scaling["factor"]
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+
+
 class RotaryEmbedding(nn.Module):
     """Holds a float32 cos/sin cache over all positions; ``forward`` gathers rows by position."""
 
@@ -36,16 +65,7 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict | None = None,
     ):
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (base**exponent)
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type")
-            if kind == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-            elif kind == "linear":
-                inv_freq = inv_freq / rope_scaling["factor"]
-            else:
-                raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

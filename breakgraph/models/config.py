@@ -32,9 +32,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        cfg = _text_config(cfg)
         heads = cfg["num_attention_heads"]
-        # transformers 5 moved rope settings into `rope_parameters`; accept both layouts
+        # transformers 5 moved rope settings into `rope_parameters`; accept both layouts.
+        # Per layer type ({"sliding_attention": {...}, ...}): the model reads them from raw.
         rope_params = dict(cfg.get("rope_parameters") or {})
+        if rope_params and all(isinstance(v, dict) for v in rope_params.values()):
+            rope_params = {}
         rope_theta = rope_params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_scaling = cfg.get("rope_scaling") or rope_params or None
         if rope_scaling is not None:
@@ -71,3 +75,20 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# keys of a multimodal config's top level that hold for its text model too
+_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config (Gemma4ForConditionalGeneration: the language
+    model's settings under ``text_config``) as one flat text config; others unchanged."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in cfg:
+        return cfg
+    flat = dict(text)
+    flat.update({k: cfg[k] for k in _TOP_LEVEL_KEYS if cfg.get(k) is not None})
+    if "tie_word_embeddings" in cfg:
+        flat["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return flat

@@ -134,6 +134,11 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch of new tokens [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each layer storing KV: every layer, one shape."""
+        c = self.config
+        return [(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 

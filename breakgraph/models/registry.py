@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from breakgraph.models.gemma4 import Gemma4ForCausalLM
 from breakgraph.models.llama import LlamaForCausalLM
 from breakgraph.models.qwen2 import Qwen2ForCausalLM
 from breakgraph.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its text model
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

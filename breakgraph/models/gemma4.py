@@ -1,0 +1,397 @@
+"""Gemma 4 text models (E2B, E4B, ...), module tree as HF's Gemma4ForCausalLM / Gemma4TextModel.
+
+What sets Gemma 4 apart, all read from the text config:
+
+- ``layer_types``: sliding-window layers (``sliding_window``) and full layers, each type with
+  its own head_dim (``global_head_dim`` or ``per_layer_config`` on full layers), KV heads and
+  rope (``rope_parameters`` per type; full layers use "proportional" rope);
+- KV sharing: the last ``num_kv_shared_layers`` layers have no k/v projections, store no KV
+  and read the KV of the last earlier layer of their type; the KV pool holds the others only
+  (``kv_cache_shapes``, ``kv_layer_of``);
+- per-layer input embeddings (PLE): a per-layer vector from the token id and the embedding
+  gates a residual branch after each layer's MLP;
+- sandwich norms, q/k/v norms (v without scale), attention scaling 1.0, ``layer_scalar``,
+  embeddings scaled by sqrt(hidden), final logit softcapping, double-wide MLP on the shared
+  layers (``use_double_wide_mlp``), ``attention_k_eq_v`` (full layers use k as v).
+
+Bounded replay, eager part (``kv_sharing_fast_prefill``): in an extend step the shared layers
+only matter for the rows whose hidden states feed the LM head, so ``forward_logits_rows`` runs
+the layers before the first shared one on all rows and the shared layers on each request's
+last row only, over the metadata of ``ForwardBatch.tail()``. ``forward`` is HF's computation:
+every layer on every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
+from breakgraph.layers.attention import Attention
+from breakgraph.layers.norm import GemmaRMSNorm
+from breakgraph.layers.rotary import rope_inv_freq
+from breakgraph.models.config import ModelConfig
+from breakgraph.models.gemma4_config import DEFAULT_ROPE, Gemma4Layer, gemma4_layers
+
+logger = logging.getLogger(__name__)
+
+# top-level modules of a Gemma4ForConditionalGeneration checkpoint that are not the text model
+_NON_TEXT_MODULES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+_PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)")
+_SHARED_LAYER_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_rotary_pos_emb`` on x [T, H, D]; cos/sin [T, D] in x's dtype."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Gemma4RotaryEmbedding(nn.Module):
+    """cos/sin per layer type, computed from the step's positions as HF does: no table (128K
+    positions of 512-wide full-layer heads would take half a gigabyte)."""
+
+    def __init__(self, config: ModelConfig, layers: list[Gemma4Layer]):
+        super().__init__()
+        rope_parameters = config.raw.get("rope_parameters") or DEFAULT_ROPE
+        self.layer_types = sorted({layer.layer_type for layer in layers})
+        for t in self.layer_types:
+            params = rope_parameters.get(t)
+            if params is None:
+                raise ValueError(f"rope_parameters has no entry for {t!r}")
+            head_dim = next(layer.head_dim for layer in layers if layer.layer_type == t)
+            inv_freq = rope_inv_freq(head_dim, float(params["rope_theta"]), params)
+            self.register_buffer(f"{t}_inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = getattr(self, f"{layer_type}_inv_freq")
+        freqs = positions[:, None].float() * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Gemma4MLP(nn.Module):
+    """GeGLU (tanh GELU); gate and up stacked into one projection (``gate_up_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma4Attention(nn.Module):
+    """q/k/v stacked into ``qkv_proj`` (q and k only when k is v); a KV-shared layer has only
+    ``q_proj`` and reads its source layer's KV."""
+
+    def __init__(self, config: ModelConfig, layer: Gemma4Layer, layer_id: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = layer.num_kv_heads
+        self.head_dim = d = layer.head_dim
+        self.shares_kv = layer.shares_kv
+        self.k_eq_v = layer.k_eq_v
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        bias = config.attention_bias
+        if self.shares_kv:
+            self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=bias)
+        else:
+            num_kv = 1 if self.k_eq_v else 2
+            self.qkv_proj = nn.Linear(
+                config.hidden_size, self.q_size + num_kv * self.kv_size, bias=bias
+            )
+            self.k_norm = GemmaRMSNorm(d, eps)
+            self.v_norm = GemmaRMSNorm(d, eps, with_scale=False)
+        self.q_norm = GemmaRMSNorm(d, eps)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            layer_id,
+            scaling=1.0,  # q and k are normed: no 1/sqrt(d)
+            sliding_window=layer.sliding_window,
+            kv_layer_id=layer.kv_layer,
+        )
+
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of ``qkv_proj`` that hold HF's ``{shard}_proj``."""
+        q, kv = self.q_size, self.kv_size
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        t = hidden_states.shape[0]
+        if self.shares_kv:
+            q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
+            return self.o_proj(self.attn(_rope(self.q_norm(q), cos, sin)))
+        qkv = self.qkv_proj(hidden_states)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].view(k.shape)
+        q = _rope(self.q_norm(q), cos, sin)
+        k = _rope(self.k_norm(k), cos, sin)
+        return self.o_proj(self.attn(q, k, self.v_norm(v)))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: Gemma4Layer, layer_id: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = layer.layer_type
+        self.self_attn = Gemma4Attention(config, layer, layer_id)
+        self.mlp = Gemma4MLP(h, layer.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.hidden_size_per_layer_input = p = config.raw.get("hidden_size_per_layer_input") or 0
+        if p:
+            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
+            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+
+        residual = hidden_states
+        hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        hidden_states = residual + self.post_feedforward_layernorm(hidden_states)
+
+        if self.hidden_size_per_layer_input:
+            residual = hidden_states
+            gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate="tanh")
+            branch = self.per_layer_projection(gate * per_layer_input)
+            hidden_states = residual + self.post_per_layer_input_norm(branch)
+        return hidden_states * self.layer_scalar
+
+
+class Gemma4TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        raw = config.raw
+        self.layer_specs = gemma4_layers(config)
+        n = config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # HF keeps the scales as float32 tensors and casts them to the weights' dtype
+        self.register_buffer(
+            "embed_scale",
+            torch.tensor(config.hidden_size**0.5, dtype=torch.float32),
+            persistent=False,
+        )
+        self.layers = nn.ModuleList(
+            [Gemma4DecoderLayer(config, spec, i) for i, spec in enumerate(self.layer_specs)]
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = Gemma4RotaryEmbedding(config, self.layer_specs)
+        self.first_kv_shared_layer_idx = sum(not s.shares_kv for s in self.layer_specs)
+
+        # Per-layer embeddings: one packed table [vocab, layers * P], and a projection of the
+        # token embedding to the same width; their normalized mean feeds each layer's gate.
+        self.hidden_size_per_layer_input = p = raw.get("hidden_size_per_layer_input") or 0
+        if p:
+            vocab_ple = raw.get("vocab_size_per_layer_input") or config.vocab_size
+            self.embed_tokens_per_layer = nn.Embedding(vocab_ple, n * p)
+            self.register_buffer(
+                "embed_per_layer_scale",
+                torch.tensor(p**0.5, dtype=torch.float32),
+                persistent=False,
+            )
+            self.per_layer_input_scale = 2.0**-0.5
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
+            self.per_layer_model_projection_scale = config.hidden_size**-0.5
+            self.per_layer_projection_norm = GemmaRMSNorm(p, config.rms_norm_eps)
+
+    @property
+    def num_kv_shared_layers(self) -> int:
+        return len(self.layers) - self.first_kv_shared_layer_idx
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scaled token embeddings [T, hidden] and per-layer inputs [T, layers, P] (or None)."""
+        weight = self.embed_tokens.weight
+        hidden = self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)
+        p = self.hidden_size_per_layer_input
+        if not p:
+            return hidden, None
+        shape = (input_ids.shape[0], len(self.layers), p)
+        table = self.embed_tokens_per_layer
+        token = table(input_ids) * self.embed_per_layer_scale.to(table.weight.dtype)
+        proj = self.per_layer_model_projection(hidden) * self.per_layer_model_projection_scale
+        proj = self.per_layer_projection_norm(proj.reshape(shape))
+        return hidden, (proj + token.reshape(shape)) * self.per_layer_input_scale
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        per_layer_inputs: torch.Tensor | None,
+        positions: torch.Tensor,
+        layer_ids: range,
+    ) -> torch.Tensor:
+        """Run ``layers[layer_ids]`` over the rows of ``hidden`` (the forward context's batch)."""
+        cos_sin = {
+            t: self.rotary_emb(positions, t, hidden.dtype)
+            for t in {self.layer_specs[i].layer_type for i in layer_ids}
+        }
+        for i in layer_ids:
+            layer = self.layers[i]
+            ple = None if per_layer_inputs is None else per_layer_inputs[:, i]
+            hidden = layer(hidden, ple, *cos_sin[layer.layer_type])
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, per_layer_inputs = self.embed(input_ids)
+        hidden = self.run_layers(hidden, per_layer_inputs, positions, range(len(self.layers)))
+        return self.norm(hidden)
+
+    def forward_head(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers that store KV, on all rows: (hidden [T, hidden], per-layer inputs)."""
+        hidden, per_layer_inputs = self.embed(input_ids)
+        head = range(self.first_kv_shared_layer_idx)
+        return self.run_layers(hidden, per_layer_inputs, positions, head), per_layer_inputs
+
+    def forward_tail(
+        self,
+        hidden: torch.Tensor,
+        per_layer_inputs: torch.Tensor | None,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """The KV-shared layers and the final norm on the rows given (the context's batch)."""
+        tail = range(self.first_kv_shared_layer_idx, len(self.layers))
+        return self.norm(self.run_layers(hidden, per_layer_inputs, positions, tail))
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """Also serves ``Gemma4ForConditionalGeneration`` checkpoints: their text model only."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Gemma4TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcapping = config.raw.get("final_logit_softcapping")
+        # bounded replay (eager): shared layers on the LM head's rows only in extend steps
+        self.kv_sharing_fast_prefill = self.model.num_kv_shared_layers > 0
+
+    # ---- KV layout: only the layers before the first KV-shared one store KV
+    @property
+    def num_kv_layers(self) -> int:
+        return self.model.first_kv_shared_layer_idx
+
+    def kv_layer_of(self, layer_id: int) -> int:
+        """The KV layer (pool buffer) layer ``layer_id`` reads: its own, or its source's."""
+        return self.model.layer_specs[layer_id].kv_layer
+
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each KV layer, for ``KVPool.from_shapes``."""
+        specs = self.model.layer_specs[: self.num_kv_layers]
+        return [(s.num_kv_heads, s.head_dim) for s in specs]
+
+    # ---- forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat batch of new tokens [T] -> final hidden states [T, hidden], every layer."""
+        return self.model(input_ids, positions)
+
+    def forward_logits_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, hidden] of the step's ``logits_rows`` (each request's last).
+
+        With ``kv_sharing_fast_prefill`` in an extend step, the KV-shared layers run on those
+        rows only, attending over each request's whole context (``ForwardBatch.tail``); the
+        result equals ``forward(...)[logits_rows]``.
+        """
+        ctx = get_forward_context()
+        batch = ctx.batch
+        if not (self.kv_sharing_fast_prefill and batch.mode is ForwardMode.EXTEND):
+            return self.model(input_ids, positions)[batch.logits_rows]
+        hidden, per_layer_inputs = self.model.forward_head(input_ids, positions)
+        rows, tail = batch.logits_rows, batch.tail()
+        with forward_context(dataclasses.replace(ctx, batch=tail)):
+            return self.model.forward_tail(
+                hidden[rows],
+                None if per_layer_inputs is None else per_layer_inputs[rows],
+                tail.positions,
+            )
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden_states).float()
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (``model.*`` or ``model.language_model.*``) into the
+        parameters and ``layer_scalar`` buffers; returns the names loaded."""
+        targets = dict(self.named_parameters()) | dict(self.named_buffers())
+        loaded: set[str] = set()
+        skipped = 0
+        for hf_name, tensor in weights:
+            name = hf_name
+            if name.startswith("model.language_model."):
+                name = "model." + name.removeprefix("model.language_model.")
+            elif name.startswith("model.") and name.split(".")[1] in _NON_TEXT_MODULES:
+                skipped += 1
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shared = _SHARED_LAYER_KV.match(name)
+            if shared and self.model.layer_specs[int(shared[1])].shares_kv:
+                continue  # HF ignores them too: a shared layer uses its source's k/v
+            target, rows = self._target(name)
+            if target not in targets:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no parameter in the model")
+            dst = targets[target].data
+            (dst if rows is None else dst[rows]).copy_(tensor)
+            loaded.add(target)
+        if skipped:
+            logger.info("skipped %d vision/audio tensors (text model only)", skipped)
+        return loaded
+
+    def _target(self, name: str) -> tuple[str, slice | None]:
+        """Our parameter for an HF name, and the rows of it the tensor fills (stacked ones)."""
+        m = _PROJ.fullmatch(name)
+        if m is None:
+            return name, None
+        layer_id, module, shard, kind = int(m[1]), m[2], m[3], m[4]
+        prefix = f"model.layers.{layer_id}.{module}"
+        if module == "mlp":
+            inter = self.model.layers[layer_id].mlp.intermediate_size
+            i = 0 if shard == "gate" else 1
+            return f"{prefix}.gate_up_proj.{kind}", slice(i * inter, (i + 1) * inter)
+        attn = self.model.layers[layer_id].self_attn
+        if attn.shares_kv:
+            return name, None
+        if shard == "v" and attn.k_eq_v:
+            return name, None  # no such parameter: reported as unknown
+        return f"{prefix}.qkv_proj.{kind}", attn.shard_rows(shard)
