@@ -69,23 +69,6 @@ class KVPool:
             for h, d in self.layer_shapes
         ]
 
-    def relayout(self, shapes: Sequence[tuple[int, int]]) -> None:
-        """Re-allocate (zeroed, same slots) for a model's KV layers; a no-op when they match.
-
-        For a pool built with the model's layer count and one shape when the model stores
-        KV in fewer layers, or of other shapes (see ``from_shapes``).
-        """
-        shapes = [tuple(s) for s in shapes]
-        if shapes == self.layer_shapes:
-            return
-        logger.info(
-            "KV pool: %d KV layers of the model's shapes instead of %d",
-            len(shapes),
-            self.num_layers,
-        )
-        self.k_buffers = self.v_buffers = []  # free the old buffers before allocating
-        self._allocate(shapes)
-
     @property
     def size_bytes(self) -> int:
         """Bytes held by all k and v buffers."""

@@ -80,13 +80,9 @@ class Engine:
         )
 
         num_slots = self._num_kv_slots()
-        self.kv_pool = KVPool(
-            num_slots + 1,  # + the reserved padding slot 0
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            self.dtype,
-            self.device,
+        # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
+        self.kv_pool = KVPool.from_shapes(
+            num_slots + 1, self.model.kv_cache_shapes(), self.dtype, self.device
         )
         self.allocator = SlotAllocator(num_slots + 1)
         self.max_running_requests = args.max_running_requests or min(1024, max(8, num_slots // 64))
@@ -161,10 +157,8 @@ class Engine:
         )
 
     def _num_kv_slots(self) -> int:
-        cfg, args = self.model_config, self.args
-        per_slot = KVPool.bytes_per_slot(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
-        )
+        args = self.args
+        per_slot = KVPool.slot_bytes(self.model.kv_cache_shapes(), self.dtype)
         if args.max_total_tokens:
             return args.max_total_tokens
         if self.device.type != "cuda":

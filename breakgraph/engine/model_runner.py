@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor):
         self.model = model
-        # the pool holds the model's KV layers, of their shapes: a pool sized per layer of
-        # the config (one shape, every layer) is re-laid out for a model that shares KV
-        kv_pool.relayout(model.kv_cache_shapes())
+        shapes = [tuple(s) for s in model.kv_cache_shapes()]
+        if kv_pool.layer_shapes != shapes:
+            raise ValueError(
+                f"KV pool layers {kv_pool.layer_shapes} do not match the model's KV layers "
+                f"{shapes}: build it with KVPool.from_shapes(slots, model.kv_cache_shapes(), ...)"
+            )
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.decode_graphs: DecodeGraphs | None = None
