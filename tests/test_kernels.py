@@ -588,14 +588,27 @@ def test_sliding_window_twins_follow_hf_sliding_mask(window):
     torch.testing.assert_close(od, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_ops_refuse_a_window_on_the_triton_path(monkeypatch):
-    """No silent full attention on the GPU: the Triton kernels have no window yet."""
-    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+@gpu
+@pytest.mark.parametrize("window", [1, 8, 100, 1000])
+@pytest.mark.parametrize(
+    "head_dim,dtype",
+    [(128, torch.bfloat16), (256, torch.bfloat16), (512, torch.bfloat16), (64, torch.float32)],
+)
+def test_sliding_window_kernels_match_twins(window, head_dim, dtype):
+    """Triton extend (one pass, keys outside every window skipped) and decode (split-KV over
+    the window) equal their twins, over prefixes far longer than the window."""
     (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(3, 4)], 2, 16, torch.float32, "cpu"
+        [(0, 300), (2000, 37), (5, 1), (700, 130)], 1, head_dim, dtype, "cuda"
     )
-    q = torch.randn(rows, 4, 16)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        ops.plan_extend_attention(q, kc, r2t, pool, seq, starts, ext_lens, 0.3, 4, sliding_window=8)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        ops.decode_attention(q[:1], q[:1], kc, vc, r2t, pool, seq, 0.3, sliding_window=8)
+    q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
+    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5)
+    o, ref = torch.zeros_like(q), torch.zeros_like(q)
+    ops.extend_attention(q, o, *args, 300, max_seq_len=2037, sliding_window=window)
+    ext.extend_attention_torch(q, ref, *args, 300, sliding_window=window)
+    n = int(ext_lens.sum())
+    torch.testing.assert_close(o[:n].float(), ref[:n].float(), atol=TOL[dtype], rtol=TOL[dtype])
+    qd = torch.randn(4, 8, head_dim, device="cuda").to(dtype)
+    od, refd = torch.zeros_like(qd), torch.zeros_like(qd)
+    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, head_dim**-0.5, sliding_window=window)
+    dec.decode_attention_torch(qd, refd, kc, vc, r2t, pool, seq, head_dim**-0.5, window)
+    torch.testing.assert_close(od.float(), refd.float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from breakgraph.kernels.extend_attention import extend_attention_torch
+from breakgraph.kernels.extend_attention import _attend_block, extend_attention_torch
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -116,22 +116,28 @@ def _decode_split_kernel(
     stride_v_s,
     stride_v_h,
     stride_req,
+    window,  # sliding window W (with SLIDING): only the last W keys are attended
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Stage 1: one (request, kv head, split); all query heads of the kv head at once."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
-    # Splits are whole key blocks; trailing splits of a short sequence are empty and
-    # write nothing (stage 2 skips them by the same arithmetic).
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    start = 0
+    if SLIDING:
+        start = tl.maximum(seq_len - window, 0)
+    # Splits are whole key blocks of the attended keys [start, seq_len); trailing splits of
+    # a short sequence are empty and write nothing (stage 2 skips them by the same
+    # arithmetic).
+    split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     if lo < hi:
         req = tl.load(req_pool_indices + b).to(tl.int64)
@@ -154,24 +160,10 @@ def _decode_split_kernel(
             offs = n0 + offs_n
             mask_n = offs < hi
             slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                k_base + slots[None, :] * stride_k_s + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
-            )
-            qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + slots[:, None] * stride_v_s + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, m_i, l_i = _attend_block(
+                q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, mask_n[None, :], offs_d,
+                mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+            )  # fmt: skip
 
         # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous
         rows = (b.to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS + split
@@ -188,15 +180,19 @@ def _decode_reduce_kernel(
     seq_lens,
     stride_o_b,
     stride_o_h,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Stage 2: one (request, head); merges the non-empty splits by log-sum-exp (base 2)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
+    if SLIDING:
+        seq_len = seq_len - tl.maximum(seq_len - window, 0)  # the attended keys only
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -230,6 +226,7 @@ def decode_attention_triton(
     sm_scale: float,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), two launches.
 
@@ -240,13 +237,13 @@ def decode_attention_triton(
     _launch_decode(
         q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
         num_kv_splits, workspace, block_n=_decode_block_n(q.shape[-1], q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, sliding_window=sliding_window,
     )  # fmt: skip
 
 
 def _launch_decode(
     q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-    num_kv_splits, workspace, block_n, num_warps, num_stages,
+    num_kv_splits, workspace, block_n, num_warps, num_stages, sliding_window=None,
 ) -> None:  # fmt: skip
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -278,12 +275,14 @@ def _launch_decode(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
+        sliding_window or 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -294,9 +293,11 @@ def _launch_decode(
         seq_lens,
         o.stride(0),
         o.stride(1),
+        sliding_window or 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
+        SLIDING=sliding_window is not None,
         num_warps=1 if block_d <= 128 else 2,
     )

@@ -70,6 +70,52 @@ def extend_attention_torch(
 
 
 @_jit
+def _attend_block(
+    q_tile,
+    acc,
+    m_i,
+    l_i,
+    k_base,
+    v_base,
+    slots,
+    key_mask,
+    visible,
+    offs_d,
+    mask_d,
+    qk_scale,
+    stride_k_s,
+    stride_v_s,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key block of the base-2 online softmax, shared by every attention kernel here.
+
+    ``slots`` [N] are the block's KV slots; with ``MASKED``, ``key_mask`` [N] marks the keys
+    that exist and ``visible`` [M, N] which row sees which key (unused otherwise: every key
+    of the block is seen by every row). Returns the updated ``(acc, m_i, l_i)``.
+    """
+    k_ptrs = k_base + slots[None, :] * stride_k_s + offs_d[:, None]
+    v_ptrs = v_base + slots[:, None] * stride_v_s + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_mask[None, :] & mask_d[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=mask_d[:, None])
+    qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=key_mask[:, None] & mask_d[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=mask_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@_jit
 def _extend_attention_kernel(
     q,
     o,
@@ -91,11 +137,13 @@ def _extend_attention_kernel(
     stride_v_s,
     stride_v_h,
     stride_req,
+    window,  # sliding window W (with SLIDING): a row at position p sees keys p-W+1 .. p
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -125,51 +173,47 @@ def _extend_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # Keys before the block's first query position are visible to every row and lie
-        # inside the sequence: whole key blocks there need no mask at all.
+        # inside the sequence: whole key blocks there need no mask at all. With a sliding
+        # window, blocks before ``win_lo`` are seen by no row (skipped, never read) and
+        # blocks in [win_lo, full_lo) by some rows only (masked).
         q_first = prefix + m_block * BLOCK_M
         full_end = (q_first // BLOCK_N) * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
-            slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
-            k = tl.load(
-                k_base + slots[None, :] * stride_k_s + offs_d[:, None], mask=mask_d[:, None]
-            )
-            qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + slots[:, None] * stride_v_s + offs_d[None, :], mask=mask_d[None, :]
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        # Diagonal blocks: causal mask (row at position prefix + i sees keys <= it).
         q_pos = prefix + offs_m
         end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
+        full_lo = 0
+        if SLIDING:
+            q_last = prefix + (m_block + 1) * BLOCK_M - 1
+            win_lo = (tl.maximum(q_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(
+                tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N, full_end
+            )
+            for n0 in range(win_lo, full_lo, BLOCK_N):
+                offs = n0 + offs_n
+                slots = tl.load(tokens + offs).to(tl.int64)
+                seen = (offs[None, :] <= q_pos[:, None]) & (offs[None, :] > q_pos[:, None] - window)
+                acc, m_i, l_i = _attend_block(
+                    q_tile, acc, m_i, l_i, k_base, v_base, slots, offs < end, seen, offs_d,
+                    mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                )  # fmt: skip
+        for n0 in range(full_lo, full_end, BLOCK_N):
+            slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_d, mask_d, offs_d, mask_d,
+                qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
+            )  # fmt: skip
+
+        # Diagonal blocks: causal mask (row at position prefix + i sees keys <= it).
         for n0 in range(full_end, end, BLOCK_N):
             offs = n0 + offs_n
             mask_n = offs < end
             slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                k_base + slots[None, :] * stride_k_s + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
-            )
-            qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
             visible = (offs[None, :] <= q_pos[:, None]) & mask_n[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + slots[:, None] * stride_v_s + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            if SLIDING:
+                visible = visible & (offs[None, :] > q_pos[:, None] - window)
+            acc, m_i, l_i = _attend_block(
+                q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, visible, offs_d, mask_d,
+                qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+            )  # fmt: skip
 
         out = acc / l_i[:, None]
         o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
@@ -257,19 +301,10 @@ def _extend_split_kernel(
             full_end = tl.minimum((q_first // BLOCK_N) * BLOCK_N, hi)
             for n0 in range(lo, full_end, BLOCK_N):
                 slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
-                k = tl.load(
-                    k_base + slots[None, :] * stride_k_s + offs_d[:, None], mask=mask_d[:, None]
-                )
-                qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.math.exp2(qk - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_base + slots[:, None] * stride_v_s + offs_d[None, :], mask=mask_d[None, :]
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                acc, m_i, l_i = _attend_block(
+                    q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_d, mask_d, offs_d,
+                    mask_d, qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
+                )  # fmt: skip
 
             # The rest of the split: causal mask and the split's end.
             q_pos = prefix + offs_m
@@ -277,25 +312,11 @@ def _extend_split_kernel(
                 offs = n0 + offs_n
                 mask_n = offs < hi
                 slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
-                k = tl.load(
-                    k_base + slots[None, :] * stride_k_s + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None],
-                    other=0.0,
-                )
-                qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
                 visible = (offs[None, :] <= q_pos[:, None]) & mask_n[None, :]
-                qk = tl.where(visible, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.math.exp2(qk - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_base + slots[:, None] * stride_v_s + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :],
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                acc, m_i, l_i = _attend_block(
+                    q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, visible, offs_d,
+                    mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                )  # fmt: skip
 
             if DIRECT:  # every row sees key 0: l_i > 0
                 out = acc / l_i[:, None]
@@ -400,7 +421,9 @@ def _extend_config(
     if block_d <= 128:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return (128, 128, 8, 3) if _capability(index)[0] == 9 else (128, 64, 8, 3)
-    return 64, 32, 8, 2
+    if block_d <= 256:
+        return 64, 32, 8, 2
+    return 32, 32, 8, 2  # d512 (Gemma 4 full layers): fp32 accumulator of 32 rows; unmeasured
 
 
 # Split-KV path (flash-decoding style) for grids too small to fill the GPU: few query
@@ -518,9 +541,12 @@ class ExtendPlan:
         max_seq_len: int | None = None,
         config: tuple[int, int, int, int] | None = None,
         splits: int | None = None,
+        sliding_window: int | None = None,
     ):
         """``config`` (BLOCK_M, BLOCK_N, warps, stages) and ``splits`` override the choices
-        (benchmark sweeps and tests)."""
+        (benchmark sweeps and tests). ``sliding_window`` W: a row at position p sees keys
+        p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window, so
+        a long prefix costs the window, not the prefix (no key split is needed)."""
         num_tokens, num_heads, head_dim = q.shape
         batch = req_pool_indices.shape[0]
         num_kv_heads = k_cache.shape[1]
@@ -532,11 +558,15 @@ class ExtendPlan:
         block_m, block_n, num_warps, num_stages = config or _extend_config(
             head_dim, q.dtype, q.device
         )
-        if splits is None:
+        if sliding_window is not None:
+            assert sliding_window >= 1 and splits in (None, 0), "a window takes the one-pass kernel"
+            splits = 0
+        elif splits is None:
             splits = num_kv_splits(
                 num_heads, batch, max_extend_len, max_seq_len, block_m, _sm_count(q.device)
             )
         self.splits = splits
+        self.window = sliding_window or 0
         num_m_blocks = triton.cdiv(max_extend_len, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
         self.meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
@@ -553,6 +583,7 @@ class ExtendPlan:
         )
         if splits == 0:
             self.grid = (num_heads, batch, num_m_blocks)
+            self.consts["SLIDING"] = sliding_window is not None
             return
         assert block_m % _MERGE_M == 0
         self.grid = (num_heads, batch * num_m_blocks, splits)
@@ -588,8 +619,9 @@ class ExtendPlan:
         )  # fmt: skip
         if self.splits == 0:
             _extend_attention_kernel[self.grid](
-                q, o, k_cache, v_cache, *self.meta, *self.scale_group, *strides, **self.consts
-            )
+                q, o, k_cache, v_cache, *self.meta, *self.scale_group, *strides, self.window,
+                **self.consts,
+            )  # fmt: skip
             return
         part_o = o if self.part_o is None else self.part_o
         part_lse = o if self.part_lse is None else self.part_lse

@@ -41,12 +41,6 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def _no_triton_window(sliding_window: int | None) -> None:
-    """The Triton attention kernels attend to the whole context: refuse rather than ignore."""
-    if sliding_window is not None:
-        raise NotImplementedError("sliding window in the Triton kernels: next step")
-
-
 def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -105,8 +99,10 @@ def plan_extend_attention(
     calls (same result, less host work)."""
     meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
     if _use_triton(q):
-        _no_triton_window(sliding_window)
-        return _extend.ExtendPlan(q, k_cache, *meta, sm_scale, max_extend_len, max_seq_len)
+        return _extend.ExtendPlan(
+            q, k_cache, *meta, sm_scale, max_extend_len, max_seq_len,
+            sliding_window=sliding_window,
+        )  # fmt: skip
 
     def plan(q, o, k_cache, v_cache):
         _extend.extend_attention_torch(
@@ -136,10 +132,9 @@ def decode_attention(
     ``sliding_window`` W: each request attends to its last W keys only.
     """
     if _use_triton(q):
-        _no_triton_window(sliding_window)
         _decode.decode_attention_triton(
             q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-            num_kv_splits, workspace,
+            num_kv_splits, workspace, sliding_window,
         )  # fmt: skip
     else:
         _decode.decode_attention_torch(
