@@ -1,7 +1,12 @@
 """CUDA graphs for the model runner: decode (whole forward per batch size) and prefill
 (breakable forward per token bucket, attention as the eager break).
 
-Both banks share one memory pool. The padding convention, in one place: a bucket's rows past
+A model with KV-shared late layers (``model.bounded_prefill``, Gemma 4) splits its prefill:
+the token-bucket bank captures ``forward_head`` (the layers that store KV, all rows) and a
+tail bank, bucketed by tail-row count, captures ``forward_tail`` (the KV-shared layers on each
+request's last row; attention is the break reading the live ``batch.tail()``).
+
+All banks share one memory pool. The padding convention, in one place: a bucket's rows past
 the live ones are padding; their input ids and positions are 0, their KV slot is 0 (reserved,
 never part of a real request's context), decode padding rows belong to the padding request
 (``pad_req_idx``: its req_to_token row is all zeros, so slot 0) with ``seq_len`` 1, and their
@@ -151,8 +156,16 @@ class PrefillGraphs(_GraphsBase):
         pool,
         max_pad_factor: float = 2.0,
         check_addresses=None,
+        tail_sizes: list[int] | None = None,
     ):
+        """``tail_sizes``: the tail bank's row buckets, for a model with ``bounded_prefill``."""
         super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        bounded = bool(getattr(model, "bounded_prefill", False))
+        self.tail = None
+        if bounded and tail_sizes:
+            self.tail = TailGraphs(
+                model, kv_pool, req_to_token, pad_req_idx, tail_sizes, pool, check_addresses
+            )
         self.bank = GraphBank(
             self._forward,
             [
@@ -174,6 +187,8 @@ class PrefillGraphs(_GraphsBase):
 
     def _forward(self, input_ids, positions, out_cache_loc):
         del out_cache_loc  # the KV store reads it through the capture's forward context
+        if self.tail is not None:
+            return self.model.forward_head(input_ids, positions)
         return self.model(input_ids, positions)
 
     @contextlib.contextmanager
@@ -193,16 +208,78 @@ class PrefillGraphs(_GraphsBase):
 
     def capture(self) -> None:
         self.bank.capture()
+        if self.tail is not None:
+            self.tail.capture()
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         # the attention break reads the live batch; the captured KV store, the bank's slots
         with forward_context(self._context(batch)):
-            hidden = self.bank.run(
+            out = self.bank.run(
                 batch.num_tokens,
                 input_ids=batch.input_ids,
                 positions=batch.positions,
                 out_cache_loc=batch.out_cache_loc,
             )
-        if hidden is None:
+        if out is None:
             return None
-        return self.model.compute_logits(hidden[batch.logits_rows])
+        if self.tail is None:
+            return self.model.compute_logits(out[batch.logits_rows])
+        hidden, per_layer_inputs = out
+        rows, tail = batch.logits_rows, batch.tail()
+        live = {"hidden": hidden[rows], "positions": tail.positions}
+        if per_layer_inputs is not None:
+            live["per_layer_inputs"] = per_layer_inputs[rows]
+        with forward_context(self._context(tail)):
+            final = self.tail.bank.run(tail.batch_size, **live)
+            if final is None:  # more tail rows than the largest tail bucket
+                final = self.model.forward_tail(
+                    live["hidden"], live.get("per_layer_inputs"), live["positions"]
+                )
+        return self.model.compute_logits(final[: tail.batch_size])
+
+
+class TailGraphs(_GraphsBase):
+    """Bounded replay: the KV-shared layers on each request's last row, one breakable graph
+    per tail-row count; the attention break reads the live ``batch.tail()``."""
+
+    def __init__(
+        self, model, kv_pool, req_to_token, pad_req_idx, sizes, pool, check_addresses=None
+    ):
+        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        inputs = [StaticInput("positions", torch.int64)]
+        inputs += [
+            StaticInput(name, dtype, shape) for name, (shape, dtype) in model.tail_inputs().items()
+        ]
+        self.bank = GraphBank(
+            self._forward,
+            inputs,
+            sizes,
+            self.device,
+            max_pad_factor=float("inf"),
+            pool=pool,
+            split_at_breaks=True,
+            guard_tensors=self._guard_tensors,
+            check_addresses=check_addresses,
+            capture_context=self._capture_context,
+            compile_counter=self._compile_counter(),
+            name="tail graphs",
+        )
+
+    def _forward(self, positions, hidden, per_layer_inputs=None):
+        return self.model.forward_tail(hidden, per_layer_inputs, positions)
+
+    @contextlib.contextmanager
+    def _capture_context(self, size: int):
+        """``size`` one-row requests over the padding row (their keys: slot 0)."""
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx] * size,
+            [0] * size, [1] * size, self.device,
+        )  # fmt: skip
+        smaller = [b for b in self.bank.sizes if b < size]
+        ctx = self._context(batch)
+        ctx.pad_rows_from = smaller[-1] if smaller else 0
+        with forward_context(ctx):
+            yield
+
+    def capture(self) -> None:
+        self.bank.capture()

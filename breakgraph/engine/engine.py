@@ -153,8 +153,9 @@ class Engine:
             buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
             buckets = [b for b in buckets if b <= self.context_len]
         self.runner.capture_graphs(
-            pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor
-        )
+            pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
+            tail_max_rows=min(args.cuda_graph_max_bs, self.max_running_requests),
+        )  # fmt: skip
 
     def _num_kv_slots(self) -> int:
         args = self.args

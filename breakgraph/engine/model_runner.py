@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from breakgraph.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from breakgraph.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_batch_sizes
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,16 @@ class ModelRunner:
         decode_max_bs: int | None,
         prefill_buckets: list[int] | None,
         max_pad_factor: float = 2.0,
+        tail_max_rows: int = 160,
     ) -> None:
-        """Capture decode graphs (if decode_max_bs) and prefill graphs (if buckets), one pool."""
+        """Capture decode graphs (if decode_max_bs) and prefill graphs (if buckets), one pool;
+        for a model with bounded prefill, the tail bank up to ``tail_max_rows`` requests."""
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_pool, self.req_to_token, pad_req_idx, prefill_buckets, pool,
-                max_pad_factor=max_pad_factor,
+                max_pad_factor=max_pad_factor, tail_sizes=decode_batch_sizes(tail_max_rows),
             )  # fmt: skip
             self.prefill_graphs.capture()
         if decode_max_bs:

@@ -333,14 +333,44 @@ class Gemma4ForCausalLM(nn.Module):
         batch = ctx.batch
         if not (self.kv_sharing_fast_prefill and batch.mode is ForwardMode.EXTEND):
             return self.model(input_ids, positions)[batch.logits_rows]
-        hidden, per_layer_inputs = self.model.forward_head(input_ids, positions)
+        hidden, per_layer_inputs = self.forward_head(input_ids, positions)
         rows, tail = batch.logits_rows, batch.tail()
         with forward_context(dataclasses.replace(ctx, batch=tail)):
-            return self.model.forward_tail(
+            return self.forward_tail(
                 hidden[rows],
                 None if per_layer_inputs is None else per_layer_inputs[rows],
                 tail.positions,
             )
+
+    # ---- bounded replay with graphs: the runner's prefill bank captures ``forward_head`` per
+    # token bucket and a tail bank ``forward_tail`` per tail-row bucket
+    @property
+    def bounded_prefill(self) -> bool:
+        """Extend steps split into head (all rows) and tail (each request's last row)."""
+        return self.kv_sharing_fast_prefill
+
+    def forward_head(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [T, hidden] after the KV-storing layers, and the per-layer inputs
+        [T, layers, P] (None without PLE) the tail layers need."""
+        return self.model.forward_head(input_ids, positions)
+
+    def forward_tail(
+        self, hidden: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The KV-shared layers and the final norm on tail rows (the context's batch is the
+        step's ``tail()``)."""
+        return self.model.forward_tail(hidden, per_layer_inputs, positions)
+
+    def tail_inputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Trailing shape and dtype of each tail input per row (for a graph bank's buffers)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        inputs = {"hidden": ((self.config.hidden_size,), dtype)}
+        p = self.model.hidden_size_per_layer_input
+        if p:
+            inputs["per_layer_inputs"] = ((len(self.model.layers), p), dtype)
+        return inputs
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states).float()
