@@ -7,7 +7,39 @@ import logging
 import sys
 
 from breakgraph.bench.args import add_decode_args, add_step_args
-from breakgraph.engine.args import add_engine_args
+from breakgraph.engine.args import add_engine_args, add_server_args
+
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
+class _HELP(argparse.HelpFormatter):
+    """--help shows each flag's default (those that are not None or off)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            if "%(default)" not in (action.help or ""):
+                action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be in [1, 65535], got {port}")
+    return port
+
+
+def _add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        # a subcommand's flag overrides the top-level one only when given
+        default=default if default is not None else argparse.SUPPRESS,
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -91,11 +123,14 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__)
-    parser.add_argument("--log-level", default="warning")
+    parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__, formatter_class=_HELP)
+    _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="answer one prompt with the chat template applied")
+    gen = sub.add_parser(
+        "generate", help="answer one prompt with the chat template applied", formatter_class=_HELP
+    )
+    _add_log_level(gen, None)
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     gen.add_argument(
@@ -105,15 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="HTTP server: SGLang-native /generate and the OpenAI API")
+    srv = sub.add_parser(
+        "serve",
+        help="HTTP server: SGLang-native /generate and the OpenAI API",
+        formatter_class=_HELP,
+    )
+    _add_log_level(srv, None)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--port", type=_port, default=30000)
     srv.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name of the OpenAI API; default: --model-path or the embedded model's",
+        help="the model name of the OpenAI API (the alias 'default' is accepted too); "
+        "default: --model-path or the embedded model's",
     )
     add_engine_args(srv)
+    add_server_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -138,11 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serving_args(serving)
     serving.set_defaults(func=cmd_bench_serving)
+    parser.set_defaults(_parsers={"generate": gen, "serve": srv})
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the subcommand's usage, not the top-level one
+        sub = getattr(args, "_parsers", {}).get(args.command, parser)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

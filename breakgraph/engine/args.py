@@ -6,6 +6,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # a full 128K-token context as JSON token ids fits ~20 times
+DEFAULT_SHUTDOWN_TIMEOUT_S = 15.0  # under Kubernetes' default 30 s termination grace
+
 
 @dataclass
 class EngineArgs:
@@ -30,6 +33,10 @@ class EngineArgs:
     prefill_graph_max_pad_factor: float = 2.0
     warmups: str = "auto"  # serving-shapes | none; auto: serving-shapes on CUDA
     skip_server_warmup: bool = False
+    # serving (`breakgraph serve`): the API process's limits; the engine reads shutdown_timeout
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    log_requests: bool = False
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -100,3 +107,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(auto: serving-shapes on CUDA)",
     )
     g.add_argument("--skip-server-warmup", action="store_true", help="no warm-up at all")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """`breakgraph serve`'s request limits, shutdown and logging flags."""
+    d = EngineArgs()
+    g = parser.add_argument_group("serving")
+    g.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=d.max_request_bytes,
+        help="a larger request body is refused (413) before it is parsed",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=d.shutdown_timeout,
+        help="seconds in-flight requests may finish after SIGTERM/Ctrl-C (no new ones are "
+        "admitted); then they end with an error (503, or an error event in a stream)",
+    )
+    g.add_argument(
+        "--log-requests", action="store_true", help="log each request received and finished"
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

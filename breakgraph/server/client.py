@@ -44,6 +44,7 @@ from breakgraph.server.messages import (
 from breakgraph.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("breakgraph.requests")  # --log-requests: INFO whatever the level
 
 
 class EngineError(Exception):
@@ -74,9 +75,13 @@ class _InFlight:
 
 
 class EngineClient:
-    def __init__(self, engine_args: EngineArgs, log_level: str = "warning"):
+    def __init__(
+        self, engine_args: EngineArgs, log_level: str = "warning", log_requests: bool = False
+    ):
         self.engine_args = engine_args
         self.log_level = log_level
+        self.log_requests = log_requests  # one INFO line per request received and finished
+        self.draining = False  # shutting down: no new requests
         self.metrics = ServerMetrics()
         self.info: ModelInfo | None = None
         self.process: multiprocessing.Process | None = None
@@ -178,6 +183,28 @@ class EngineClient:
     def alive(self) -> bool:
         return not self.dead and not self._closing and self.process is not None
 
+    @property
+    def admitting(self) -> bool:
+        return self.alive and not self.draining
+
+    def drain(self) -> None:
+        """Stop admitting requests (503); those in flight go on."""
+        self.draining = True
+
+    def end_all(self, message: str) -> int:
+        """End every in-flight request now: abort it in the engine and answer its waiter 503."""
+        rids = list(self._inflight)
+        for rid in rids:
+            with contextlib.suppress(EngineError):
+                self.abort(rid)
+        error = EngineError(message)
+        for rid in rids:
+            entry = self._inflight.pop(rid, None)
+            if entry is not None:
+                self.metrics.requests.inc(label_value="abort")
+                entry.queue.put_nowait(error)
+        return len(rids)
+
     # ---- requests ----
     def submit(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool
@@ -185,11 +212,25 @@ class EngineClient:
         """Send a validated request; its TokenDeltas (or an exception, last) arrive on the queue."""
         if not self.alive:
             raise EngineError("the engine is not running")
+        if self.draining:
+            raise EngineError("the server is shutting down")
         if rid in self._inflight:
             raise RequestRejected(f"request id {rid!r} is already in use")
+        try:  # encode before registering: a request that cannot be sent leaves nothing behind
+            data = encode(GenerateReq(rid, input_ids, sampling, return_logprob))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
         entry = _InFlight(asyncio.Queue(), time.perf_counter())
+        self._send_bytes(data)
         self._inflight[rid] = entry
-        self._send(GenerateReq(rid, input_ids, sampling, return_logprob))
+        if self.log_requests:
+            request_log.info(
+                "received %s: %d prompt tokens, max_new_tokens=%d temperature=%g",
+                rid,
+                len(input_ids),
+                sampling.max_new_tokens,
+                sampling.temperature,
+            )
         return entry.queue
 
     def abort(self, rid: str) -> bool:
@@ -237,8 +278,11 @@ class EngineClient:
             self._calls.pop(call_id, None)
 
     def _send(self, msg: ToEngine) -> None:
+        self._send_bytes(encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
-            self._outbox.send(encode(msg), zmq.NOBLOCK)
+            self._outbox.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineError(f"cannot reach the engine process: {e}") from e
 
@@ -297,6 +341,16 @@ class EngineClient:
             del self._inflight[out.rid]
             m.e2e.observe(now - entry.submitted_at)
             m.requests.inc(label_value=(out.finish_reason or {}).get("type", "unknown"))
+            if self.log_requests:
+                request_log.info(
+                    "finished %s: %d prompt (%d cached) + %d completion tokens, %s, %.3f s",
+                    out.rid,
+                    out.prompt_tokens,
+                    out.cached_tokens,
+                    out.completion_tokens,
+                    out.finish_reason,
+                    now - entry.submitted_at,
+                )
         entry.queue.put_nowait(out)
 
     def _fail_all(self, error: EngineError) -> None:

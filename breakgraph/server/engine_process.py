@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 PARENT_CHECK_INTERVAL_S = 1.0
 # SIGTERM sent to the whole process group (systemd, `timeout`, `kill -- -PGID`) reaches us too:
-# keep serving while the API process shuts down gracefully, and stop on its word; stop anyway
-# after this long (a SIGTERM meant for the engine alone).
+# keep serving while the API process shuts down gracefully (--shutdown-timeout), and stop on
+# its word; stop anyway this long after its grace period (a SIGTERM meant for the engine alone).
 SIGTERM_GRACE_S = 10.0
 
 
@@ -70,15 +70,15 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
             report = engine.run_warmups()  # --warmups / --skip-server-warmup
             if report is not None:
                 logger.info("warm-up: %s", report)
-        except Exception as e:
-            logger.exception("engine failed to start")
+        except Exception as e:  # the API process reports it in one line; the trace at debug
+            logger.debug("engine failed to start", exc_info=True)
             outbox.send(encode(StartupError(f"{type(e).__name__}: {e}")))
             code = 1
             return
         signal.signal(signal.SIGTERM, _on_sigterm)  # while loading, SIGTERM just ends us
         engine.mark_ready()
         outbox.send(encode(Ready(model_info(engine))))
-        EngineLoop(engine, inbox, outbox).run()
+        EngineLoop(engine, inbox, outbox, engine_args.shutdown_timeout + SIGTERM_GRACE_S).run()
     except Exception:
         logger.exception("engine loop crashed")
         code = 1
@@ -114,8 +114,15 @@ def model_info(engine: Engine) -> ModelInfo:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(
+        self,
+        engine: Engine,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        sigterm_grace_s: float = SIGTERM_GRACE_S,
+    ):
         self.engine = engine
+        self.sigterm_grace_s = sigterm_grace_s
         self.inbox = inbox
         self.outbox = outbox
         self._stop = False
@@ -161,9 +168,9 @@ class EngineLoop:
         if self._parent is not None and not self._parent.is_alive():
             logger.warning("the API process is gone; engine exiting")
             self._stop = True
-        elif _sigterm_at is not None and now - _sigterm_at > SIGTERM_GRACE_S:
+        elif _sigterm_at is not None and now - _sigterm_at > self.sigterm_grace_s:
             logger.warning(
-                "SIGTERM %.0f s ago and no shutdown message; engine exiting", SIGTERM_GRACE_S
+                "SIGTERM %.0f s ago and no shutdown message; engine exiting", self.sigterm_grace_s
             )
             self._stop = True
 

@@ -30,9 +30,11 @@ from breakgraph.server.protocol import (
     GenerateReqInput,
     batch_fields,
     check_fits,
+    off_loop_if_large,
+    parse_json,
     parse_model,
     prompts_of,
-    read_json,
+    read_body,
     sampling_from_dict,
     unsupported,
 )
@@ -93,18 +95,8 @@ def _native_output(state: GenerationState, index: int | None = None) -> dict[str
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     s = server_state(request)
-    req = parse_model(GenerateReqInput, await read_json(request))
-    unsupported(req)
-    prompts, is_batch = prompts_of(req, s.tokenizer, s.info)
-    sampling, logprob, rids = batch_fields(req, len(prompts))
-    given = [r for r in rids if r is not None]
-    if len(set(given)) != len(given):
-        raise APIError("rid values must be unique")
-    gen_reqs = []
-    for ids, sp_dict, lp, rid in zip(prompts, sampling, logprob, rids, strict=True):
-        sp, api_opts = sampling_from_dict(sp_dict)
-        check_fits(ids, sp, s.info)
-        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts))
+    raw = await read_body(request, s.max_request_bytes)
+    req, gen_reqs, is_batch = await off_loop_if_large(raw, _prepare_generate, raw, s)
     s.require_alive()
 
     if req.stream:
@@ -119,6 +111,27 @@ async def generate(request: Request) -> Response:
         return Response(status_code=499)  # client closed the connection; requests aborted
     outs = [_native_output(st) for st in states]
     return JSONResponse(outs if is_batch else outs[0])
+
+
+def _prepare_generate(
+    raw: bytes, s: ServerState
+) -> tuple[GenerateReqInput, list[GenerationRequest], bool]:
+    """Parse, validate and tokenize a /generate body (off the event loop when large)."""
+    req = parse_model(GenerateReqInput, parse_json(raw))
+    unsupported(req)
+    prompts, is_batch = prompts_of(req, s.tokenizer, s.info)
+    sampling, logprob, rids = batch_fields(req, len(prompts))
+    given = [r for r in rids if r is not None]
+    if len(set(given)) != len(given):
+        raise APIError("rid values must be unique")
+    gen_reqs = []
+    for ids, sp_dict, lp, rid in zip(prompts, sampling, logprob, rids, strict=True):
+        if sp_dict is not None and not isinstance(sp_dict, dict):
+            raise APIError(f"sampling_params must be an object, got {type(sp_dict).__name__}")
+        sp, api_opts = sampling_from_dict(sp_dict)
+        check_fits(ids, sp, s.info)
+        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts))
+    return req, gen_reqs, is_batch
 
 
 async def _single(states: AsyncIterator[GenerationState]):
@@ -142,7 +155,7 @@ async def _native_events(items, batch: bool = False) -> AsyncIterator[str]:
 @router.get("/health")
 async def health(request: Request) -> Response:
     s = server_state(request)
-    return Response(status_code=200 if s.client.alive else 503)
+    return Response(status_code=200 if s.client.admitting else 503)
 
 
 @router.get("/health_generate")
@@ -212,7 +225,7 @@ async def flush_cache(request: Request) -> JSONResponse:
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict[str, Any]:
     s = server_state(request)
-    body = await read_json(request)
+    body = parse_json(await read_body(request, s.max_request_bytes))
     if not isinstance(body, dict) or not ({"rid", "abort_all"} & set(body)):
         raise APIError('give {"rid": ...} or {"abort_all": true}')
     if body.get("abort_all"):

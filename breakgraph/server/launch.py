@@ -1,9 +1,13 @@
-"""``breakgraph serve``: start the engine process, then listen once its model is loaded.
+"""``breakgraph serve``: bind the port, start the engine process, then listen once its model
+is loaded.
 
-Shutdown: uvicorn owns SIGINT/SIGTERM while serving; its graceful shutdown runs the app's
-lifespan exit, which stops the engine process. Before that (while the model loads) a
-signal cancels the start-up, and the engine process is stopped on the way out. If the
-engine process dies, the server stops and the exit status is 1.
+Shutdown: uvicorn owns SIGINT/SIGTERM while serving. On the first signal the server stops
+admitting (new requests and /health answer 503), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, then ends the rest: a stream with an error event and
+``[DONE]``, a whole answer with a JSON 503. Then the app's lifespan exit stops the engine
+process. Before serving (while the model loads) a signal cancels the start-up, and the
+engine process is stopped on the way out. If the engine process dies, the server stops and
+the exit status is 1.
 """
 
 from __future__ import annotations
@@ -11,22 +15,101 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from breakgraph.engine.args import EngineArgs
+from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
 from breakgraph.server.client import EngineClient
 from breakgraph.server.detokenize import load_tokenizer
 from breakgraph.server.http import create_app
+from breakgraph.server.protocol import max_token_bytes
 from breakgraph.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 3
+# after --shutdown-timeout, how long the ended requests have to write their last bytes
+SHUTDOWN_FLUSH_S = 5.0
+
+
+class StartupProblem(Exception):
+    """An argument problem found before the model loads; reported as one line."""
+
+
+def check_model_path(model_path: str | None) -> None:
+    """What the loaders will need, checked without loading anything."""
+    if model_path is None:
+        try:
+            find_embedded_gguf()
+        except EmbeddedModelMissing as e:
+            raise StartupProblem(str(e)) from None
+        return
+    if model_path in BUILTIN_MODELS:
+        return
+    path = Path(model_path)
+    if not path.exists():
+        raise StartupProblem(
+            f"--model-path {model_path}: no such file or directory, and not a built-in name "
+            f"({', '.join(BUILTIN_MODELS)})"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise StartupProblem(f"--model-path {model_path}: the directory has no config.json")
+    if path.is_file() and path.suffix != ".gguf":
+        raise StartupProblem(f"--model-path {model_path}: a file must be a .gguf model")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is found before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise StartupProblem(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        reason = "the port is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise StartupProblem(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server whose shutdown first drains the engine client (see the module doc)."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.client = client
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        client = self.client
+        client.drain()
+        if client.num_inflight:
+            logger.warning(
+                "shutting down: %d request(s) in flight get up to %.0f s to finish",
+                client.num_inflight,
+                self.shutdown_timeout_s,
+            )
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.shutdown_timeout_s, self._end_remaining)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _end_remaining(self) -> None:
+        ended = self.client.end_all("the server is shutting down")
+        if ended:
+            logger.warning("shutdown: ended %d unfinished request(s) with an error", ended)
 
 
 def serve(args: argparse.Namespace, on_ready: Callable[[str], None] | None = None) -> int:
@@ -39,7 +122,23 @@ def serve(args: argparse.Namespace, on_ready: Callable[[str], None] | None = Non
 
 async def _serve(args: argparse.Namespace, on_ready: Callable[[str], None] | None) -> int:
     engine_args = EngineArgs.from_namespace(args)
-    client = EngineClient(engine_args, args.log_level)
+    try:
+        check_model_path(engine_args.model_path)
+        sock = bind_socket(args.host, args.port)
+    except StartupProblem as e:
+        logger.error("%s", e)
+        return 2
+    with sock:
+        return await _serve_on(args, engine_args, sock, on_ready)
+
+
+async def _serve_on(
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
+    sock: socket.socket,
+    on_ready: Callable[[str], None] | None,
+) -> int:
+    client = EngineClient(engine_args, args.log_level, engine_args.log_requests)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     serving = False
@@ -57,6 +156,8 @@ async def _serve(args: argparse.Namespace, on_ready: Callable[[str], None] | Non
         try:
             info = await client.start()
             tokenizer = await tokenizer_task
+            if tokenizer is not None:  # computed once, off the event loop (~50 ms)
+                await asyncio.to_thread(max_token_bytes, tokenizer)
         except asyncio.CancelledError:
             logger.warning("interrupted while loading the model")
             return 0
@@ -70,15 +171,21 @@ async def _serve(args: argparse.Namespace, on_ready: Callable[[str], None] | Non
             "served_model_name": name,
             **dataclasses.asdict(engine_args),
         }
-        state = ServerState(client, tokenizer, info, name, args.model_path, server_args)
+        state = ServerState(
+            client, tokenizer, info, name, args.model_path, server_args, args.max_request_bytes
+        )
         config = uvicorn.Config(
             create_app(state),
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            # a backstop: the requests were ended at --shutdown-timeout (_GracefulServer)
+            timeout_graceful_shutdown=int(engine_args.shutdown_timeout + SHUTDOWN_FLUSH_S),
         )
-        server = uvicorn.Server(config)
+        if engine_args.log_requests:
+            logging.getLogger("breakgraph.requests").setLevel(logging.INFO)
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+        server = _GracefulServer(config, client, engine_args.shutdown_timeout)
 
         def on_engine_death() -> None:
             server.should_exit = True
@@ -89,7 +196,7 @@ async def _serve(args: argparse.Namespace, on_ready: Callable[[str], None] | Non
             url = f"http://{args.host}:{args.port}"
             announce = asyncio.create_task(_announce(server, on_ready, f"{name} on {url}"))
         serving = True
-        await server.serve()
+        await server.serve(sockets=[sock])
         if announce is not None:
             announce.cancel()
         if client.dead:

@@ -27,7 +27,13 @@ from breakgraph.server.openai_protocol import (
     check_all_fit,
     completion_prompts,
 )
-from breakgraph.server.protocol import APIError, parse_model, read_json
+from breakgraph.server.protocol import (
+    APIError,
+    off_loop_if_large,
+    parse_json,
+    parse_model,
+    read_body,
+)
 from breakgraph.server.sse import DONE, event_stream, sse
 from breakgraph.server.state import ServerState, server_state
 from breakgraph.tokenizer import Tokenizer
@@ -113,11 +119,14 @@ class _Choices:
 def _requests(
     prompts: list[list[int]], n: int, base_id: str, req: Any, logprob: bool, info: ModelInfo
 ) -> list[GenerationRequest]:
-    """n requests per prompt (prompt-major); a seeded request's choices get seeds seed+j."""
+    """n requests per prompt (prompt-major); a seeded request's choices get seeds seed+j
+    (mod 2**64, so every choice's seed stays in the range the first one was checked in)."""
     sampling, api_opts = build_sampling(req, req.max_new_tokens(), [len(p) for p in prompts], info)
     check_all_fit(prompts, sampling, info)
     per_choice = [
-        sampling if j == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + j)
+        sampling
+        if j == 0 or sampling.seed is None
+        else replace(sampling, seed=(sampling.seed + j) % (1 << 64))
         for j in range(n)
     ]
     return [
@@ -152,13 +161,10 @@ def _completion_logprobs(tokenizer, ids: list[int], lps: list[float], offset: in
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     s = server_state(request)
-    req = parse_model(CompletionRequest, await read_json(request))
-    _check_model(s, req.model)
-    req.check()
-    prompts = completion_prompts(req.prompt, s.tokenizer, s.info)
+    raw = await read_body(request, s.max_request_bytes)
+    req, prompts, gen_reqs = await off_loop_if_large(raw, _prepare_completion, raw, s)
     want_logprobs = req.logprobs is not None
-    cid = f"cmpl-{uuid.uuid4().hex}"
-    gen_reqs = _requests(prompts, req.n, cid, req, want_logprobs, s.info)
+    cid = gen_reqs[0].rid.rsplit("-", 1)[0]
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": req.model}
 
@@ -184,6 +190,16 @@ async def completions(request: Request) -> Response:
             }
         )
     return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+
+
+def _prepare_completion(raw: bytes, s: ServerState):
+    """Parse, validate and tokenize a /v1/completions body (off the event loop when large)."""
+    req = parse_model(CompletionRequest, parse_json(raw))
+    _check_model(s, req.model)
+    req.check()
+    prompts = completion_prompts(req.prompt, s.tokenizer, s.info)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    return req, prompts, _requests(prompts, req.n, cid, req, req.logprobs is not None, s.info)
 
 
 async def _completion_events(
@@ -229,12 +245,9 @@ def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     s = server_state(request)
-    req = parse_model(ChatCompletionRequest, await read_json(request))
-    _check_model(s, req.model)
-    req.check()
-    prompts = [chat_prompt(req, s.tokenizer, s.info)]
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen_reqs = _requests(prompts, req.n, cid, req, req.logprobs, s.info)
+    raw = await read_body(request, s.max_request_bytes)
+    req, prompts, gen_reqs = await off_loop_if_large(raw, _prepare_chat, raw, s)
+    cid = gen_reqs[0].rid.rsplit("-", 1)[0]
     created = int(time.time())
 
     if req.stream:
@@ -262,6 +275,16 @@ async def chat_completions(request: Request) -> Response:
     ]
     head = {"id": cid, "object": "chat.completion", "created": created, "model": req.model}
     return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+
+
+def _prepare_chat(raw: bytes, s: ServerState):
+    """Parse, validate, template and tokenize a chat body (off the event loop when large)."""
+    req = parse_model(ChatCompletionRequest, parse_json(raw))
+    _check_model(s, req.model)
+    req.check()
+    prompts = [chat_prompt(req, s.tokenizer, s.info)]
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    return req, prompts, _requests(prompts, req.n, cid, req, req.logprobs, s.info)
 
 
 async def _chat_events(

@@ -7,9 +7,9 @@ ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.messages import ModelInfo
@@ -23,6 +23,8 @@ from breakgraph.server.protocol import (
 from breakgraph.tokenizer import Tokenizer
 
 MAX_CHOICES = 64
+# a JSON number (an int too), never a numeric string: the same rule as /generate
+Number = Annotated[float, Field(strict=True)]
 
 
 class StreamOptions(BaseModel):
@@ -33,24 +35,24 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     # SGLang extras
     top_k: StrictInt | None = None
-    min_p: float | None = None
+    min_p: Number | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
-    repetition_penalty: float | None = None
+    repetition_penalty: Number | None = None
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -161,10 +163,13 @@ def completion_prompts(
 ) -> list[list[int]]:
     """OpenAI's prompt: a string, a list of strings, token ids, or a list of token id lists."""
     if isinstance(prompt, str):
-        return [check_input_ids(encode_text(tokenizer, prompt), info)]
+        return [check_input_ids(encode_text(tokenizer, prompt, info.context_length), info)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [check_input_ids(encode_text(tokenizer, p), info) for p in prompt]
+            return [
+                check_input_ids(encode_text(tokenizer, p, info.context_length), info)
+                for p in prompt
+            ]
         if all(isinstance(p, list) for p in prompt):
             return [check_input_ids(p, info) for p in prompt]
         return [check_input_ids(prompt, info)]
@@ -186,14 +191,15 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None, info: M
         )
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise APIError(f"cannot apply the chat template: {e}") from None
-    return check_input_ids(encode_text(tokenizer, text), info)
+    return check_input_ids(encode_text(tokenizer, text, info.context_length), info)
 
 
 def build_sampling(
     req: _SamplingFields, max_tokens: int | None, prompt_lens: list[int], info: ModelInfo
 ) -> tuple[SamplingParams, dict[str, bool]]:
-    """Sampling for every prompt; no max_tokens means up to the context length (as SGLang)."""
-    default = info.context_length - max(prompt_lens)
+    """Sampling for every prompt; no max_tokens means up to the context length (as SGLang), or
+    the KV pool if smaller."""
+    default = min(info.context_length, info.kv_capacity_tokens) - max(prompt_lens)
     sampling, api_opts = sampling_from_dict(
         req.sampling_dict(max_tokens if max_tokens is not None else max(default, 1))
     )

@@ -6,12 +6,14 @@ engine reported when it became ready, so a bad request is answered 400 before it
 
 from __future__ import annotations
 
-import json
-import math
+import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.messages import ModelInfo
@@ -21,6 +23,7 @@ from breakgraph.tokenizer import Tokenizer
 API_SAMPLING_KEYS = {"skip_special_tokens": True, "no_stop_trim": False}
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p")
 _INT_PARAMS = ("max_new_tokens", "top_k", "seed")
+MAX_JSON_DEPTH = 32  # no request shape nests deeper than ~5; deeper bodies are refused
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
 _NEUTRAL_PARAMS = {
     "frequency_penalty": 0.0,
@@ -31,7 +34,9 @@ _NEUTRAL_PARAMS = {
     "spaces_between_special_tokens": True,
 }
 
+OFF_LOOP_BYTES = 64 << 10
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 
 class APIError(Exception):
@@ -58,12 +63,51 @@ class APIError(Exception):
         }
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The raw body, refused (413) as soon as it is known to exceed ``limit_bytes``."""
+    too_large = APIError(
+        f"the request body exceeds {limit_bytes} bytes (--max-request-bytes)", status=413
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def off_loop_if_large(raw: bytes, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)``, in a worker thread when the body is large enough for its parsing and
+    tokenization to stall the event loop (and with it every other client)."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def parse_json(raw: bytes) -> Any:
+    """A JSON body; malformed JSON, invalid UTF-8, lone surrogates, numbers out of a double's
+    range and nesting deeper than MAX_JSON_DEPTH are all a 400."""
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise APIError(f"malformed JSON body: {e}") from None
+    _check_depth(body)
+    return body
+
+
+def _check_depth(body: Any) -> None:
+    stack = [(body, 1)] if isinstance(body, list | dict) else []
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+        for child in obj.values() if isinstance(obj, dict) else obj:
+            if isinstance(child, list | dict):
+                stack.append((child, depth + 1))
 
 
 def parse_model(model: type[M], body: Any) -> M:
@@ -92,9 +136,9 @@ class GenerateReqInput(BaseModel):
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
     # accepted for compatibility; only their defaults are supported
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    return_text_in_logprobs: bool = False
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    return_text_in_logprobs: StrictBool = False
     image_data: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None
@@ -117,13 +161,13 @@ def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[s
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise APIError(f"{key} must be a number, got {value!r}", param=key)
         if value is not None:
-            if math.isnan(value):
-                raise APIError(f"{key} must be a number, got NaN", param=key)
             d[key] = float(value)
     for key in _INT_PARAMS:
         value = d.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise APIError(f"{key} must be an integer, got {value!r}", param=key)
+    if "ignore_eos" in d and not isinstance(d["ignore_eos"], bool):
+        raise APIError(f"ignore_eos must be a boolean, got {d['ignore_eos']!r}", param="ignore_eos")
     if isinstance(d.get("stop"), str):
         d["stop"] = [d["stop"]]
     for key in ("stop", "stop_token_ids"):
@@ -136,13 +180,35 @@ def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[s
     return params, api_opts
 
 
-def encode_text(tokenizer: Tokenizer | None, text: str) -> list[int]:
+def encode_text(tokenizer: Tokenizer | None, text: str, max_tokens: int | None = None) -> list[int]:
+    """``text``'s token ids; a text that surely exceeds ``max_tokens`` is refused untokenized."""
     if tokenizer is None:
         raise APIError(
             "this model has no tokenizer (dummy weights or no tokenizer.json): "
             "send input_ids instead of text"
         )
-    return tokenizer.encode(text)
+    if max_tokens is not None and len(text) > max_tokens:
+        # each token covers at most max_token_bytes(...) bytes of text: a lower bound
+        at_least = len(text.encode("utf-8", "surrogatepass")) // max_token_bytes(tokenizer)
+        if at_least > max_tokens:
+            raise APIError(
+                f"the text is at least {at_least} tokens, over the context length {max_tokens}"
+            )
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:  # the Rust tokenizer refuses what it cannot encode
+        raise APIError(f"cannot tokenize the text: {e}") from None
+
+
+@functools.cache
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes of text one token decodes to (a partial character counts as 3)."""
+    backend = tokenizer.backend
+    lengths = (
+        len(backend.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+        for i in range(backend.get_vocab_size(True))
+    )
+    return max(lengths, default=1) or 1
 
 
 def check_input_ids(ids: Any, info: ModelInfo) -> list[int]:
@@ -163,15 +229,19 @@ def check_fits(ids: list[int], sampling: SamplingParams, info: ModelInfo) -> Non
     """Prompt + max_new_tokens within the context length; the prompt within the KV pool."""
     if not ids:
         raise APIError("the prompt is empty")
+    for t in sampling.stop_token_ids:
+        if t >= info.vocab_size:
+            raise APIError(f"stop token id {t} is out of range [0, {info.vocab_size})")
     total = len(ids) + sampling.max_new_tokens
     if total > info.context_length:
         raise APIError(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
             f"exceeds the context length {info.context_length}"
         )
-    if len(ids) + 1 > info.kv_capacity_tokens:
+    if total > info.kv_capacity_tokens:
         raise APIError(
-            f"prompt ({len(ids)} tokens) does not fit the KV pool ({info.kv_capacity_tokens} tokens)"
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+            f"exceeds the KV pool ({info.kv_capacity_tokens} tokens, --max-total-tokens)"
         )
 
 
@@ -192,9 +262,10 @@ def prompts_of(req: GenerateReqInput, tokenizer: Tokenizer | None, info: ModelIn
         texts = [req.text] if isinstance(req.text, str) else req.text
         if not texts:
             raise APIError("text is an empty list")
-        return [check_input_ids(encode_text(tokenizer, t), info) for t in texts], not isinstance(
-            req.text, str
-        )
+        prompts = [
+            check_input_ids(encode_text(tokenizer, t, info.context_length), info) for t in texts
+        ]
+        return prompts, not isinstance(req.text, str)
     ids = req.input_ids
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
         return [check_input_ids(x, info) for x in ids], True

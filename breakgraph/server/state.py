@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
+from breakgraph.engine.args import DEFAULT_MAX_REQUEST_BYTES
 from breakgraph.server.client import EngineClient
 from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import APIError
@@ -21,6 +22,7 @@ class ServerState:
     served_model_name: str
     model_path: str | None
     server_args: dict[str, Any] = field(default_factory=dict)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def require_alive(self) -> None:
         if not self.client.alive:
