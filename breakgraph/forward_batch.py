@@ -1,6 +1,7 @@
 """The forward metadata of one step and the forward context the attention break reads.
 
-A leaf module (imports only torch) so that layers below the engine can read it."""
+A leaf module (imports only torch and the torch-only ``AttentionMeta``) so that layers
+below the engine can read it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from breakgraph.kernels.attention_meta import AttentionMeta
 
 
 class ForwardMode(enum.Enum):
@@ -46,6 +49,9 @@ class ForwardBatch:
     attention_plans: dict[tuple, Any] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _attention_meta: AttentionMeta | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -62,6 +68,25 @@ class ForwardBatch:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu)
+
+    def attention_meta(self, req_to_token: torch.Tensor) -> AttentionMeta:
+        """The step as the attention kernels read it, over the request table
+        ``req_to_token``; built at the first layer and reused (host values, no device work)."""
+        meta = self._attention_meta
+        if meta is None or meta.req_to_token is not req_to_token:
+            # decode: one row per request, and no key bound (decode kernels need none, and a
+            # decode graph's capture batch carries placeholder host lengths)
+            decode = self.mode is ForwardMode.DECODE
+            meta = self._attention_meta = AttentionMeta(
+                req_to_token,
+                self.req_pool_indices,
+                self.seq_lens,
+                self.extend_start_loc,
+                self.extend_lens,
+                max_extend_len=1 if decode else self.max_extend_len,
+                max_seq_len=None if decode else self.max_seq_len,
+            )
+        return meta
 
     def tail(self) -> ForwardBatch:
         """The step restricted to each request's last row (``logits_rows``), attending to its

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
 from breakgraph.kernels import fused, kv_store, ops
+from breakgraph.kernels.attention_meta import AttentionMeta
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -34,7 +37,11 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
 
 
 def paged_batch(prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3, seed=0):
-    """Caches with random content, each request's tokens on scattered slots (never slot 0)."""
+    """Caches with random content, each request's tokens on scattered slots (never slot 0).
+
+    Returns ``(k_cache, v_cache, meta, rows)``: ``meta`` with the exact ``max_extend_len``
+    and no ``max_seq_len`` bound (one-pass extend), ``rows`` the query rows with padding.
+    """
     g = torch.Generator().manual_seed(seed)
     total = sum(p + e for p, e in prefix_extend)
     num_slots = total + 64
@@ -53,8 +60,11 @@ def paged_batch(prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3
     extend_lens = torch.tensor([e for _, e in prefix_extend], dtype=torch.int32)
     seq_lens = torch.tensor([p + e for p, e in prefix_extend], dtype=torch.int32)
     starts = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
-    tensors = (k_cache, v_cache, req_to_token, pool_rows.long(), seq_lens, starts, extend_lens)
-    return tuple(t.to(device) for t in tensors), int(extend_lens.sum()) + pad_rows
+    meta = AttentionMeta(
+        *(t.to(device) for t in (req_to_token, pool_rows.long(), seq_lens, starts, extend_lens)),
+        max_extend_len=max(e for _, e in prefix_extend),
+    )
+    return k_cache.to(device), v_cache.to(device), meta, int(extend_lens.sum()) + pad_rows
 
 
 EXTEND_CASES = [  # (group, head_dim, dtype)
@@ -84,32 +94,27 @@ RAGGED = [  # (prefix, extend): prefix 0, extend 1, long prefix + short extend, 
 def test_extend_attention_matches_twin(group, head_dim, dtype):
     num_kv_heads = 2
     heads = group * num_kv_heads
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        RAGGED, num_kv_heads, head_dim, dtype, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch(RAGGED, num_kv_heads, head_dim, dtype, "cuda")
     q = torch.randn(rows, heads, head_dim, device="cuda").to(dtype)
     sentinel = 7.0  # padding rows (no request) must be left untouched
     o_ref = torch.full_like(q, sentinel)
     o = torch.full_like(q, sentinel)
     scale = head_dim**-0.5
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, scale)
-    ext.extend_attention_torch(q, o_ref, *args, max(e for _, e in RAGGED))
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, scale)
     # an overestimated max_extend_len only adds blocks that exit early
-    ext.extend_attention_triton(q, o, *args, max(e for _, e in RAGGED) + 100)
+    over = replace(meta, max_extend_len=meta.max_extend_len + 100)
+    ext.extend_attention_triton(q, o, kc, vc, over, scale)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @gpu
 @pytest.mark.parametrize("head_dim", [96, 256])
 def test_extend_attention_other_head_dims(head_dim):
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(0, 70), (100, 33)], 1, head_dim, torch.bfloat16, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch([(0, 70), (100, 33)], 1, head_dim, torch.bfloat16, "cuda")
     q = torch.randn(rows, 2, head_dim, device="cuda").to(torch.bfloat16)
     o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, 70)
-    ext.extend_attention_torch(q, o_ref, *args)
-    ext.extend_attention_triton(q, o, *args)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, head_dim**-0.5)
+    ext.extend_attention_triton(q, o, kc, vc, meta, head_dim**-0.5)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -138,16 +143,14 @@ def _split_count(q, batch, max_extend_len, max_seq_len):
 def test_extend_attention_split_kv_long_prefix(group, head_dim, dtype, extend):
     """A few query rows over a 20K cached prefix take the split-KV path (two launches)."""
     prefix = 20000
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(prefix, extend)], 1, head_dim, dtype, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch([(prefix, extend)], 1, head_dim, dtype, "cuda")
     q = torch.randn(rows, group, head_dim, device="cuda").to(dtype)
     assert _split_count(q, 1, extend, prefix + extend) > 1
     o_ref = torch.full_like(q, 7.0)
     o = torch.full_like(q, 7.0)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, extend)
-    ext.extend_attention_torch(q, o_ref, *args)
-    ext.extend_attention_triton(q, o, *args, max_seq_len=prefix + extend)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, head_dim**-0.5)
+    bounded = replace(meta, max_seq_len=prefix + extend)
+    ext.extend_attention_triton(q, o, kc, vc, bounded, head_dim**-0.5)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -166,25 +169,24 @@ RAGGED_LONG = [  # long and short prefixes in one batch, odd lengths, an empty e
 @gpu
 @pytest.mark.parametrize(("group", "head_dim", "dtype"), SPLIT_CASES)
 def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        RAGGED_LONG, 1, head_dim, dtype, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch(RAGGED_LONG, 1, head_dim, dtype, "cuda")
     q = torch.randn(rows, group, head_dim, device="cuda").to(dtype)
     max_extend = max(e for _, e in RAGGED_LONG)
     max_seq = max(p + e for p, e in RAGGED_LONG)
+    scale = head_dim**-0.5
     o_ref = torch.full_like(q, 7.0)  # padding rows (no request) must be left untouched
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5)
-    ext.extend_attention_torch(q, o_ref, *args, max_extend)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, scale)
     # exact bounds, and overestimated ones (extra query blocks exit early); the bigger
     # grids here (8 query heads) may fill the GPU and stay one pass
     for bounds in ((max_extend, max_seq), (max_extend + 100, max_seq + 3000)):
         o = torch.full_like(q, 7.0)
-        ext.extend_attention_triton(q, o, *args, bounds[0], max_seq_len=bounds[1])
+        bounded = replace(meta, max_extend_len=bounds[0], max_seq_len=bounds[1])
+        ext.extend_attention_triton(q, o, kc, vc, bounded, scale)
         torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     # the split path itself on this batch, whatever the heuristic picks for it
     o = torch.full_like(q, 7.0)
     cfg = ext._extend_config(head_dim, dtype, q.device)
-    ext._launch_extend_split(q, o, *args, max_extend, 5, *cfg)
+    ext.ExtendPlan(q, kc, meta, scale, config=cfg, splits=5)(q, o, kc, vc)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if group == 1:  # 8 requests x 2 query blocks x 1 head: too small a grid, splits
         assert _split_count(q, len(RAGGED_LONG), max_extend, max_seq) > 1
@@ -195,17 +197,13 @@ def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
 def test_extend_attention_split_kv_any_split_count(num_splits):
     """One split, a count that divides nothing, more splits than short sequences fill."""
     dtype, head_dim = torch.bfloat16, 128
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        RAGGED_LONG, 2, head_dim, dtype, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch(RAGGED_LONG, 2, head_dim, dtype, "cuda")
     q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
-    max_extend = max(e for _, e in RAGGED_LONG)
     o_ref = torch.full_like(q, 7.0)
     o = torch.full_like(q, 7.0)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, max_extend)
-    ext.extend_attention_torch(q, o_ref, *args)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, head_dim**-0.5)
     cfg = ext._extend_config(head_dim, dtype, q.device)
-    ext._launch_extend_split(q, o, *args, num_splits, *cfg)
+    ext.ExtendPlan(q, kc, meta, head_dim**-0.5, config=cfg, splits=num_splits)(q, o, kc, vc)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -214,16 +212,14 @@ def test_extend_attention_split_kernel_unsplit_writes_o_directly():
     """1024 new over 20K (Qwen3-0.6B heads): a full wave already, so the split kernel runs
     with one split and stores into ``o`` itself (no workspace, no merge)."""
     dtype, head_dim, prefix, extend = torch.bfloat16, 128, 20000, 1024
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(prefix, extend)], 8, head_dim, dtype, "cuda"
-    )
+    kc, vc, meta, rows = paged_batch([(prefix, extend)], 8, head_dim, dtype, "cuda")
     q = torch.randn(rows, 16, head_dim, device="cuda").to(dtype)
     assert _split_count(q, 1, extend, prefix + extend) == 1
     o_ref = torch.full_like(q, 7.0)
     o = torch.full_like(q, 7.0)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5, extend)
-    ext.extend_attention_torch(q, o_ref, *args)
-    ext.extend_attention_triton(q, o, *args, max_seq_len=prefix + extend)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, head_dim**-0.5)
+    bounded = replace(meta, max_seq_len=prefix + extend)
+    ext.extend_attention_triton(q, o, kc, vc, bounded, head_dim**-0.5)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -264,14 +260,13 @@ DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
 def test_decode_attention_matches_twin(group, head_dim, dtype):
     num_kv_heads = 2
     heads = group * num_kv_heads
-    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+    kc, vc, meta, _ = paged_batch(
         [(s - 1, 1) for s in DECODE_SEQ_LENS], num_kv_heads, head_dim, dtype, "cuda"
     )
     q = torch.randn(len(DECODE_SEQ_LENS), heads, head_dim, device="cuda").to(dtype)
     o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, head_dim**-0.5)
-    dec.decode_attention_torch(q, o_ref, *args)
-    dec.decode_attention_triton(q, o, *args)
+    dec.decode_attention_torch(q, o_ref, kc, vc, meta, head_dim**-0.5)
+    dec.decode_attention_triton(q, o, kc, vc, meta, head_dim**-0.5)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -279,14 +274,13 @@ def test_decode_attention_matches_twin(group, head_dim, dtype):
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
 def test_decode_attention_any_split_count(num_kv_splits):
     """One split, a count that divides nothing, and more splits than short sequences fill."""
-    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+    kc, vc, meta, _ = paged_batch(
         [(s - 1, 1) for s in DECODE_SEQ_LENS], 2, 128, torch.bfloat16, "cuda"
     )
     q = torch.randn(len(DECODE_SEQ_LENS), 4, 128, device="cuda").to(torch.bfloat16)
     o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, 128**-0.5)
-    dec.decode_attention_torch(q, o_ref, *args)
-    dec.decode_attention_triton(q, o, *args, num_kv_splits=num_kv_splits)
+    dec.decode_attention_torch(q, o_ref, kc, vc, meta, 128**-0.5)
+    dec.decode_attention_triton(q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -294,19 +288,19 @@ def test_decode_attention_any_split_count(num_kv_splits):
 def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     """Captured once; a replay reads the live seq_lens and req_to_token, not capture's."""
     dtype, head_dim = torch.bfloat16, 128
-    (kc, vc, r2t, pool, seq, _, _), _ = paged_batch(
+    kc, vc, meta, _ = paged_batch(
         [(s - 1, 1) for s in (5000, 5000, 5000, 5000)], 2, head_dim, dtype, "cuda"
     )
     q = torch.randn(4, 8, head_dim, device="cuda").to(dtype)
     o = torch.zeros_like(q)
     workspace = dec.DecodeWorkspace()
-    args = (kc, vc, r2t, pool, seq, head_dim**-0.5)
+    args = (kc, vc, meta, head_dim**-0.5)
     dec.decode_attention_triton(q, o, *args, workspace=workspace)  # compile and grow outside
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         dec.decode_attention_triton(q, o, *args, workspace=workspace)
     for lens in ([1, 4999, 300, 64], [5000, 2, 1025, 4096]):
-        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q, dtype=torch.float32))
         graph.replay()
         o_ref = torch.zeros_like(q)
@@ -436,19 +430,16 @@ def test_ops_on_cpu_equal_the_twins():
     for a, b in zip(outs, refs, strict=True):
         assert torch.equal(a, b)
 
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(3, 4), (0, 2)], 2, 32, torch.float32, "cpu"
-    )
+    kc, vc, meta, rows = paged_batch([(3, 4), (0, 2)], 2, 32, torch.float32, "cpu")
     q = torch.randn(rows, 4, 32)
     o, o_ref = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.2, 4)
-    ops.extend_attention(q, o, *args)
-    ext.extend_attention_torch(q, o_ref, *args)
+    ops.extend_attention(q, o, kc, vc, meta, 0.2)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, 0.2)
     assert torch.equal(o, o_ref)
     qd = torch.randn(2, 4, 32)
     od, od_ref = torch.zeros_like(qd), torch.zeros_like(qd)
-    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, 0.2)
-    dec.decode_attention_torch(qd, od_ref, kc, vc, r2t, pool, seq, 0.2)
+    ops.decode_attention(qd, od, kc, vc, meta, 0.2)  # decode reads the key side only
+    dec.decode_attention_torch(qd, od_ref, kc, vc, meta, 0.2)
     assert torch.equal(od, od_ref)
     kc2, vc2 = kc.clone(), vc.clone()
     slots = torch.tensor([4, 0, 9])
@@ -459,26 +450,37 @@ def test_ops_on_cpu_equal_the_twins():
 
 def test_ops_extend_attention_passes_max_seq_len_on_cpu():
     """The twin ignores the split hint: same result with and without it."""
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(30, 4), (0, 2)], 2, 32, torch.float32, "cpu"
-    )
+    kc, vc, meta, rows = paged_batch([(30, 4), (0, 2)], 2, 32, torch.float32, "cpu")
     q = torch.randn(rows, 4, 32)
     o, o_ref = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.2, 4)
-    ops.extend_attention(q, o, *args, max_seq_len=34)
-    ext.extend_attention_torch(q, o_ref, *args)
+    ops.extend_attention(q, o, kc, vc, replace(meta, max_seq_len=34), 0.2)
+    ext.extend_attention_torch(q, o_ref, kc, vc, meta, 0.2)
     assert torch.equal(o, o_ref)
+
+
+def test_forward_batch_builds_its_attention_meta_once():
+    """Every layer of a step reads one meta: the batch's own tensors and host-known bounds
+    (no device work); decode carries no key bound (a capture batch's host lengths are fake)."""
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, list(range(7)), list(range(1, 8)), [2, 0], [30, 0], [4, 3], "cpu"
+    )
+    meta = batch.attention_meta(table)
+    assert batch.attention_meta(table) is meta
+    assert (meta.max_extend_len, meta.max_seq_len) == (4, 34)
+    assert meta.seq_lens is batch.seq_lens and meta.extend_start_loc is batch.extend_start_loc
+    decode = ForwardBatch.build(ForwardMode.DECODE, [5, 6], [8, 9], [2, 0], [34, 3], [1, 1], "cpu")
+    decode_meta = decode.attention_meta(table)
+    assert (decode_meta.max_extend_len, decode_meta.max_seq_len) == (1, None)
 
 
 def test_extend_twin_is_causal_softmax_attention():
     """The twin itself: one request without prefix equals causal SDPA with repeated kv heads."""
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
-        [(0, 9)], 2, 16, torch.float32, "cpu", pad_rows=0
-    )
+    kc, vc, meta, rows = paged_batch([(0, 9)], 2, 16, torch.float32, "cpu", pad_rows=0)
     q = torch.randn(rows, 4, 16)
     o = torch.zeros_like(q)
-    ext.extend_attention_torch(q, o, kc, vc, r2t, pool, seq, starts, ext_lens, 0.25, 9)
-    slots = r2t[pool[0], :9].long()
+    ext.extend_attention_torch(q, o, kc, vc, meta, 0.25)
+    slots = meta.req_to_token[meta.req_pool_indices[0], :9].long()
     k = kc[slots].repeat_interleave(2, dim=1).transpose(0, 1)
     v = vc[slots].repeat_interleave(2, dim=1).transpose(0, 1)
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -540,13 +542,13 @@ def test_twins_follow_hf_arithmetic():
 # ------------------------------------------------------------------- CPU: sliding window
 
 
-def _dense_reference(q, kc, vc, r2t, pool, seq, starts, ext_lens, scale, allowed):
+def _dense_reference(q, kc, vc, meta, scale, allowed):
     """Per request: softmax attention over its keys where ``allowed(q_pos, k_pos)``."""
     group = q.shape[1] // kc.shape[1]
     out = torch.zeros_like(q)
-    meta = (pool.tolist(), seq.tolist(), starts.tolist(), ext_lens.tolist())
-    for req, s, st, e in zip(*meta, strict=True):
-        slots = r2t[req, :s].long()
+    fields = (meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc, meta.extend_lens)
+    for req, s, st, e in zip(*(t.tolist() for t in fields), strict=True):
+        slots = meta.req_to_token[req, :s].long()
         k = kc[slots].repeat_interleave(group, dim=1).transpose(0, 1)
         v = vc[slots].repeat_interleave(group, dim=1).transpose(0, 1)
         mask = torch.tensor([[allowed(s - e + i, j) for j in range(s)] for i in range(e)])
@@ -567,24 +569,23 @@ def test_sliding_window_twins_follow_hf_sliding_mask(window):
     def allowed(q_pos, k_pos):
         return bool(hf_allowed(*(torch.tensor(i) for i in (0, 0, q_pos, k_pos))))
 
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+    kc, vc, meta, rows = paged_batch(
         [(0, 9), (13, 4), (3, 1), (20, 1)], 2, 16, torch.float32, "cpu"
     )
     q = torch.randn(rows, 4, 16)
     o = torch.zeros_like(q)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, 0.3)
-    ext.extend_attention_torch(q, o, *args, 9, sliding_window=window)
-    ref = _dense_reference(q, *args, allowed)
+    ext.extend_attention_torch(q, o, kc, vc, meta, 0.3, sliding_window=window)
+    ref = _dense_reference(q, kc, vc, meta, 0.3, allowed)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
     # via ops, and decode (one row per request: the last) over the same caches
     o_ops = torch.zeros_like(q)
-    ops.extend_attention(q, o_ops, *args, 9, sliding_window=window)
+    ops.extend_attention(q, o_ops, kc, vc, meta, 0.3, sliding_window=window)
     assert torch.equal(o_ops, o)
     qd = torch.randn(4, 4, 16)
     od = torch.zeros_like(qd)
-    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, 0.3, sliding_window=window)
-    one = torch.ones(4, dtype=torch.int32)
-    ref = _dense_reference(qd, kc, vc, r2t, pool, seq, torch.arange(4), one, 0.3, allowed)
+    ops.decode_attention(qd, od, kc, vc, meta, 0.3, sliding_window=window)
+    rows_meta = AttentionMeta.decode(meta.req_to_token, meta.req_pool_indices, meta.seq_lens)
+    ref = _dense_reference(qd, kc, vc, rows_meta, 0.3, allowed)
     torch.testing.assert_close(od, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -597,18 +598,19 @@ def test_sliding_window_twins_follow_hf_sliding_mask(window):
 def test_sliding_window_kernels_match_twins(window, head_dim, dtype):
     """Triton extend (one pass, keys outside every window skipped) and decode (split-KV over
     the window) equal their twins, over prefixes far longer than the window."""
-    (kc, vc, r2t, pool, seq, starts, ext_lens), rows = paged_batch(
+    kc, vc, meta, rows = paged_batch(
         [(0, 300), (2000, 37), (5, 1), (700, 130)], 1, head_dim, dtype, "cuda"
     )
     q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
-    args = (kc, vc, r2t, pool, seq, starts, ext_lens, head_dim**-0.5)
+    scale = head_dim**-0.5
     o, ref = torch.zeros_like(q), torch.zeros_like(q)
-    ops.extend_attention(q, o, *args, 300, max_seq_len=2037, sliding_window=window)
-    ext.extend_attention_torch(q, ref, *args, 300, sliding_window=window)
-    n = int(ext_lens.sum())
+    bounded = replace(meta, max_seq_len=2037)
+    ops.extend_attention(q, o, kc, vc, bounded, scale, sliding_window=window)
+    ext.extend_attention_torch(q, ref, kc, vc, meta, scale, sliding_window=window)
+    n = int(meta.extend_lens.sum())
     torch.testing.assert_close(o[:n].float(), ref[:n].float(), atol=TOL[dtype], rtol=TOL[dtype])
     qd = torch.randn(4, 8, head_dim, device="cuda").to(dtype)
     od, refd = torch.zeros_like(qd), torch.zeros_like(qd)
-    ops.decode_attention(qd, od, kc, vc, r2t, pool, seq, head_dim**-0.5, sliding_window=window)
-    dec.decode_attention_torch(qd, refd, kc, vc, r2t, pool, seq, head_dim**-0.5, window)
+    ops.decode_attention(qd, od, kc, vc, meta, scale, sliding_window=window)
+    dec.decode_attention_torch(qd, refd, kc, vc, meta, scale, sliding_window=window)
     torch.testing.assert_close(od.float(), refd.float(), atol=TOL[dtype], rtol=TOL[dtype])

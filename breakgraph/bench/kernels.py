@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from dataclasses import replace
 
 import torch
 
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
 from breakgraph.kernels import fused
+from breakgraph.kernels.attention_meta import AttentionMeta
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
 
@@ -37,7 +39,8 @@ def _copy_bandwidth_bytes_per_ms(nbytes: int = 1 << 30) -> float:
 
 
 def _paged_kv(num_tokens_per_req: list[int], shuffle: bool, device="cuda"):
-    """Caches holding every request's tokens; slots in order (a fresh pool) or shuffled."""
+    """Caches holding every request's tokens; slots in order (a fresh pool) or shuffled.
+    Returns ``(k_cache, v_cache, meta)``, ``meta`` one query row per request (decode)."""
     total = sum(num_tokens_per_req)
     k_cache = torch.randn(total + 1, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
@@ -53,7 +56,18 @@ def _paged_kv(num_tokens_per_req: list[int], shuffle: bool, device="cuda"):
         at += n
     pool = torch.arange(len(num_tokens_per_req), device=device)
     seq_lens = torch.tensor(num_tokens_per_req, dtype=torch.int32, device=device)
-    return k_cache, v_cache, req_to_token, pool, seq_lens
+    return k_cache, v_cache, AttentionMeta.decode(req_to_token, pool, seq_lens)
+
+
+def _one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
+    """One request's last ``n`` tokens as the query rows (``meta`` of one request)."""
+    device = meta.seq_lens.device
+    return replace(
+        meta,
+        extend_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+        extend_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        max_extend_len=n,
+    )
 
 
 def _varlen_reference(q, k, v, n: int, n_k: int | None = None):
@@ -108,12 +122,12 @@ def _sdpa_flash_reference(q, k, v):
 
 def bench_extend(n: int, sweep: bool) -> list[tuple]:
     rows = []
-    k_cache, v_cache, req_to_token, pool, seq_lens = _paged_kv([n], shuffle=False)
+    k_cache, v_cache, meta = _paged_kv([n], shuffle=False)
+    meta = _one_request_extend(meta, n)
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args = (k_cache, v_cache, req_to_token, pool, seq_lens, starts, seq_lens, HEAD_DIM**-0.5)
-    triton_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *args, n))
+    args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    triton_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *args))
     k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
     shape = f"1 x {n} new, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     refs = []
@@ -123,8 +137,9 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
     refs.append(("SDPA flash", _bench_ms(_sdpa_flash_reference(q, k, v))))
     for name, ref_ms in refs:
         rows.append(("extend attention", shape, triton_ms, name, ref_ms))
-    shuffled = (*_paged_kv([n], shuffle=True), starts, seq_lens, HEAD_DIM**-0.5)
-    shuffled_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *shuffled, n))
+    k_shuf, v_shuf, meta_shuf = _paged_kv([n], shuffle=True)
+    shuffled = (k_shuf, v_shuf, _one_request_extend(meta_shuf, n), HEAD_DIM**-0.5)
+    shuffled_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *shuffled))
     rows.append(("extend, shuffled slots", shape, shuffled_ms, refs[0][0], refs[0][1]))
     if sweep:
         for cfg in [
@@ -137,9 +152,15 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
             (128, 32, 4, 4),
             (64, 128, 8, 3),
         ]:
-            fn = lambda cfg=cfg: ext._launch_extend(q, o, *args, n, *cfg)  # noqa: E731
+            fn = lambda cfg=cfg: _extend_at(q, o, *args, cfg)  # noqa: E731
             rows.append(("  extend sweep", f"BM,BN,warps,stages={cfg}", _bench_ms(fn), "", None))
     return rows
+
+
+def _extend_at(q, o, k_cache, v_cache, meta, sm_scale, config, splits=0) -> None:
+    """Extend attention at a (BLOCK_M, BLOCK_N, warps, stages) config: the one-pass kernel
+    (``splits`` 0) or the split-KV kernel and merge."""
+    ext.ExtendPlan(q, k_cache, meta, sm_scale, config=config, splits=splits)(q, o, k_cache, v_cache)
 
 
 def _sdpa_flash_lower_right_reference(q, k, v):
@@ -183,15 +204,15 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
     prefix and the new tokens, causal with the offset (bottom-right aligned).
     """
     seq = prefix + n
-    k_cache, v_cache, req_to_token, pool, seq_lens = _paged_kv([seq], shuffle=False)
+    k_cache, v_cache, meta = _paged_kv([seq], shuffle=False)
+    meta = _one_request_extend(meta, n)
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
     o_one = torch.empty_like(q)
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ext_lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    args = (k_cache, v_cache, req_to_token, pool, seq_lens, starts, ext_lens, HEAD_DIM**-0.5)
-    after = lambda: ext.extend_attention_triton(q, o, *args, n, max_seq_len=seq)  # noqa: E731
-    before = lambda: ext.extend_attention_triton(q, o_one, *args, n)  # noqa: E731
+    args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    bounded = (k_cache, v_cache, replace(meta, max_seq_len=seq), HEAD_DIM**-0.5)
+    after = lambda: ext.extend_attention_triton(q, o, *bounded)  # noqa: E731
+    before = lambda: ext.extend_attention_triton(q, o_one, *args)  # noqa: E731
     after()
     before()
     cfg = ext._extend_config(HEAD_DIM, DTYPE, q.device)
@@ -220,12 +241,10 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
     if sweep:
         for cfg_ in LONG_SPLIT_CONFIGS:
             for s in (1, 2, 4, 8, 16) if n <= 256 else (1, 2, 4, 8):
-                fn = lambda c=cfg_, s=s: ext._launch_extend_split(  # noqa: E731
-                    q, o, *args, n, s, *c
-                )
+                fn = lambda c=cfg_, s=s: _extend_at(q, o, *args, c, s)  # noqa: E731
                 rows += _sweep_row("  split sweep", f"{n} new, BM,BN,warps,stages={cfg_} S={s}", fn)
         for cfg_ in LONG_SPLIT_CONFIGS:
-            fn = lambda c=cfg_: ext._launch_extend(q, o_one, *args, n, *c)  # noqa: E731
+            fn = lambda c=cfg_: _extend_at(q, o_one, *args, c)  # noqa: E731
             rows += _sweep_row("  one-pass sweep", f"{n} new, BM,BN,warps,stages={cfg_}", fn)
     return rows
 
@@ -242,10 +261,10 @@ def _sweep_row(kind: str, label: str, fn) -> list[tuple]:
 
 
 def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
-    k_cache, v_cache, req_to_token, pool, seq_lens = _paged_kv([context] * batch, shuffle=False)
+    k_cache, v_cache, meta = _paged_kv([context] * batch, shuffle=False)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
-    args = (k_cache, v_cache, req_to_token, pool, seq_lens, HEAD_DIM**-0.5)
+    args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     floor_ms = kv_bytes / _copy_bandwidth_bytes_per_ms()
     shape = f"{batch} x {context} ctx, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"

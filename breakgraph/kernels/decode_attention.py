@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.extend_attention import _attend_block, extend_attention_torch
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
@@ -24,21 +25,15 @@ def decode_attention_torch(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
     sliding_window: int | None = None,
 ) -> None:
     """Reference twin. q/o [B, H, D]; request b's keys are ``req_to_token[req, :seq_lens[b]]``
-    (with ``sliding_window`` W, only its last W)."""
-    batch = q.shape[0]
-    ones = torch.ones(batch, dtype=torch.int32, device=q.device)
-    starts = torch.arange(batch, dtype=torch.int32, device=q.device)
-    extend_attention_torch(
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, starts, ones, sm_scale, 1,
-        sliding_window=sliding_window,
-    )  # fmt: skip
+    (with ``sliding_window`` W, only its last W). Reads the meta's key side only: query row
+    b is request b's, whatever its extend fields say."""
+    rows = AttentionMeta.decode(meta.req_to_token, meta.req_pool_indices, meta.seq_lens)
+    extend_attention_torch(q, o, k_cache, v_cache, rows, sm_scale, sliding_window=sliding_window)
 
 
 class DecodeWorkspace:
@@ -220,9 +215,7 @@ def decode_attention_triton(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
@@ -232,18 +225,19 @@ def decode_attention_triton(
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the
-    device. ``workspace`` defaults to a module-wide one, so addresses stay stable.
+    device. ``workspace`` defaults to a module-wide one, so addresses stay stable. Reads
+    the meta's key side only (one query row per request).
     """
     _launch_decode(
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        num_kv_splits, workspace, block_n=_decode_block_n(q.shape[-1], q.dtype),
-        num_warps=4, num_stages=2, sliding_window=sliding_window,
+        q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace,
+        block_n=_decode_block_n(q.shape[-1], q.dtype), num_warps=4, num_stages=2,
+        sliding_window=sliding_window,
     )  # fmt: skip
 
 
 def _launch_decode(
-    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-    num_kv_splits, workspace, block_n, num_warps, num_stages, sliding_window=None,
+    q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace, block_n, num_warps,
+    num_stages, sliding_window=None,
 ) -> None:  # fmt: skip
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -261,9 +255,9 @@ def _launch_decode(
         q,
         k_cache,
         v_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
+        meta.req_to_token,
+        meta.req_pool_indices,
+        meta.seq_lens,
         part_o,
         part_lse,
         sm_scale * _LOG2E,
@@ -274,7 +268,7 @@ def _launch_decode(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
-        req_to_token.stride(0),
+        meta.req_to_token.stride(0),
         sliding_window or 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -290,7 +284,7 @@ def _launch_decode(
         part_o,
         part_lse,
         o,
-        seq_lens,
+        meta.seq_lens,
         o.stride(0),
         o.stride(1),
         sliding_window or 0,

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from breakgraph.kernels.attention_meta import AttentionMeta
+
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
     import triton.language as tl
@@ -22,14 +24,8 @@ def extend_attention_torch(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
-    max_extend_len: int,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> None:
     """Reference twin. q/o [T, H, D]; the new tokens' k/v are already stored in the cache.
@@ -38,23 +34,22 @@ def extend_attention_torch(
     ``seq_lens[r] - extend_lens[r] + i``; its keys are ``req_to_token[req, :seq_lens[r]]``.
     Row i at position p sees keys 0 .. p, or with ``sliding_window`` W only p - W + 1 .. p
     (HF's sliding mask); keys older than every row's window are not read. Accumulates in
-    float32.
+    float32; the meta's launch bounds are unused.
     """
-    del max_extend_len, max_seq_len  # launch-size hints for the Triton kernel
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     for req, seq_len, start, ext in zip(
-        req_pool_indices.tolist(),
-        seq_lens.tolist(),
-        extend_start_loc.tolist(),
-        extend_lens.tolist(),
+        meta.req_pool_indices.tolist(),
+        meta.seq_lens.tolist(),
+        meta.extend_start_loc.tolist(),
+        meta.extend_lens.tolist(),
         strict=True,
     ):
         if ext == 0:
             continue
         prefix = seq_len - ext
         first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
-        slots = req_to_token[req, first:seq_len].long()
+        slots = meta.req_to_token[req, first:seq_len].long()
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
         qr = q[start : start + ext].float()  # [E, H, D]
@@ -494,29 +489,19 @@ def extend_attention_triton(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
-    max_extend_len: int,
-    max_seq_len: int | None = None,
 ) -> None:
     """Triton twin of :func:`extend_attention_torch` (flash attention over the paged KV).
 
     Grid (heads, batch, cdiv(max_extend_len, BLOCK_M)) from host-known sizes only; the
-    per-request lengths are read on the device. ``max_extend_len`` may overestimate.
-    ``max_seq_len``, a host-known upper bound of ``seq_lens``, lets a grid too small to
+    per-request lengths are read on the device. ``meta.max_extend_len`` may overestimate.
+    ``meta.max_seq_len``, a host-known upper bound of ``seq_lens``, lets a grid too small to
     fill the GPU (few query blocks over a long prefix) split the keys: partial results in
     an fp32 workspace, merged by a second launch (see :func:`num_kv_splits`). Without it,
     always the one-pass kernel.
     """
-    plan = ExtendPlan(
-        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
-        sm_scale, max_extend_len, max_seq_len,
-    )  # fmt: skip
-    plan(q, o, k_cache, v_cache)
+    ExtendPlan(q, k_cache, meta, sm_scale)(q, o, k_cache, v_cache)
 
 
 class ExtendPlan:
@@ -531,14 +516,9 @@ class ExtendPlan:
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        extend_start_loc: torch.Tensor,
-        extend_lens: torch.Tensor,
+        meta: AttentionMeta,
         sm_scale: float,
-        max_extend_len: int,
-        max_seq_len: int | None = None,
+        *,
         config: tuple[int, int, int, int] | None = None,
         splits: int | None = None,
         sliding_window: int | None = None,
@@ -548,8 +528,9 @@ class ExtendPlan:
         p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window, so
         a long prefix costs the window, not the prefix (no key split is needed)."""
         num_tokens, num_heads, head_dim = q.shape
-        batch = req_pool_indices.shape[0]
+        batch = meta.req_pool_indices.shape[0]
         num_kv_heads = k_cache.shape[1]
+        max_extend_len = meta.max_extend_len
         self.empty = num_tokens == 0 or batch == 0 or max_extend_len <= 0
         if self.empty:
             return
@@ -563,15 +544,19 @@ class ExtendPlan:
             splits = 0
         elif splits is None:
             splits = num_kv_splits(
-                num_heads, batch, max_extend_len, max_seq_len, block_m, _sm_count(q.device)
+                num_heads, batch, max_extend_len, meta.max_seq_len, block_m, _sm_count(q.device)
             )
         self.splits = splits
         self.window = sliding_window or 0
         num_m_blocks = triton.cdiv(max_extend_len, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
-        self.meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
+        # the kernels' metadata arguments, in their order, unpacked once per step
+        self.meta_args = (
+            meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
+            meta.extend_lens,
+        )  # fmt: skip
         self.scale_group = (sm_scale * _LOG2E, num_heads // num_kv_heads)
-        self.table_stride = req_to_token.stride(0)
+        self.table_stride = meta.req_to_token.stride(0)
         self.consts = dict(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
@@ -619,43 +604,19 @@ class ExtendPlan:
         )  # fmt: skip
         if self.splits == 0:
             _extend_attention_kernel[self.grid](
-                q, o, k_cache, v_cache, *self.meta, *self.scale_group, *strides, self.window,
+                q, o, k_cache, v_cache, *self.meta_args, *self.scale_group, *strides, self.window,
                 **self.consts,
             )  # fmt: skip
             return
         part_o = o if self.part_o is None else self.part_o
         part_lse = o if self.part_lse is None else self.part_lse
         _extend_split_kernel[self.grid](
-            q, o, k_cache, v_cache, *self.meta, part_o, part_lse, *self.scale_group,
+            q, o, k_cache, v_cache, *self.meta_args, part_o, part_lse, *self.scale_group,
             *self.split_args, *strides, **self.consts,
         )  # fmt: skip
         if self.part_o is None:
             return
         _extend_merge_kernel[self.merge_grid](
-            self.part_o, self.part_lse, o, self.meta[2], self.meta[3], self.meta[4],
-            *self.split_args, o.stride(0), o.stride(1), **self.merge_consts,
+            self.part_o, self.part_lse, o, *self.meta_args[2:], *self.split_args, o.stride(0),
+            o.stride(1), **self.merge_consts,
         )  # fmt: skip
-
-
-def _launch_extend(
-    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-    extend_lens, sm_scale, max_extend_len, block_m, block_n, num_warps, num_stages,
-) -> None:  # fmt: skip
-    """The one-pass kernel at a given config (benchmark sweeps, tests)."""
-    ExtendPlan(
-        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
-        sm_scale, max_extend_len, config=(block_m, block_n, num_warps, num_stages), splits=0,
-    )(q, o, k_cache, v_cache)  # fmt: skip
-
-
-def _launch_extend_split(
-    q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc,
-    extend_lens, sm_scale, max_extend_len, num_splits, block_m, block_n, num_warps, num_stages,
-) -> None:  # fmt: skip
-    """The split-KV kernel (and merge) with a given split count and config."""
-    assert num_splits >= 1
-    ExtendPlan(
-        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
-        sm_scale, max_extend_len, config=(block_m, block_n, num_warps, num_stages),
-        splits=num_splits,
-    )(q, o, k_cache, v_cache)  # fmt: skip

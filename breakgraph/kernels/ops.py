@@ -13,9 +13,11 @@ from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import kv_store as _kv_store
+from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.decode_attention import DecodeWorkspace
 
 __all__ = [
+    "AttentionMeta",
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
@@ -58,57 +60,34 @@ def extend_attention(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
-    max_extend_len: int,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> None:
     """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D].
 
-    ``max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel split
-    long prefixes over more programs; the twin ignores it. ``sliding_window`` W: a row at
-    position p attends to keys p - W + 1 .. p only (None: the whole context).
+    ``meta.max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel
+    split long prefixes; the twin ignores it. ``sliding_window`` W: a row at position p
+    attends to keys p - W + 1 .. p only (None: the whole context).
     """
-    plan = plan_extend_attention(
-        q, k_cache, req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens,
-        sm_scale, max_extend_len, max_seq_len, sliding_window,
-    )  # fmt: skip
-    plan(q, o, k_cache, v_cache)
+    plan_extend_attention(q, k_cache, meta, sm_scale, sliding_window)(q, o, k_cache, v_cache)
 
 
 def plan_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
-    max_extend_len: int,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """:func:`extend_attention` split in two: the step's part, computed once, returns a
     ``plan(q, o, k_cache, v_cache)`` that each layer of the same shape, scale and window
     calls (same result, less host work)."""
-    meta = (req_to_token, req_pool_indices, seq_lens, extend_start_loc, extend_lens)
     if _use_triton(q):
-        return _extend.ExtendPlan(
-            q, k_cache, *meta, sm_scale, max_extend_len, max_seq_len,
-            sliding_window=sliding_window,
-        )  # fmt: skip
+        return _extend.ExtendPlan(q, k_cache, meta, sm_scale, sliding_window=sliding_window)
 
     def plan(q, o, k_cache, v_cache):
-        _extend.extend_attention_torch(
-            q, o, k_cache, v_cache, *meta, sm_scale, max_extend_len,
-            sliding_window=sliding_window,
-        )  # fmt: skip
+        _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
     return plan
 
@@ -118,9 +97,7 @@ def decode_attention(
     o: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    meta: AttentionMeta,
     sm_scale: float,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
@@ -128,19 +105,16 @@ def decode_attention(
 ) -> None:
     """One query row per request into ``o`` [B, H, D]; CUDA-graph capturable on CUDA.
 
+    Reads the meta's key side only (``req_to_token``, ``req_pool_indices``, ``seq_lens``).
     ``num_kv_splits`` and ``workspace`` only tune the Triton kernel (the twin ignores them);
     ``sliding_window`` W: each request attends to its last W keys only.
     """
     if _use_triton(q):
         _decode.decode_attention_triton(
-            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-            num_kv_splits, workspace, sliding_window,
-        )  # fmt: skip
+            q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace, sliding_window
+        )
     else:
-        _decode.decode_attention_torch(
-            q, o, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-            sliding_window,
-        )  # fmt: skip
+        _decode.decode_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
 
 def graph_workspaces() -> list[torch.Tensor]:

@@ -46,35 +46,17 @@ def paged_attention(
     k_cache = ctx.kv_pool.k_buffers[kv_layer_id]
     v_cache = ctx.kv_pool.v_buffers[kv_layer_id]
     if batch.mode is ForwardMode.DECODE:
-        ops.decode_attention(
-            q,
-            o,
-            k_cache,
-            v_cache,
-            ctx.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            scaling,
-            sliding_window=sliding_window,
-        )
+        meta = batch.attention_meta(ctx.req_to_token)
+        ops.decode_attention(q, o, k_cache, v_cache, meta, scaling, sliding_window=sliding_window)
     else:
         # a step's launch plan is shared by every layer of its shape, scale and window:
         # computed at the first such layer, cached on the batch
         key = (q.shape[1], *k_cache.shape[1:], scaling, sliding_window)
         plan = batch.attention_plans.get(key)
         if plan is None:
+            meta = batch.attention_meta(ctx.req_to_token)
             plan = batch.attention_plans[key] = ops.plan_extend_attention(
-                q,
-                k_cache,
-                ctx.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                batch.extend_start_loc,
-                batch.extend_lens,
-                scaling,
-                batch.max_extend_len,
-                max_seq_len=batch.max_seq_len,  # host-known: lets the kernel split long prefixes
-                sliding_window=sliding_window,
+                q, k_cache, meta, scaling, sliding_window=sliding_window
             )
         plan(q, o, k_cache, v_cache)
 
