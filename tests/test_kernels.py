@@ -614,3 +614,34 @@ def test_sliding_window_kernels_match_twins(window, head_dim, dtype):
     ops.decode_attention(qd, od, kc, vc, meta, scale, sliding_window=window)
     dec.decode_attention_torch(qd, refd, kc, vc, meta, scale, sliding_window=window)
     torch.testing.assert_close(od.float(), refd.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+PEAK_SCRIPT = r"""
+import resource, torch
+from breakgraph.kernels import extend_attention as ext
+from breakgraph.kernels.attention_meta import AttentionMeta
+torch.manual_seed(0)
+n, heads, kv_heads, dim = 4096, 9, 3, 64  # SmolLM2's attention, one 4K-token prompt
+k = torch.randn(n + 1, kv_heads, dim)
+v = torch.randn(n + 1, kv_heads, dim)
+q = torch.randn(n, heads, dim)
+o = torch.empty_like(q)
+table = torch.arange(1, n + 1, dtype=torch.int32)[None]
+i32 = lambda x: torch.tensor([x], dtype=torch.int32)
+meta = AttentionMeta(table, torch.tensor([0]), i32(n), i32(0), i32(n), n, n)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ext.extend_attention_torch(q, o, k, v, meta, dim**-0.5)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) // 1024)
+"""
+
+
+def test_cpu_attention_memory_is_bounded_for_a_4k_prompt():
+    """The twin is the CPU serving path: a 4K-token prompt must not build the whole
+    [heads, 4K, 4K] score matrix (600 MiB in float32; more with softmax's copies)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak_mib = int(out.stdout.strip().splitlines()[-1])
+    assert peak_mib < 400, f"attention over a 4K prompt grew the peak RSS by {peak_mib} MiB"

@@ -6,6 +6,7 @@ import functools
 import math
 
 import torch
+from torch.nn import functional as F
 
 from breakgraph.kernels.attention_meta import AttentionMeta
 
@@ -17,6 +18,10 @@ except ImportError:
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 _LOG2E = math.log2(math.e)
+
+
+# query rows per chunk of the twin: one chunk's scores take at most this many bytes
+_TWIN_CHUNK_SCORE_BYTES = 64 << 20
 
 
 def extend_attention_torch(
@@ -33,11 +38,13 @@ def extend_attention_torch(
     Request r's query rows ``extend_start_loc[r] : +extend_lens[r]`` sit at positions
     ``seq_lens[r] - extend_lens[r] + i``; its keys are ``req_to_token[req, :seq_lens[r]]``.
     Row i at position p sees keys 0 .. p, or with ``sliding_window`` W only p - W + 1 .. p
-    (HF's sliding mask); keys older than every row's window are not read. Accumulates in
-    float32; the meta's launch bounds are unused.
+    (HF's sliding mask). Float32 math. Rows go through SDPA in chunks, each reading only
+    the keys its rows can see, so memory stays bounded (``_TWIN_CHUNK_SCORE_BYTES`` of
+    scores) and time grows with the visible keys: the twin is also the CPU serving path.
+    The meta's launch bounds are unused.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    group = num_heads // num_kv_heads
+    gqa = num_heads != num_kv_heads
     for req, seq_len, start, ext in zip(
         meta.req_pool_indices.tolist(),
         meta.seq_lens.tolist(),
@@ -50,18 +57,28 @@ def extend_attention_torch(
         prefix = seq_len - ext
         first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
         slots = meta.req_to_token[req, first:seq_len].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        qr = q[start : start + ext].float()  # [E, H, D]
-        scores = torch.einsum("ehd,shd->hes", qr, k) * sm_scale
-        q_pos = torch.arange(ext, device=q.device)[:, None] + prefix
-        k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
-        masked = k_pos > q_pos
-        if sliding_window is not None:
-            masked |= k_pos <= q_pos - sliding_window
-        scores.masked_fill_(masked[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o[start : start + ext] = torch.einsum("hes,shd->ehd", probs, v).to(o.dtype)
+        k = k_cache[slots].float().transpose(0, 1)  # [Hkv, S, D]
+        v = v_cache[slots].float().transpose(0, 1)
+        chunk = max(1, _TWIN_CHUNK_SCORE_BYTES // (4 * num_heads * max(seq_len - first, 1)))
+        for c0 in range(0, ext, chunk):
+            c1 = min(ext, c0 + chunk)
+            # keys the rows at positions prefix + c0 .. prefix + c1 - 1 can see
+            lo = first if sliding_window is None else max(first, prefix + c0 - sliding_window + 1)
+            hi = prefix + c1
+            q_pos = torch.arange(prefix + c0, prefix + c1, device=q.device)[:, None]
+            k_pos = torch.arange(lo, hi, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            out = F.scaled_dot_product_attention(
+                q[start + c0 : start + c1].float().transpose(0, 1),  # [H, C, D]
+                k[:, lo - first : hi - first],
+                v[:, lo - first : hi - first],
+                attn_mask=visible,
+                scale=sm_scale,
+                enable_gqa=gqa,
+            )
+            o[start + c0 : start + c1] = out.transpose(0, 1).to(o.dtype)
 
 
 @_jit
