@@ -24,6 +24,9 @@ class EngineArgs:
     max_prefill_tokens: int | None = None
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
+    # models with KV-shared layers (Gemma 4): those layers run on each request's last row only
+    # in prefill (exact); None: on for such models
+    kv_sharing_fast_prefill: bool | None = None
     seed: int = 0
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
@@ -76,6 +79,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-mixed-chunk",
         action="store_true",
         help="running requests decode inside prefill steps instead of waiting for them",
+    )
+    g.add_argument(
+        "--kv-sharing-fast-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_sharing_fast_prefill,
+        help="models with KV-shared layers (Gemma 4): run those layers on each request's last "
+        "row only in prefill, replayed from their own graph bank (exact; default: on for such "
+        "models)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)

@@ -71,6 +71,10 @@ class Engine:
             args.context_length,
         )
         self.model = loaded.model
+        if args.kv_sharing_fast_prefill is not None and hasattr(
+            self.model, "kv_sharing_fast_prefill"
+        ):
+            self.model.kv_sharing_fast_prefill = args.kv_sharing_fast_prefill
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
