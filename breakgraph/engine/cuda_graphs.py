@@ -58,6 +58,14 @@ class _GraphsBase:
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
 
+    def _capture_ctx(self, batch: ForwardBatch, size: int) -> ForwardContext:
+        """The context a bucket of ``size`` rows is captured in: rows past the next smaller
+        bucket are the ones a replay may pad (a smaller count takes a smaller bucket)."""
+        ctx = self._context(batch)
+        smaller = [b for b in self.bank.sizes if b < size]
+        ctx.pad_rows_from = smaller[-1] if smaller else 0
+        return ctx
+
     def _guard_tensors(self):
         """Buffers captured kernels read by address: weights, rotary caches, KV, the table,
         kernel workspaces. (cuBLAS's workspaces are allocated inside the captures, in the
@@ -194,16 +202,12 @@ class PrefillGraphs(_GraphsBase):
     @contextlib.contextmanager
     def _capture_context(self, size: int):
         """One request of ``size`` new tokens over the padding row (slot 0 everywhere); the KV
-        store is captured on the bank's static slots. Rows past the next smaller bucket are
-        the ones a replay of this bucket may pad (a smaller ``n`` takes a smaller bucket)."""
+        store is captured on the bank's static slots."""
         batch = ForwardBatch.build(
             ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx], [0], [size], self.device
         )
         batch.out_cache_loc = self.bank.views(size)["out_cache_loc"]
-        smaller = [b for b in self.bank.sizes if b < size]
-        ctx = self._context(batch)
-        ctx.pad_rows_from = smaller[-1] if smaller else 0
-        with forward_context(ctx):
+        with forward_context(self._capture_ctx(batch, size)):
             yield
 
     def capture(self) -> None:
@@ -275,10 +279,7 @@ class TailGraphs(_GraphsBase):
             ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx] * size,
             [0] * size, [1] * size, self.device,
         )  # fmt: skip
-        smaller = [b for b in self.bank.sizes if b < size]
-        ctx = self._context(batch)
-        ctx.pad_rows_from = smaller[-1] if smaller else 0
-        with forward_context(ctx):
+        with forward_context(self._capture_ctx(batch, size)):
             yield
 
     def capture(self) -> None:
