@@ -64,6 +64,8 @@ def test_wire_names_are_field_names():
         "input_ids": [1, 2, 3],
         "sampling": dataclasses.asdict(SAMPLING),
         "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
     }
     step = msgpack.unpackb(encode(SAMPLES[7]))
     assert step["outputs"][0] == {"rid": "a", **dataclasses.asdict(DELTA)}

@@ -62,8 +62,12 @@ class CacheManager:
         if idx is None:
             return False
         req.req_pool_idx = idx
-        # match all but the last token: the forward needs at least one to compute logits
-        m = self.tree.match_prefix(req.fill_ids[:-1])
+        # match all but the last token: the forward needs at least one to compute logits;
+        # a request wanting prompt logprobs recomputes from its first logprob row
+        limit = req.fill_len - 1
+        if req.prompt_rows_from is not None:
+            limit = min(limit, req.prompt_rows_from)
+        m = self.tree.match_prefix(req.fill_ids[:limit])
         self.tree.lock(m.node)
         req.last_node, req.cached_len = m.node, m.prefix_len
         req.set_kv(m.slots)

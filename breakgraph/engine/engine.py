@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.request import Req, SamplingParams
+from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
@@ -40,6 +41,9 @@ class GenerateResult:
     cached_tokens: int
     output_logprobs: list[float]
     e2e_latency: float
+    output_top_logprobs: list[list[list]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list] | None] = field(default_factory=list)
 
 
 def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) -> str:
@@ -116,6 +120,7 @@ class Engine:
             ),
             self.device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
+            prompt_forward=self.runner.forward_prompt,
         )
         logger.info(
             "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
@@ -193,6 +198,7 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]!r} is out of range [0, {self.vocab_size})")
         sampling.validate()
+        sampling.check_token_ids(self.vocab_size)
         total = len(input_ids) + sampling.max_new_tokens
         if total > self.context_len:
             raise ValueError(
@@ -211,9 +217,12 @@ class Engine:
         sampling: SamplingParams | None = None,
         rid: str | None = None,
         return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> str:
         sampling = sampling or SamplingParams()
         self.validate_input(input_ids, sampling)
+        check_logprob_args(len(input_ids), logprob_start_len, top_logprobs_num)
         rid = rid or uuid.uuid4().hex
         generator = None
         if sampling.seed is not None:
@@ -223,6 +232,8 @@ class Engine:
             input_ids=list(input_ids),
             sampling=sampling,
             return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
             generator=generator,
         )
         self.scheduler.add(req)
@@ -276,12 +287,20 @@ class Engine:
         sampling: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
         return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> list[GenerateResult]:
         if not isinstance(sampling, list):
             sampling = [sampling or SamplingParams()] * len(prompts)
         start = time.perf_counter()
         rids = [
-            self.add_request(self.encode_prompt(p, chat), s, return_logprob=return_logprob)
+            self.add_request(
+                self.encode_prompt(p, chat),
+                s,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+            )
             for p, s in zip(prompts, sampling, strict=True)
         ]
         results: dict[str, GenerateResult] = {
@@ -298,6 +317,10 @@ class Engine:
                 res = results[out.rid]
                 res.output_ids.extend(out.token_ids)
                 res.output_logprobs.extend(out.logprobs)
+                res.output_top_logprobs.extend(out.top_logprobs)
+                if out.input_logprobs is not None:
+                    res.input_logprobs = out.input_logprobs
+                    res.input_top_logprobs = out.input_top_logprobs or []
                 if out.finished:
                     res.finish_reason = out.finish_reason
                     res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from breakgraph.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_batch_sizes
+from breakgraph.engine.logprobs import chunked_row_logprobs
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 
 logger = logging.getLogger(__name__)
@@ -86,3 +87,25 @@ class ModelRunner:
             else:
                 hidden = self.model(batch.input_ids, batch.positions)[batch.logits_rows]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward_prompt(
+        self, batch: ForwardBatch, rows: torch.Tensor, targets: torch.Tensor, top_k: int
+    ):
+        """A step with prompt rows whose logprobs are wanted, eagerly and through every layer
+        on all rows (no graph, no ``forward_logits_rows``: Gemma 4's KV-shared layers must
+        see the prompt rows too) -> (logits of each request's last row, logprobs of the
+        rows' targets, top-k logprobs, their ids); the rows go through a chunked LM head."""
+        self.step_counts[f"{batch.mode.value}_eager"] += 1
+        ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_rows])
+        lp, top_v, top_i = chunked_row_logprobs(
+            hidden[rows], targets, self.model.compute_logits, self.vocab_size, top_k
+        )
+        return logits, lp, top_v, top_i
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size

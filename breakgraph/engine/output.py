@@ -21,6 +21,9 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[lp, id], ...]
+    input_logprobs: list[float | None] | None = None  # once, with the first output
+    input_top_logprobs: list[list[list] | None] | None = None
 
 
 class OutputProcessor:
@@ -76,4 +79,6 @@ def finished_output(req: Req, reason: dict, last: StepOutput | None = None) -> S
     out = StepOutput(rid=req.rid, finished=True, finish_reason=reason)
     if last is not None:
         out.token_ids, out.logprobs = last.token_ids, last.logprobs
+        out.top_logprobs = last.top_logprobs
+        out.input_logprobs, out.input_top_logprobs = last.input_logprobs, last.input_top_logprobs
     return fill_meta(out, req)

@@ -105,7 +105,7 @@ class PrefillManager:
             if waiting:
                 if len(running) + len(reqs) >= cfg.max_running_requests:
                     break
-                if req.sampling.max_new_tokens == 0:
+                if req.sampling.max_new_tokens == 0 and req.prompt_rows_from is None:
                     finished.append(self.waiting.popleft())
                     continue
                 if not self.cache.admit(req):

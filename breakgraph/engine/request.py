@@ -26,8 +26,14 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
+    top_logprobs_num: int = 0  # top-k logprobs per position (with return_logprob)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[list]] = field(default_factory=list)  # [[lp, id], ...] per token
+    input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len
+    input_top_logprobs: list[list[list] | None] = field(default_factory=list)
+    penalty_row: int | None = None  # its row of the PenaltyPool (None: no penalties)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: dict[str, Any] | None = None
     # KV state: slots of the tokens of fill_ids whose KV is computed, in order
@@ -40,6 +46,15 @@ class Req:
     generator: torch.Generator | None = None
     decoding: bool = False  # in the scheduler's running (decode) list
     num_retractions: int = 0
+
+    @property
+    def prompt_rows_from(self) -> int | None:
+        """First prompt row whose logits the request still needs (None: none).
+
+        Row q's logits give the logprob of prompt token q + 1; position 0 has none."""
+        if not self.return_logprob or self.logprob_start_len < 0 or self.output_ids:
+            return None
+        return max(self.logprob_start_len - 1, 0)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TOKEN_ID_LIMIT = (1 << 63) - 1
 # SGLang's _SAMPLING_EPS: a temperature below it samples greedily (logits / 1e-45 overflow)
 GREEDY_TEMPERATURE_EPS = 1e-6
+MAX_TOP_LOGPROBS = 20  # top logprobs per position (OpenAI's limit)
 
 
 @dataclass
@@ -28,10 +29,24 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    frequency_penalty: float = 0.0  # OpenAI: logit -= count * frequency_penalty (output tokens)
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence_penalty if the token was output
+    repetition_penalty: float = 1.0  # HF/SGLang: a seen token's logit / p if > 0, else * p
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many are out
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> added bias
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler keeps this request's token counts (on the device)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the first parameter out of range (or of the wrong type)."""
@@ -57,6 +72,7 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self._validate_penalties()
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -71,6 +87,47 @@ class SamplingParams:
             not _is_int(t) or not 0 <= t <= TOKEN_ID_LIMIT for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
+
+    def _validate_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(
+                f"min_new_tokens must be an integer in [0, {MAX_NEW_TOKENS_LIMIT}], "
+                f"got {self.min_new_tokens!r}"
+            )
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be an object of token id -> bias")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            tok = str(key)
+            if not tok.isdigit() or not 0 <= int(tok) <= TOKEN_ID_LIMIT:
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise ValueError(
+                    f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}"
+                )
+            bias[str(int(tok))] = float(value)
+        self.logit_bias = bias or None
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError if stop_token_ids or logit_bias name a token past the vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop token id {t} is out of range [0, {vocab_size})")
+        for key in self.logit_bias or {}:
+            if int(key) >= vocab_size:
+                raise ValueError(f"logit_bias token id {key} is out of range [0, {vocab_size})")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -94,3 +151,16 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_logprob_args(prompt_len: int, logprob_start_len: int, top_logprobs_num: int) -> None:
+    """Raise ValueError on logprob arguments out of range."""
+    if not _is_int(logprob_start_len) or not -1 <= logprob_start_len < prompt_len:
+        raise ValueError(
+            f"logprob_start_len must be -1 (none) or in [0, {prompt_len}) for a prompt of "
+            f"{prompt_len} tokens, got {logprob_start_len!r}"
+        )
+    if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
+        )

@@ -19,13 +19,48 @@ from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.engine.cache_manager import CacheManager
 from breakgraph.engine.decode import DecodeManager
+from breakgraph.engine.logprobs import ReadBack, token_logprobs
 from breakgraph.engine.output import OutputProcessor, StepOutput, fill_meta, finished_output
+from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.engine.prefill import PrefillManager
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
 from breakgraph.forward_batch import ForwardBatch, upload_many
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "StepOutput"]
+
+# (batch, prompt rows [R], their target ids [R], top-k) ->
+#   (logits [B, V] of each request's last row, logprobs [R], top-k logprobs [R, k], ids [R, k])
+PromptForward = Callable[
+    [ForwardBatch, torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+]
+
+
+@dataclass
+class PromptRows:
+    """A request's prompt rows in this step: ``count`` rows from position ``first``."""
+
+    req: Req
+    first: int
+    count: int
+    row: int  # its first row in the step's flat rows
+
+
+@dataclass
+class Launched:
+    """What a launch queued on the device, read back by ``process_outputs``."""
+
+    done: list[Req]  # requests sampled this step
+    readback: ReadBack
+    ids: int | None = None  # ReadBack handles
+    logprobs: int | None = None
+    top_values: int | None = None
+    top_ids: int | None = None
+    top_k: int = 0
+    prompt: list[PromptRows] | None = None
+    prompt_handles: tuple[int, int | None, int | None] | None = None
+    prompt_top_k: int = 0
 
 
 @dataclass
@@ -68,8 +103,11 @@ class Scheduler:
         config: SchedulerConfig,
         device: torch.device,
         stop_text: Callable[[list[int]], str] | None = None,
+        prompt_forward: PromptForward | None = None,
     ):
         self.forward = forward  # batch -> logits [batch size, vocab] of each request's last row
+        self.prompt_forward = prompt_forward  # for steps with prompt rows (prompt logprobs)
+        self.penalties: PenaltyPool | None = None  # sized from the first logits
         self.cfg = config
         self.device = device
         self.cache = CacheManager(allocator, tree, req_pool)
@@ -120,9 +158,7 @@ class Scheduler:
             return outputs
         reqs, batch = scheduled
         self.last_step_tokens = batch.num_tokens
-        done, ids, logprobs = self.launch(reqs, batch)
-        if done:
-            outputs.extend(self.process_outputs(done, ids, logprobs))
+        outputs.extend(self.process_outputs(self.launch(reqs, batch)))
         return outputs
 
     def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
@@ -149,34 +185,111 @@ class Scheduler:
             return None
         return self.decode.schedule_batch()
 
-    def launch(self, reqs: list[Req], batch: ForwardBatch):
-        """Forward and sample on the device; returns (requests sampled, ids, logprobs).
+    def launch(self, reqs: list[Req], batch: ForwardBatch) -> Launched:
+        """Forward and sample on the device, queueing what the host reads back (no sync).
 
         A request mid-prefill (chunked) has no token to sample: its logits row is dropped.
         """
-        logits = self.forward(batch)
+        rb = ReadBack()
+        prompt = self._prompt_rows(reqs, batch)
+        launched = Launched(done=[], readback=rb)
+        if prompt:
+            rows, targets, k = self._prompt_plan(prompt)
+            logits, lp, top_v, top_i = self.prompt_forward(batch, rows, targets, k)
+            launched.prompt, launched.prompt_top_k = prompt, k
+            launched.prompt_handles = (
+                rb.add(lp),
+                None if top_v is None else rb.add(top_v),
+                None if top_i is None else rb.add(top_i),
+            )
+        else:
+            logits = self.forward(batch)
         chunked = self.prefill.chunked
-        done = [r for r in reqs if r is not chunked]
+        done = launched.done = [r for r in reqs if r is not chunked]
         if not done:
-            return done, None, None
+            return launched
         if len(done) != len(reqs):
             rows = [i for i, r in enumerate(reqs) if r is not chunked]
             logits = logits[upload_many([rows], torch.int64, logits.device)[0]]
-        want_logprob = any(r.return_logprob for r in done)
-        ids, logprobs = sample(
-            logits, [r.sampling for r in done], [r.generator for r in done], want_logprob
-        )
-        return done, ids, logprobs
+        processed = logits
+        if any(r.sampling.has_penalties for r in done) or any(
+            r.sampling.logit_bias or r.sampling.min_new_tokens for r in done
+        ):
+            if self.penalties is None:
+                self.penalties = PenaltyPool(logits.shape[-1], logits.device)
+            for r in done:
+                if r.sampling.has_penalties:
+                    self.penalties.acquire(r)
+            processed = self.penalties.process(logits, done, self.cfg.eos_token_ids)
+        ids, _ = sample(processed, [r.sampling for r in done], [r.generator for r in done])
+        if self.penalties is not None:
+            self.penalties.record(done, ids)
+        launched.ids = rb.add(ids)
+        if any(r.return_logprob for r in done):
+            k = max(r.top_logprobs_num if r.return_logprob else 0 for r in done)
+            lp, top_v, top_i = token_logprobs(logits, ids, k)
+            launched.logprobs, launched.top_k = rb.add(lp), k
+            if top_v is not None:
+                launched.top_values, launched.top_ids = rb.add(top_v), rb.add(top_i)
+        return launched
 
-    def process_outputs(
-        self, reqs: list[Req], ids: torch.Tensor, logprobs: torch.Tensor | None
-    ) -> list[StepOutput]:
-        """Append each request's sampled token; finish it, or move it on to decoding."""
-        ids_list = ids.tolist()  # the step's one host sync
-        lp_list = logprobs.tolist() if logprobs is not None else [None] * len(reqs)
+    def _prompt_rows(self, reqs: list[Req], batch: ForwardBatch) -> list[PromptRows]:
+        """The prompt rows this step computes that requests want logprobs of."""
+        out, start = [], 0
+        for req, pre, ext in zip(reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
+            first = req.prompt_rows_from
+            if first is not None:
+                lo, hi = max(pre, first), min(pre + ext, len(req.input_ids) - 1)
+                if hi > lo or (req.logprob_start_len == 0 and not req.input_logprobs):
+                    out.append(PromptRows(req, lo, max(hi - lo, 0), start + lo - pre))
+            start += ext
+        if out and self.prompt_forward is None:
+            raise RuntimeError("this scheduler has no prompt_forward: prompt logprobs unavailable")
+        return out
+
+    def _prompt_plan(self, prompt: list[PromptRows]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Flat row indices, target ids and top-k of the step's prompt rows (one upload)."""
+        rows, targets = [], []
+        for p in prompt:
+            rows.extend(range(p.row, p.row + p.count))
+            targets.extend(p.req.input_ids[p.first + 1 : p.first + 1 + p.count])
+        rows_t, targets_t = upload_many([rows, targets], torch.int64, self.device)
+        return rows_t, targets_t, max(req_k(p.req) for p in prompt)
+
+    def process_outputs(self, launched: Launched) -> list[StepOutput]:
+        """Read the step back (its one host sync); append each request's sampled token,
+        finish it, or move it on to decoding."""
+        values = launched.readback.fetch()  # the step's one host sync
+        if launched.prompt:
+            self._take_prompt_logprobs(launched, values)
+        reqs = launched.done
+        if not reqs:
+            return []
+        ids_list = [int(t) for t in values[launched.ids]]
+        lp_list = values[launched.logprobs] if launched.logprobs is not None else None
+        tops = None
+        if launched.top_values is not None:
+            k = launched.top_k
+            tv, ti = values[launched.top_values], values[launched.top_ids]
+            tops = [
+                [[tv[b * k + j], int(ti[b * k + j])] for j in range(k)] for b in range(len(reqs))
+            ]
         outputs = []
-        for req, tok, lp in zip(reqs, ids_list, lp_list, strict=True):
+        for b, (req, tok) in enumerate(zip(reqs, ids_list, strict=True)):
+            first = not req.decoding
+            if req.sampling.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
+                out = self._finish(req, {"type": "length", "length": 0})
+                self._attach_prompt(out, req)
+                outputs.append(out)
+                continue
+            lp = lp_list[b] if lp_list is not None and req.return_logprob else None
             out, reason = self.output.append_token(req, tok, lp)
+            if lp is not None and req.top_logprobs_num > 0 and tops is not None:
+                top = tops[b][: req.top_logprobs_num]
+                req.output_top_logprobs.append(top)
+                out.top_logprobs = [top]
+            if first:
+                self._attach_prompt(out, req)
             if reason is not None:
                 self.decode.remove(req)
                 out = self._finish(req, reason, out)
@@ -187,8 +300,41 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
+    def _take_prompt_logprobs(self, launched: Launched, values: list[list[float]]) -> None:
+        lp_h, tv_h, ti_h = launched.prompt_handles
+        lps = values[lp_h]
+        k = launched.prompt_top_k
+        at = 0
+        for p in launched.prompt:
+            req, n, want = p.req, p.count, req_k(p.req)
+            if req.logprob_start_len == 0 and not req.input_logprobs:
+                req.input_logprobs.append(None)  # the first prompt token has no logprob
+                req.input_top_logprobs.append(None)
+            req.input_logprobs.extend(lps[at : at + n])
+            if want:
+                tv, ti = values[tv_h], values[ti_h]
+                req.input_top_logprobs.extend(
+                    [[tv[r * k + j], int(ti[r * k + j])] for j in range(want)]
+                    for r in range(at, at + n)
+                )
+            at += n
+
+    @staticmethod
+    def _attach_prompt(out: StepOutput, req: Req) -> None:
+        """A request's prompt logprobs travel once, with its first output."""
+        if req.logprob_start_len >= 0 and req.return_logprob:
+            out.input_logprobs = list(req.input_logprobs)
+            out.input_top_logprobs = list(req.input_top_logprobs) if req.top_logprobs_num else []
+
     def _finish(self, req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
         """Release the request's KV and table row, forget it, report it finished."""
         self.cache.release(req)
+        if self.penalties is not None:
+            self.penalties.release(req)
         self.reqs.pop(req.rid, None)
         return finished_output(req, reason, last)
+
+
+def req_k(req: Req) -> int:
+    """Top-k a request wants for its prompt rows."""
+    return req.top_logprobs_num if req.return_logprob else 0

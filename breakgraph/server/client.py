@@ -207,7 +207,13 @@ class EngineClient:
 
     # ---- requests ----
     def submit(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> asyncio.Queue:
         """Send a validated request; its TokenDeltas (or an exception, last) arrive on the queue."""
         if not self.alive:
@@ -217,7 +223,11 @@ class EngineClient:
         if rid in self._inflight:
             raise RequestRejected(f"request id {rid!r} is already in use")
         try:  # encode before registering: a request that cannot be sent leaves nothing behind
-            data = encode(GenerateReq(rid, input_ids, sampling, return_logprob))
+            data = encode(
+                GenerateReq(
+                    rid, input_ids, sampling, return_logprob, logprob_start_len, top_logprobs_num
+                )
+            )
         except (ValueError, TypeError, OverflowError) as e:
             raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
         entry = _InFlight(asyncio.Queue(), time.perf_counter())

@@ -207,7 +207,12 @@ class EngineLoop:
     def _add(self, msg: GenerateReq) -> None:
         try:
             self.engine.add_request(
-                msg.input_ids, msg.sampling, rid=msg.rid, return_logprob=msg.return_logprob
+                msg.input_ids,
+                msg.sampling,
+                rid=msg.rid,
+                return_logprob=msg.return_logprob,
+                logprob_start_len=msg.logprob_start_len,
+                top_logprobs_num=msg.top_logprobs_num,
             )
         except (ValueError, TypeError) as e:  # the API validates first; this is the backstop
             self._errors.append(RequestError(msg.rid, str(e)))
@@ -224,4 +229,7 @@ def token_delta(out: StepOutput) -> TokenDelta:
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         cached_tokens=out.cached_tokens,
+        top_logprobs=out.top_logprobs,
+        input_logprobs=out.input_logprobs,
+        input_top_logprobs=out.input_top_logprobs,
     )

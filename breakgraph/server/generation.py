@@ -26,6 +26,8 @@ class GenerationRequest:
     rid: str | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -41,13 +43,28 @@ class GenerationState:
     finished: bool = False
     finish_reason: dict | None = None
     cached_tokens: int = 0
+    return_logprob: bool = False
+    input_ids: list[int] = field(default_factory=list)
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    top_logprobs: list[list[list]] = field(default_factory=list)  # per output: [[lp, id], ...]
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list] | None] = field(default_factory=list)
+
+    @property
+    def input_logprob_ids(self) -> list[int]:
+        """The prompt tokens that input_logprobs describe (from logprob_start_len on)."""
+        if self.logprob_start_len < 0:
+            return []
+        return self.input_ids[self.logprob_start_len :][: len(self.input_logprobs)]
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    def meta_info(self) -> dict:
-        """SGLang's meta_info."""
+    def meta_info(self, token_text: Callable[[int], str] | None = None) -> dict:
+        """SGLang's meta_info; logprobs as [logprob, token id, text or None] triples (text with
+        ``token_text``: return_text_in_logprobs)."""
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
@@ -56,10 +73,25 @@ class GenerationState:
             "finish_reason": self.finish_reason,
             "e2e_latency": time.perf_counter() - self.started_at,
         }
-        if self.logprobs:
-            meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
-            ]
+        if not self.return_logprob:
+            return meta
+
+        def triple(lp: float | None, tok: int) -> list:
+            return [lp, tok, token_text(tok) if token_text is not None else None]
+
+        def tops(entries: list[list[list] | None]) -> list:
+            return [None if e is None else [triple(lp, int(t)) for lp, t in e] for e in entries]
+
+        meta["input_token_logprobs"] = [
+            triple(lp, tok)
+            for lp, tok in zip(self.input_logprobs, self.input_logprob_ids, strict=False)
+        ]
+        meta["output_token_logprobs"] = [
+            triple(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
+        ]
+        if self.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = tops(self.input_top_logprobs)
+            meta["output_top_logprobs"] = tops(self.top_logprobs)
         return meta
 
 
@@ -68,12 +100,26 @@ async def stream_generation(
 ) -> AsyncIterator[GenerationState]:
     """Yield the request's state (the same object, updated) until it finishes."""
     rid = req.rid or uuid.uuid4().hex
-    state = GenerationState(rid=rid, prompt_tokens=len(req.input_ids))
+    state = GenerationState(
+        rid=rid,
+        prompt_tokens=len(req.input_ids),
+        return_logprob=req.return_logprob,
+        input_ids=req.input_ids,
+        logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+    )
     text = None
     if tokenizer is not None:
         text = TextStream(tokenizer, req.sampling.stop, req.skip_special_tokens, req.no_stop_trim)
         state.text = ""
-    queue = client.submit(rid, req.input_ids, req.sampling, req.return_logprob)
+    queue = client.submit(
+        rid,
+        req.input_ids,
+        req.sampling,
+        req.return_logprob,
+        req.logprob_start_len if req.return_logprob else -1,
+        req.top_logprobs_num if req.return_logprob else 0,
+    )
     try:
         while not state.finished:
             items = [await queue.get()]
@@ -86,6 +132,10 @@ async def stream_generation(
                     raise item
                 new_ids += item.token_ids
                 state.logprobs += item.logprobs
+                state.top_logprobs += item.top_logprobs
+                if item.input_logprobs is not None:
+                    state.input_logprobs = item.input_logprobs
+                    state.input_top_logprobs = item.input_top_logprobs or []
                 state.cached_tokens = item.cached_tokens
                 if item.finished:
                     state.finished = True

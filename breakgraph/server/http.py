@@ -30,6 +30,7 @@ from breakgraph.server.protocol import (
     GenerateReqInput,
     batch_fields,
     check_fits,
+    check_logprobs,
     off_loop_if_large,
     parse_json,
     parse_model,
@@ -85,8 +86,11 @@ router = APIRouter()
 
 
 # ---- generation ----
-def _native_output(state: GenerationState, index: int | None = None) -> dict[str, Any]:
-    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info()}
+def _native_output(
+    state: GenerationState, index: int | None = None, token_text=None
+) -> dict[str, Any]:
+    meta = state.meta_info(token_text)
+    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
     return out
@@ -98,18 +102,26 @@ async def generate(request: Request) -> Response:
     raw = await read_body(request, s.max_request_bytes)
     req, gen_reqs, is_batch = await off_loop_if_large(raw, _prepare_generate, raw, s)
     s.require_alive()
+    text = None
+    if req.return_text_in_logprobs and s.tokenizer is not None:
+        tokenizer = s.tokenizer
+
+        def text(tok: int) -> str:
+            return tokenizer.decode([tok], skip_special_tokens=False)
 
     if req.stream:
         if not is_batch:
             states = stream_generation(s.client, s.tokenizer, gen_reqs[0])
-            return await event_stream(_native_events(_single(states)))
+            return await event_stream(_native_events(_single(states), token_text=text))
         streams = [stream_generation(s.client, s.tokenizer, r) for r in gen_reqs]
-        return await event_stream(_native_events(merge_streams(streams), batch=True))
+        return await event_stream(
+            _native_events(merge_streams(streams), batch=True, token_text=text)
+        )
 
     states = await run_to_completion(s.client, s.tokenizer, gen_reqs, request.is_disconnected)
     if states is None:
         return Response(status_code=499)  # client closed the connection; requests aborted
-    outs = [_native_output(st) for st in states]
+    outs = [_native_output(st, token_text=text) for st in states]
     return JSONResponse(outs if is_batch else outs[0])
 
 
@@ -120,17 +132,21 @@ def _prepare_generate(
     req = parse_model(GenerateReqInput, parse_json(raw))
     unsupported(req)
     prompts, is_batch = prompts_of(req, s.tokenizer, s.info)
-    sampling, logprob, rids = batch_fields(req, len(prompts))
+    sampling, logprob, rids, starts, tops = batch_fields(req, len(prompts))
     given = [r for r in rids if r is not None]
     if len(set(given)) != len(given):
         raise APIError("rid values must be unique")
     gen_reqs = []
-    for ids, sp_dict, lp, rid in zip(prompts, sampling, logprob, rids, strict=True):
+    rows = zip(prompts, sampling, logprob, rids, starts, tops, strict=True)
+    for ids, sp_dict, lp, rid, start, top in rows:
         if sp_dict is not None and not isinstance(sp_dict, dict):
             raise APIError(f"sampling_params must be an object, got {type(sp_dict).__name__}")
         sp, api_opts = sampling_from_dict(sp_dict)
         check_fits(ids, sp, s.info)
-        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts))
+        check_logprobs(len(ids), start, top)
+        start, top = (-1 if start is None else start), top or 0
+        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts, logprob_start_len=start,
+                                          top_logprobs_num=top))  # fmt: skip
     return req, gen_reqs, is_batch
 
 
@@ -142,10 +158,10 @@ async def _single(states: AsyncIterator[GenerationState]):
         await states.aclose()
 
 
-async def _native_events(items, batch: bool = False) -> AsyncIterator[str]:
+async def _native_events(items, batch: bool = False, token_text=None) -> AsyncIterator[str]:
     try:
         async for i, st in items:
-            yield sse(_native_output(st, i if batch else None))
+            yield sse(_native_output(st, i if batch else None, token_text))
         yield DONE
     finally:
         await items.aclose()

@@ -28,6 +28,8 @@ class GenerateReq:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -98,6 +100,9 @@ class TokenDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[lp, id], ...]
+    input_logprobs: list[float | None] | None = None  # once, with the first output
+    input_top_logprobs: list[list[list] | None] | None = None
 
 
 @dataclass

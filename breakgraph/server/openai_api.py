@@ -117,7 +117,14 @@ class _Choices:
 
 
 def _requests(
-    prompts: list[list[int]], n: int, base_id: str, req: Any, logprob: bool, info: ModelInfo
+    prompts: list[list[int]],
+    n: int,
+    base_id: str,
+    req: Any,
+    logprob: bool,
+    info: ModelInfo,
+    top_k: int = 0,
+    prompt_logprobs: bool = False,
 ) -> list[GenerationRequest]:
     """n requests per prompt (prompt-major); a seeded request's choices get seeds seed+j
     (mod 2**64, so every choice's seed stays in the range the first one was checked in)."""
@@ -130,7 +137,15 @@ def _requests(
         for j in range(n)
     ]
     return [
-        GenerationRequest(ids, per_choice[j], logprob, f"{base_id}-{i * n + j}", **api_opts)
+        GenerationRequest(
+            ids,
+            per_choice[j],
+            logprob,
+            f"{base_id}-{i * n + j}",
+            **api_opts,
+            logprob_start_len=0 if prompt_logprobs else -1,
+            top_logprobs_num=top_k,
+        )
         for i, ids in enumerate(prompts)
         for j in range(n)
     ]
@@ -149,13 +164,51 @@ def _streams(s: ServerState, gen_reqs: list[GenerationRequest]):
 
 
 # ---- /v1/completions ----
-def _completion_logprobs(tokenizer, ids: list[int], lps: list[float], offset: int) -> dict:
+def _completion_logprobs(
+    tokenizer,
+    ids: list[int],
+    lps: list[float | None],
+    offset: int,
+    tops: list[list[list] | None] | None = None,
+) -> dict:
+    """OpenAI's legacy logprobs: tokens, token_logprobs, top_logprobs ({token: logprob} per
+    position, None where there is none), text_offset."""
     tokens = _token_strings(tokenizer, ids)
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    top_logprobs = None
+    if tops is not None:
+        top_logprobs = [
+            None
+            if entry is None
+            else dict(zip(_token_strings(tokenizer, [int(t) for _, t in entry]),
+                          [lp for lp, _ in entry], strict=True))
+            for entry in tops
+        ]  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _prompt_text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+
+
+def _echo_logprobs(tokenizer, st: GenerationState, k: int, ids, lps, tops, offset: int) -> dict:
+    """The prompt's tokens and logprobs (the first one null), then the output's."""
+    prompt_tops = (st.input_top_logprobs or [None] * len(st.input_logprobs)) if k else None
+    return _completion_logprobs(
+        tokenizer,
+        st.input_ids + ids,
+        list(st.input_logprobs) + lps,
+        offset,
+        None if prompt_tops is None else prompt_tops + tops,
+    )
 
 
 @router.post("/completions")
@@ -176,14 +229,19 @@ async def completions(request: Request) -> Response:
     if states is None:
         return Response(status_code=499)
     choices = []
+    k = req.logprobs or 0
     for i, st in enumerate(states):
         logprobs = None
-        if want_logprobs:
-            logprobs = _completion_logprobs(s.tokenizer, st.output_ids, st.logprobs, 0)
+        tops = st.top_logprobs if k else None
+        prefix = _prompt_text(s.tokenizer, st.input_ids) if req.echo else ""
+        if req.prompt_logprobs:
+            logprobs = _echo_logprobs(s.tokenizer, st, k, st.output_ids, st.logprobs, tops or [], 0)
+        elif want_logprobs:
+            logprobs = _completion_logprobs(s.tokenizer, st.output_ids, st.logprobs, 0, tops)
         choices.append(
             {
                 "index": i,
-                "text": st.text or "",
+                "text": prefix + (st.text or ""),
                 "logprobs": logprobs,
                 "finish_reason": _finish_reason(st),
                 "matched_stop": _matched_stop(st),
@@ -199,7 +257,11 @@ def _prepare_completion(raw: bytes, s: ServerState):
     req.check()
     prompts = completion_prompts(req.prompt, s.tokenizer, s.info)
     cid = f"cmpl-{uuid.uuid4().hex}"
-    return req, prompts, _requests(prompts, req.n, cid, req, req.logprobs is not None, s.info)
+    gen_reqs = _requests(
+        prompts, req.n, cid, req, req.logprobs is not None, s.info,
+        top_k=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
+    )  # fmt: skip
+    return req, prompts, gen_reqs
 
 
 async def _completion_events(
@@ -207,17 +269,28 @@ async def _completion_events(
 ) -> AsyncIterator[str]:
     sent = _Choices(len(gen_reqs))
     final: dict[int, GenerationState] = {}
+    echoed: set[int] = set()
+    k = req.logprobs or 0
     async for i, st in _streams(s, gen_reqs):
-        offset = sent.chars[i]
+        first = req.echo and i not in echoed
+        prefix = _prompt_text(s.tokenizer, st.input_ids) if first else ""
+        offset = sent.chars[i] + (len(_prompt_text(s.tokenizer, st.input_ids)) if req.echo else 0)
+        if first:
+            offset = 0
+        start = sent.tokens[i]
         delta, ids, lps = sent.take(i, st)
-        if not delta and not st.finished:
+        if not delta and not st.finished and not first:
             continue
+        echoed.add(i)
+        tops = st.top_logprobs[start : start + len(ids)] if k else None
         logprobs = None
-        if want_logprobs:
-            logprobs = _completion_logprobs(s.tokenizer, ids, lps, offset)
+        if first and req.prompt_logprobs:
+            logprobs = _echo_logprobs(s.tokenizer, st, k, ids, lps, tops or [], offset)
+        elif want_logprobs:
+            logprobs = _completion_logprobs(s.tokenizer, ids, lps, offset, tops)
         choice = {
             "index": i,
-            "text": delta,
+            "text": prefix + delta,
             "logprobs": logprobs,
             "finish_reason": _finish_reason(st),
         }
@@ -232,14 +305,21 @@ async def _completion_events(
 
 
 # ---- /v1/chat/completions ----
-def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict:
+def _chat_logprobs(
+    tokenizer, ids: list[int], lps: list[float], tops: list[list[list]] | None = None
+) -> dict:
     tokens = _token_strings(tokenizer, ids)
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(tokens, lps, strict=False)
-        ]
-    }
+    content = []
+    for j, (t, lp) in enumerate(zip(tokens, lps, strict=False)):
+        top = []
+        if tops is not None and j < len(tops):
+            names = _token_strings(tokenizer, [int(tid) for _, tid in tops[j]])
+            top = [
+                {"token": name, "logprob": v, "bytes": list(name.encode())}
+                for name, (v, _) in zip(names, tops[j], strict=True)
+            ]
+        content.append({"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": top})
+    return {"content": content}
 
 
 @router.post("/chat/completions")
@@ -265,7 +345,7 @@ async def chat_completions(request: Request) -> Response:
         {
             "index": i,
             "message": {"role": "assistant", "content": st.text or ""},
-            "logprobs": _chat_logprobs(s.tokenizer, st.output_ids, st.logprobs)
+            "logprobs": _chat_logprobs(s.tokenizer, st.output_ids, st.logprobs, st.top_logprobs)
             if req.logprobs
             else None,
             "finish_reason": _finish_reason(st),
@@ -284,7 +364,8 @@ def _prepare_chat(raw: bytes, s: ServerState):
     req.check()
     prompts = [chat_prompt(req, s.tokenizer, s.info)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    return req, prompts, _requests(prompts, req.n, cid, req, req.logprobs, s.info)
+    top_k = (req.top_logprobs or 0) if req.logprobs else 0
+    return req, prompts, _requests(prompts, req.n, cid, req, req.logprobs, s.info, top_k=top_k)
 
 
 async def _chat_events(
@@ -298,12 +379,14 @@ async def _chat_events(
             started.add(i)
             role = {"index": i, "delta": {"role": "assistant", "content": ""}}
             yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+        start = sent.tokens[i]
         delta, ids, lps = sent.take(i, st)
         if delta or (ids and req.logprobs):
+            tops = st.top_logprobs[start : start + len(ids)]
             choice = {
                 "index": i,
                 "delta": {"content": delta},
-                "logprobs": _chat_logprobs(s.tokenizer, ids, lps) if req.logprobs else None,
+                "logprobs": _chat_logprobs(s.tokenizer, ids, lps, tops) if req.logprobs else None,
                 "finish_reason": None,
             }
             yield sse({**head, "choices": [choice]})

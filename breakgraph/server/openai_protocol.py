@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import (
     APIError,
@@ -57,8 +57,6 @@ class _SamplingFields(BaseModel):
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
 
     def sampling_dict(self, max_new_tokens: int) -> dict[str, Any]:
         """The request's sampling fields in SGLang's sampling_params shape."""
@@ -77,6 +75,7 @@ class _SamplingFields(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias or None,
         }
 
     @property
@@ -97,14 +96,17 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.best_of not in (None, 1, self.n):
             raise APIError("best_of is not supported", param="best_of")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
-            raise APIError("logprobs must be in [0, 5]", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's tokens and logprobs come first."""
+        return self.echo and self.logprobs is not None
 
 
 class ContentPart(BaseModel):
@@ -154,8 +156,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError("only the text response_format is supported", param="response_format")
-        if self.top_logprobs:
-            raise APIError("top_logprobs is not supported", param="top_logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+                )
+            if self.top_logprobs and not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def completion_prompts(

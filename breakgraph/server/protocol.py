@@ -15,24 +15,24 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
 from breakgraph.server.messages import ModelInfo
 from breakgraph.tokenizer import Tokenizer
 
 # sampling parameters handled in the API process (detokenization), not by the engine
 API_SAMPLING_KEYS = {"skip_special_tokens": True, "no_stop_trim": False}
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p")
-_INT_PARAMS = ("max_new_tokens", "top_k", "seed")
+_FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_INT_PARAMS = ("max_new_tokens", "top_k", "seed", "min_new_tokens")
 MAX_JSON_DEPTH = 32  # no request shape nests deeper than ~5; deeper bodies are refused
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
-_NEUTRAL_PARAMS = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "n": 1,
-    "min_new_tokens": 0,
-    "spaces_between_special_tokens": True,
-}
+_NEUTRAL_PARAMS = {"n": 1, "spaces_between_special_tokens": True}
 
 OFF_LOOP_BYTES = 64 << 10
 M = TypeVar("M", bound=BaseModel)
@@ -135,10 +135,10 @@ class GenerateReqInput(BaseModel):
     stream: StrictBool = False
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
-    # accepted for compatibility; only their defaults are supported
     logprob_start_len: StrictInt | list[StrictInt] | None = None
     top_logprobs_num: StrictInt | list[StrictInt] | None = None
     return_text_in_logprobs: StrictBool = False
+    # accepted for compatibility; only their defaults are supported
     image_data: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None
@@ -173,6 +173,8 @@ def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[s
     for key in ("stop", "stop_token_ids"):
         if d.get(key) is not None and not isinstance(d[key], list):
             raise APIError(f"{key} must be a list, got {d[key]!r}", param=key)
+    if "logit_bias" in d and not isinstance(d["logit_bias"], dict):
+        raise APIError("logit_bias must be an object of token id -> bias", param="logit_bias")
     try:
         params = SamplingParams.from_dict(d)
     except (ValueError, TypeError) as e:
@@ -229,9 +231,10 @@ def check_fits(ids: list[int], sampling: SamplingParams, info: ModelInfo) -> Non
     """Prompt + max_new_tokens within the context length; the prompt within the KV pool."""
     if not ids:
         raise APIError("the prompt is empty")
-    for t in sampling.stop_token_ids:
-        if t >= info.vocab_size:
-            raise APIError(f"stop token id {t} is out of range [0, {info.vocab_size})")
+    try:
+        sampling.check_token_ids(info.vocab_size)
+    except ValueError as e:
+        raise APIError(str(e)) from None
     total = len(ids) + sampling.max_new_tokens
     if total > info.context_length:
         raise APIError(
@@ -279,18 +282,27 @@ def unsupported(req: GenerateReqInput) -> None:
         raise APIError("lora_path is not supported")
     if req.custom_logit_processor is not None:
         raise APIError("custom_logit_processor is not supported")
-    if req.top_logprobs_num not in (None, 0):
-        raise APIError("top_logprobs_num is not supported (only the sampled token's logprob)")
 
 
-def batch_fields(req: GenerateReqInput, n: int) -> tuple[list, list, list]:
-    """Per-prompt (sampling_params, return_logprob, rid) lists."""
+def check_logprobs(prompt_len: int, logprob_start_len: int | None, top_k: int | None) -> None:
+    """Logprob arguments in range for this prompt (a 400 otherwise)."""
+    try:
+        check_logprob_args(prompt_len, -1 if logprob_start_len is None else logprob_start_len,
+                           top_k or 0)  # fmt: skip
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+def batch_fields(req: GenerateReqInput, n: int) -> tuple[list, list, list, list, list]:
+    """Per-prompt (sampling_params, return_logprob, rid, logprob_start_len, top_logprobs_num)."""
     sampling = _as_batch(req.sampling_params, n, "sampling_params", lambda v: False)
     logprob = _as_batch(req.return_logprob, n, "return_logprob", lambda v: False)
+    start = _as_batch(req.logprob_start_len, n, "logprob_start_len", lambda v: False)
+    top = _as_batch(req.top_logprobs_num, n, "top_logprobs_num", lambda v: False)
     if isinstance(req.rid, list):
         rids = _as_batch(req.rid, n, "rid", lambda v: False)
     elif req.rid is not None and n > 1:
         rids = [f"{req.rid}-{i}" for i in range(n)]
     else:
         rids = [req.rid] * n
-    return sampling, logprob, rids
+    return sampling, logprob, rids, start, top

@@ -1,0 +1,80 @@
+"""Logprobs of chosen tokens and the top-k, for prompt rows (a chunked LM head) and sampled
+tokens, and the step's one read-back that carries them to the host.
+
+A prompt's rows go through the LM head a chunk of rows at a time, so a long prompt never
+holds more than ``MAX_LOGIT_FLOATS`` logits at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+MAX_LOGIT_FLOATS = 1 << 26  # 256 MiB of float32 logits per chunk of prompt rows
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """logits [R, V] -> (logprob of targets [R], top-k logprobs [R, k], their ids [R, k])."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, targets[:, None]) - lse).squeeze(1)
+    if top_k <= 0:
+        return chosen, None, None
+    values, ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    return chosen, values - lse, ids
+
+
+def chunked_row_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    top_k: int,
+    max_floats: int = MAX_LOGIT_FLOATS,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``token_logprobs`` of hidden rows [R, H] through the LM head, a chunk of rows at a time
+    (the chunk count is known on the host: no sync)."""
+    if hidden.shape[0] == 0:
+        empty = torch.empty(0, device=hidden.device)
+        if top_k <= 0:
+            return empty, None, None
+        return empty, empty.view(0, top_k), empty.view(0, top_k).long()
+    rows = max(1, max_floats // max(vocab_size, 1))
+    parts = [
+        token_logprobs(compute_logits(hidden[i : i + rows]), targets[i : i + rows], top_k)
+        for i in range(0, hidden.shape[0], rows)
+    ]
+    chosen = torch.cat([p[0] for p in parts])
+    if top_k <= 0:
+        return chosen, None, None
+    return chosen, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
+class ReadBack:
+    """Device tensors gathered for the step's one host read (``.tolist()``): each added tensor
+    comes back as a flat list of Python numbers, in order (float64 carries ids exactly)."""
+
+    def __init__(self):
+        self._parts: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue ``t``; returns its handle for ``get``."""
+        flat = t.reshape(-1).to(torch.float64)
+        self._parts.append(flat)
+        self._sizes.append(flat.numel())
+        return len(self._parts) - 1
+
+    def fetch(self) -> list[list[float]]:
+        """One host sync: every queued tensor as a flat list."""
+        if not self._parts:
+            return []
+        values = torch.cat(self._parts).tolist()
+        out, at = [], 0
+        for n in self._sizes:
+            out.append(values[at : at + n])
+            at += n
+        return out

@@ -1,0 +1,169 @@
+"""Prompt and top logprobs equal HF transformers' log_softmax (whole, from logprob_start_len,
+over a cached prefix, chunked); penalties and logit_bias follow their formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from breakgraph.engine.penalties import apply_penalties
+from breakgraph.engine.request import SamplingParams
+from tests.test_models_hf import hf_logits, make_engine, prompts
+
+ATOL = 2e-4
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_logits(hf, ids), dim=-1)
+
+
+def greedy(n: int = 1, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def check_prompt(res, ref: torch.Tensor, p: list[int], start: int, k: int) -> None:
+    lps = res.input_logprobs
+    assert len(lps) == len(p) - start
+    if start == 0:
+        assert lps[0] is None
+    for pos, lp in zip(range(start, len(p)), lps, strict=True):
+        if pos == 0:
+            continue
+        assert lp == pytest.approx(ref[pos - 1, p[pos]].item(), abs=ATOL)
+    if k:
+        assert len(res.input_top_logprobs) == len(lps)
+        for pos, top in zip(range(start, len(p)), res.input_top_logprobs, strict=True):
+            if pos == 0:
+                assert top is None
+                continue
+            values, ids = ref[pos - 1].topk(k)
+            assert [t[1] for t in top] == ids.tolist()
+            torch.testing.assert_close(torch.tensor([t[0] for t in top]), values, atol=ATOL, rtol=0)
+
+
+def test_prompt_logprobs_match_hf(hf_checkpoint):
+    _, hf, path = hf_checkpoint
+    engine = make_engine(path)
+    (p,) = prompts(1, [29])
+    ref = hf_logprobs(hf, p)
+    (res,) = engine.generate([p], greedy(2), return_logprob=True, logprob_start_len=0,
+                             top_logprobs_num=5)  # fmt: skip
+    check_prompt(res, ref, p, 0, 5)
+    # the output's logprob and top logprobs: the last prompt row
+    values, ids = ref[-1].topk(5)
+    assert res.output_ids[0] == ids[0].item()
+    assert res.output_logprobs[0] == pytest.approx(values[0].item(), abs=ATOL)
+    assert [t[1] for t in res.output_top_logprobs[0]] == ids.tolist()
+    assert engine.stats()["kv_tokens_used"] == 0
+
+
+def test_prompt_logprobs_over_cached_prefix_and_chunked(tiny_llama_dir):
+    from tests.conftest import make_hf_model
+
+    hf = make_hf_model("llama")
+    engine = make_engine(tiny_llama_dir, chunked_prefill_size=8)
+    (p,) = prompts(1, [37], seed=3)
+    ref = hf_logprobs(hf, p)
+    engine.generate([p], greedy())  # caches the prompt
+    for start in (0, 1, 12, 36):
+        (res,) = engine.generate([p], greedy(), return_logprob=True, logprob_start_len=start,
+                                 top_logprobs_num=3)  # fmt: skip
+        assert res.cached_tokens <= max(start - 1, 0)
+        check_prompt(res, ref, p, start, 3)
+    # without logprobs the cache is used fully
+    (res,) = engine.generate([p], greedy())
+    assert res.cached_tokens == len(p) - 1
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_only(tiny_llama_dir):
+    from tests.conftest import make_hf_model
+
+    hf = make_hf_model("llama")
+    engine = make_engine(tiny_llama_dir)
+    ps = prompts(2, [9, 14], seed=5)
+    results = engine.generate(ps, greedy(0), return_logprob=True, logprob_start_len=0)
+    for p, res in zip(ps, results, strict=True):
+        assert res.output_ids == []
+        assert res.finish_reason == {"type": "length", "length": 0}
+        check_prompt(res, hf_logprobs(hf, p), p, 0, 0)
+    assert engine.stats()["kv_tokens_used"] == 0
+
+
+def test_logprob_args_are_checked(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.add_request([1, 2, 3], greedy(), return_logprob=True, logprob_start_len=3)
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        engine.add_request([1, 2, 3], greedy(), return_logprob=True, top_logprobs_num=21)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request([1, 2, 3], greedy(logit_bias={"100000": 1.0}))
+
+
+# ---- penalties ----
+def test_penalty_formulas():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, generator=g) * 3
+    counts = torch.zeros(3, 10)
+    counts[0, 2], counts[1, 2], counts[1, 5], counts[2, 7] = 2, 1, 3, 1
+    prompt = torch.zeros(3, 10, dtype=torch.bool)
+    prompt[2, 4] = True
+    params = torch.tensor([[0.5, 0.0, 1.0], [0.3, 0.7, 1.0], [0.0, 0.0, 1.3]])
+    out = apply_penalties(logits, counts, prompt | (counts > 0), params)
+    ref = logits.clone()
+    # OpenAI: logit -= count * frequency + (count > 0) * presence
+    ref[0, 2] -= 2 * 0.5
+    ref[1, 2] -= 1 * 0.3 + 0.7
+    ref[1, 5] -= 3 * 0.3 + 0.7
+    # HF/SGLang repetition: seen tokens (prompt or output) divided if > 0, else multiplied
+    for tok in (4, 7):
+        x = logits[2, tok]
+        ref[2, tok] = x / 1.3 if x > 0 else x * 1.3
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("freq,pres,rep", [(2.0, 0.0, 1.0), (0.0, 2.0, 1.0), (0.5, 0.5, 1.5)])
+def test_penalties_in_the_engine_match_a_replay(tiny_llama_dir, freq, pres, rep):
+    from tests.conftest import make_hf_model
+
+    hf = make_hf_model("llama")
+    engine = make_engine(tiny_llama_dir)
+    ps = prompts(2, [11, 7], seed=7)
+    sp = greedy(8, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep)
+    results = engine.generate(ps + [ps[0]], [sp, sp, greedy(8)])  # batched with a plain one
+    (plain,) = engine.generate([ps[0]], greedy(8))
+    assert results[2].output_ids == plain.output_ids
+    for p, res in zip(ps, results, strict=False):
+        ids = list(p)
+        for tok in res.output_ids:  # the formula replayed on HF's logits, token by token
+            logits = hf_logits(hf, ids)[-1]
+            out = torch.tensor(ids[len(p) :], dtype=torch.long)
+            counts = torch.bincount(out, minlength=logits.numel()).float()
+            seen = counts > 0
+            seen[torch.tensor(p)] = True
+            params = torch.tensor([[freq, pres, rep]])
+            ref = apply_penalties(logits[None], counts[None], seen[None], params)[0]
+            assert tok == ref.argmax().item()
+            ids.append(tok)
+    assert engine.scheduler.penalties.rows_in_use == 0
+    assert engine.stats()["kv_tokens_used"] == 0
+
+
+def test_logit_bias_in_the_engine(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (p,) = prompts(1, [11], seed=7)
+    (plain,) = engine.generate([p], greedy(3))
+    (biased,) = engine.generate([p], greedy(5, logit_bias={"42": 100.0}))
+    assert biased.output_ids == [42] * 5
+    banned = {str(t): -100.0 for t in plain.output_ids}
+    (res,) = engine.generate([p], greedy(3, logit_bias=banned))
+    assert not set(res.output_ids) & set(plain.output_ids)
+
+
+def test_min_new_tokens_masks_eos(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (p,) = prompts(1, [6], seed=2)
+    (first,) = engine.generate([p], greedy(1))
+    tok = first.output_ids[0]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=[tok], min_new_tokens=2)
+    (res,) = engine.generate([p], sp)
+    assert tok not in res.output_ids[:2] and len(res.output_ids) >= 2
