@@ -58,7 +58,7 @@ class PenaltyPool:
         self.counts[row].zero_()
         self.prompt_seen[row].zero_()
         (prompt,) = upload_many([req.input_ids], torch.int64, self.device)
-        self.prompt_seen[row, prompt] = True
+        self.prompt_seen[row].index_fill_(0, prompt, True)
         if req.output_ids:  # a retracted request keeps its counts: it comes back with outputs
             (out,) = upload_many([req.output_ids], torch.int64, self.device)
             self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=self.counts.dtype))
@@ -112,11 +112,13 @@ class PenaltyPool:
             )
             counts = self.counts[rows_pool]
             seen = self.prompt_seen[rows_pool] | (counts > 0)
-            logits[rows_b] = apply_penalties(logits[rows_b], counts, seen, params.view(-1, 3))
+            penalized = apply_penalties(logits[rows_b], counts, seen, params.view(-1, 3))
+            logits.index_copy_(0, rows_b, penalized)
         if bias_rows:
             rows, cols = upload_many([bias_rows, bias_cols], torch.int64, self.device)
             (vals,) = upload_many([bias_vals], torch.float32, self.device)
-            logits.index_put_((rows, cols), vals, accumulate=True)
+            # scatter_add_ on flat indices: sync-free on CUDA (-inf stays -inf)
+            logits.view(-1).scatter_add_(0, rows * logits.shape[-1] + cols, vals)
         return logits
 
     def record(self, reqs: list[Req], ids: torch.Tensor) -> None:
@@ -128,6 +130,5 @@ class PenaltyPool:
             [pen, [reqs[i].penalty_row for i in pen]], torch.int64, self.device
         )
         toks = ids[rows_b]
-        self.counts.index_put_(
-            (rows_pool, toks), torch.ones_like(toks, dtype=self.counts.dtype), accumulate=True
-        )
+        flat = rows_pool * self.vocab_size + toks
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(toks, dtype=self.counts.dtype))
