@@ -41,6 +41,21 @@ FAMILIES = {
     ),
     # Qwen3: q/k norms, head_dim not hidden/heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # Qwen3-MoE: layers 0 and 2 sparse (8 experts, top-2, renormalized), layer 1 dense
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -54,6 +69,8 @@ def make_hf_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a router: top-k by margins, not by noise
+                p.normal_(0.0, 0.5)
     return model
 
 

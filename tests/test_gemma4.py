@@ -52,6 +52,14 @@ K_EQ_V_TEXT = {
 }
 # as the 31B: no per-layer inputs, no KV sharing
 DENSE_TEXT = {**K_EQ_V_TEXT, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+# the MoE block of the 26B-A4B (8 experts, top-2) on every layer, KV-shared ones included
+MOE_TEXT = {
+    **K_EQ_V_TEXT,
+    "enable_moe_block": True,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 24,
+}
 TINY_VISION = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -63,11 +71,16 @@ TINY_VISION = dict(
 
 
 def _randomize(model) -> None:
-    """HF ones-inits norms and layer scalars: randomize them too (as conftest does)."""
+    """HF ones-inits norms, layer scalars and router scales: randomize them too (as conftest
+    does); spread the routers' scores so that top-k is decided by margins, not by noise."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("router.scale"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("router.per_expert_scale"):
+                p.copy_(0.5 + torch.rand_like(p))
+            elif name.endswith("router.proj.weight"):
+                p.normal_(0.0, 4.0)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.8 + 0.4 * torch.rand_like(b))
@@ -75,11 +88,12 @@ def _randomize(model) -> None:
 
 def make_hf_gemma4(kind: str, seed: int = 0):
     """``text``: Gemma4ForCausalLM (E2B-like); ``dense``: Gemma4ForCausalLM as the 31B;
-    ``multimodal``: Gemma4ForConditionalGeneration with a vision tower and the k-is-v text
-    model (its checkpoint names ``model.language_model.*``)."""
+    ``moe``: Gemma4ForCausalLM with the MoE block; ``multimodal``:
+    Gemma4ForConditionalGeneration with a vision tower and the k-is-v text model (its
+    checkpoint names ``model.language_model.*``)."""
     torch.manual_seed(seed)
-    if kind in ("text", "dense"):
-        text = TINY_TEXT if kind == "text" else DENSE_TEXT
+    if kind in ("text", "dense", "moe"):
+        text = {"text": TINY_TEXT, "dense": DENSE_TEXT, "moe": MOE_TEXT}[kind]
         model = gemma4.Gemma4ForCausalLM(gemma4.Gemma4TextConfig(**text))
     else:
         config = gemma4.Gemma4Config(
@@ -91,7 +105,7 @@ def make_hf_gemma4(kind: str, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=["text", "multimodal", "dense"])
+@pytest.fixture(scope="module", params=["text", "multimodal", "dense", "moe"])
 def gemma4_checkpoint(request, tmp_path_factory):
     model = make_hf_gemma4(request.param)
     path = tmp_path_factory.mktemp(f"tiny-gemma4-{request.param}")

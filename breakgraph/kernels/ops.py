@@ -12,6 +12,7 @@ import torch
 from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
+from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import kv_store as _kv_store
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.decode_attention import DecodeWorkspace
@@ -21,7 +22,9 @@ __all__ = [
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
+    "fused_experts",
     "graph_workspaces",
+    "moe_route",
     "plan_extend_attention",
     "fused_add_rms_norm",
     "qk_norm_rope",
@@ -162,3 +165,33 @@ def qk_norm_rope(
     """Qwen3's per-head RMSNorm of q and k, then RoPE; new tensors."""
     fn = _fused.qk_norm_rope_triton if _use_triton(q) else _fused.qk_norm_rope_torch
     return fn(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+# ---- mixture of experts (kernels/fused_moe.py)
+
+
+def moe_route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, K], expert ids int32 [T, K]): float32
+    softmax or sigmoid, top-k, optionally renormalized, optionally times ``expert_scale[id]``."""
+    fn = _moe.moe_route_triton if _use_triton(router_logits) else _moe.moe_route_torch
+    return fn(router_logits, top_k, scoring, renormalize, expert_scale)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """x [T, H] through its top-k experts (``gate_up`` [E, 2I, H], ``down`` [E, H, I]),
+    weighted and summed -> [T, H]. Capturable on CUDA: no host sync, buffers sized by T."""
+    fn = _moe.fused_experts_triton if _use_triton(x) else _moe.fused_experts_torch
+    return fn(x, gate_up, down, topk_weights, topk_ids, activation)

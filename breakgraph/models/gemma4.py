@@ -10,6 +10,8 @@ What sets Gemma 4 apart, all read from the text config:
   (``kv_cache_shapes``, ``kv_layer_of``);
 - per-layer input embeddings (PLE): a per-layer vector from the token id and the embedding
   gates a residual branch after each layer's MLP;
+- MoE block (``enable_moe_block``, 26B-A4B): beside each layer's dense MLP, top-k experts
+  (``FusedMoE``, tanh GELU) routed from the pre-MLP residual, each branch with its own norms;
 - sandwich norms, q/k/v norms (v without scale), attention scaling 1.0, ``layer_scalar``,
   embeddings scaled by sqrt(hidden), final logit softcapping, double-wide MLP on the shared
   layers (``use_double_wide_mlp``), ``attention_k_eq_v`` (full layers use k as v).
@@ -33,7 +35,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
+from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
+from breakgraph.layers.moe import ExpertWeights, FusedMoE
 from breakgraph.layers.norm import GemmaRMSNorm
 from breakgraph.layers.rotary import rope_inv_freq
 from breakgraph.models.config import ModelConfig
@@ -94,6 +98,26 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma4Router(nn.Module):
+    """HF's Gemma4TextRouter: unscaled RMSNorm, times ``scale`` and 1/sqrt(hidden), linear to
+    E scores, float32 softmax, top-k renormalized, times ``per_expert_scale`` of the chosen."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, e = config.hidden_size, config.raw["num_experts"]
+        self.top_k = config.raw["top_k_experts"]
+        self.scalar_root_size = h**-0.5
+        self.norm = GemmaRMSNorm(h, config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(h, e, bias=False)
+        self.scale = nn.Parameter(torch.ones(h))
+        self.per_expert_scale = nn.Parameter(torch.ones(e))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights float32 [T, K], expert ids [T, K])."""
+        logits = self.proj(self.norm(x) * self.scale * self.scalar_root_size)
+        return ops.moe_route(logits, self.top_k, "softmax", True, self.per_expert_scale)
 
 
 class Gemma4Attention(nn.Module):
@@ -163,6 +187,17 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        # MoE block (26B-A4B): experts beside the dense MLP, routed from the pre-MLP residual
+        self.enable_moe_block = bool(config.raw.get("enable_moe_block"))
+        if self.enable_moe_block:
+            raw = config.raw
+            self.router = Gemma4Router(config)
+            self.experts = FusedMoE(
+                raw["num_experts"], h, raw["moe_intermediate_size"], "gelu_tanh"
+            )
+            self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         self.hidden_size_per_layer_input = p = config.raw.get("hidden_size_per_layer_input") or 0
         if p:
             self.per_layer_input_gate = nn.Linear(h, p, bias=False)
@@ -183,6 +218,11 @@ class Gemma4DecoderLayer(nn.Module):
 
         residual = hidden_states
         hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        if self.enable_moe_block:
+            dense = self.post_feedforward_layernorm_1(hidden_states)
+            routing = self.router(residual)
+            sparse = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
+            hidden_states = dense + self.post_feedforward_layernorm_2(sparse)
         hidden_states = residual + self.post_feedforward_layernorm(hidden_states)
 
         if self.hidden_size_per_layer_input:
@@ -384,6 +424,7 @@ class Gemma4ForCausalLM(nn.Module):
         """Copy HF-named tensors (``model.*`` or ``model.language_model.*``) into the
         parameters and ``layer_scalar`` buffers; returns the names loaded."""
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
+        experts = ExpertWeights(self)
         loaded: set[str] = set()
         skipped = 0
         for hf_name, tensor in weights:
@@ -394,6 +435,8 @@ class Gemma4ForCausalLM(nn.Module):
                 skipped += 1
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if experts.load(name, tensor):
                 continue
             shared = _SHARED_LAYER_KV.match(name)
             if shared and self.model.layer_specs[int(shared[1])].shares_kv:
@@ -406,7 +449,7 @@ class Gemma4ForCausalLM(nn.Module):
             loaded.add(target)
         if skipped:
             logger.info("skipped %d vision/audio tensors (text model only)", skipped)
-        return loaded
+        return loaded | experts.loaded()
 
     def _target(self, name: str) -> tuple[str, slice | None]:
         """Our parameter for an HF name, and the rows of it the tensor fills (stacked ones)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from breakgraph.models.config import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+MOE_KEYS = ("num_experts", "top_k_experts", "moe_intermediate_size")
 # HF's defaults when a config has no rope_parameters
 DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -40,9 +41,9 @@ def gemma4_layers(config: ModelConfig) -> list[Gemma4Layer]:
     raw = config.raw
     n = config.num_hidden_layers
     if raw.get("enable_moe_block"):
-        raise NotImplementedError(
-            "Gemma 4 MoE layers (enable_moe_block, e.g. gemma-4-26B-A4B) are not supported yet"
-        )
+        missing = [k for k in MOE_KEYS if not raw.get(k)]
+        if missing:
+            raise ValueError(f"enable_moe_block needs {', '.join(missing)} in the config")
     if raw.get("use_bidirectional_attention") == "all":
         raise NotImplementedError("Gemma 4 with use_bidirectional_attention='all'")
     if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":

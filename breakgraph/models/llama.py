@@ -69,9 +69,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.build_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def forward(self, hidden_states, residual, cos, sin):
         if residual is None:

@@ -133,11 +133,12 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights, as ``--load-format dummy`` in SGLang/vLLM: norms 1, the rest N(0, 0.02)."""
+    """Random weights, as ``--load-format dummy`` in SGLang/vLLM: norms and scales 1, the rest
+    N(0, 0.02)."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()

@@ -8,6 +8,7 @@ from breakgraph.models.gemma4 import Gemma4ForCausalLM
 from breakgraph.models.llama import LlamaForCausalLM
 from breakgraph.models.qwen2 import Qwen2ForCausalLM
 from breakgraph.models.qwen3 import Qwen3ForCausalLM
+from breakgraph.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,176 @@
+"""MoE layer benchmark: the fused Triton MoE against references measured in the same run.
+
+    python -m breakgraph.bench.moe [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 8192] [--sweep]
+
+Per token count M, one MoE layer of the model's expert shapes (bf16, routing from random
+logits: about uniform over the experts): routing + experts (what ``ops`` runs) against
+
+- a dense bf16 cuBLAS GEMM pair of the same active FLOPs (M*K rows through [H, 2I], then
+  their first I columns through [I, H]): the goal at M = 8K is <= 1.4x its time;
+- the bandwidth floor: the bytes of the experts the step touches (distinct experts x 3*H*I
+  x 2) at the measured device copy bandwidth: the goal at decode sizes (M = 1..64).
+
+Each timed call routes new logits (a cycle of 16), so small steps read experts that are not
+all in L2. ``--sweep`` times launch configs per token count (BLOCK_M, then each GEMM's
+BLOCK_N/BLOCK_K/warps/stages) and prints the best as rows for ``fused_moe._CONFIGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from breakgraph.kernels import fused_moe as fm
+from breakgraph.kernels import ops
+from breakgraph.models.config import ModelConfig
+from breakgraph.models.sources import CONFIG_DIR
+
+GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]  # fmt: skip
+BLOCK_M_CANDIDATES = [(16, 1), (32, 4), (64, 8), (128, 8)]  # (BLOCK_M, GROUP_M)
+
+
+def expert_shapes(model: str) -> dict:
+    config = ModelConfig.from_file(CONFIG_DIR / f"{model}.json")
+    raw = config.raw
+    gemma = "Gemma4" in config.architecture
+    return {
+        "experts": raw.get("num_experts") or raw["num_local_experts"],
+        "top_k": raw["top_k_experts"] if gemma else raw["num_experts_per_tok"],
+        "hidden": config.hidden_size,
+        "inter": raw["moe_intermediate_size"],
+        "activation": "gelu_tanh" if gemma else "silu",
+    }
+
+
+def _bench_ms(fn, rep: int = 100) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def _copy_bytes_per_ms(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _bench_ms(lambda: dst.copy_(src))
+
+
+class Layer:
+    """One MoE layer's weights and a cycle of routings for M tokens."""
+
+    def __init__(self, m: int, s: dict, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        e, h, i = s["experts"], s["hidden"], s["inter"]
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+
+        self.s, self.m = s, m
+        self.x = randn(m, h)
+        self.gate_up = randn(e, 2 * i, h, scale=h**-0.5)
+        self.down = randn(e, h, i, scale=i**-0.5)
+        self.logits = [randn(m, e) for _ in range(16)]
+        self.turn = itertools.cycle(self.logits)
+
+    def __call__(self) -> torch.Tensor:
+        w, ids = ops.moe_route(next(self.turn), self.s["top_k"])
+        return ops.fused_experts(self.x, self.gate_up, self.down, w, ids, self.s["activation"])
+
+    def touched_bytes(self) -> float:
+        """Mean bytes of the distinct experts one step reads."""
+        k, h, i = self.s["top_k"], self.s["hidden"], self.s["inter"]
+        hit = [len(torch.topk(lg.float(), k).indices.unique()) for lg in self.logits]
+        return sum(hit) / len(hit) * 3 * h * i * 2
+
+
+def dense_reference(m: int, s: dict):
+    """cuBLAS bf16 GEMMs of the experts' active FLOPs."""
+    rows, h, i = m * s["top_k"], s["hidden"], s["inter"]
+    a = torch.randn(rows, h, device="cuda").bfloat16()
+    w1 = torch.randn(h, 2 * i, device="cuda").bfloat16() * h**-0.5
+    w2 = torch.randn(i, h, device="cuda").bfloat16() * i**-0.5
+    h1 = torch.empty(rows, 2 * i, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(rows, h, device="cuda", dtype=torch.bfloat16)
+
+    def fn():
+        torch.mm(a, w1, out=h1)
+        torch.mm(h1[:, :i], w2, out=y)
+
+    return fn
+
+
+def with_config(cfg: fm.MoEConfig, fn):
+    """Run ``fn`` with every MoE launch using ``cfg``."""
+    saved = fm.moe_config
+    fm.moe_config = lambda *_: cfg
+    try:
+        return fn()
+    finally:
+        fm.moe_config = saved
+
+
+def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
+    """Best config at this M: per BLOCK_M and gate/up variant (fused activation, or for SiLU
+    also a plain GEMM then SiLU-and-mul) the best gate/up GEMM with the default down GEMM,
+    then the best down GEMM; a candidate that fails to compile is skipped."""
+    default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
+    best, best_ms = default, with_config(default, lambda: _bench_ms(layer))
+
+    def timed(cfg: fm.MoEConfig) -> float:
+        try:
+            return with_config(cfg, lambda: _bench_ms(layer, rep=50))
+        except Exception as e:  # noqa: BLE001 - report and go on: a config may not fit
+            print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            return float("inf")
+
+    fuse_options = (True, False) if layer.s["activation"] == "silu" else (True,)
+    for (block_m, group_m), fuse in itertools.product(BLOCK_M_CANDIDATES, fuse_options):
+        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse)
+        up = min(GEMM_CANDIDATES, key=lambda c, b=base: timed(b._replace(gate_up=c)))
+        for down in GEMM_CANDIDATES:
+            cfg = base._replace(gate_up=up, down=down)
+            ms = timed(cfg)
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+    return best, best_ms
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 8192])
+    parser.add_argument("--sweep", action="store_true", help="also search launch configs")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("breakgraph.bench.moe needs a CUDA device; nothing to measure here.")
+        return
+    s = expert_shapes(args.model)
+    bw = _copy_bytes_per_ms()
+    print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e9:.0f} GB/s")
+    print("M      moe ms   dense ms  moe/dense  floor ms  moe/floor  |moe - twin|/|twin|")
+    rows = []
+    for m in args.tokens:
+        layer = Layer(m, s)
+        w, ids = ops.moe_route(layer.logits[0], s["top_k"])
+        got = ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
+        twin = fm.fused_experts_torch(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
+        rel = ((got.float() - twin.float()).abs().max() / twin.float().abs().max()).item()
+        moe = _bench_ms(layer)
+        dense = _bench_ms(dense_reference(m, s))
+        floor = layer.touched_bytes() / bw
+        print(f"{m:<6} {moe:8.3f} {dense:9.3f} {moe / dense:9.2f}x {floor:9.3f} "
+              f"{moe / floor:9.2f}x  {rel:.1e}", flush=True)  # fmt: skip
+        if args.sweep:
+            cfg, ms = sweep(layer)
+            mean_rows = m * s["top_k"] / s["experts"]
+            rows.append((mean_rows, cfg, ms, moe))
+            print(f"  best {cfg}: {ms:.3f} ms (default {moe:.3f})", flush=True)
+    if rows:
+        print("\n# fused_moe._CONFIGS candidates (mean rows per expert, config; ms vs default):")
+        for mean_rows, cfg, ms, moe in rows:
+            print(f"    ({mean_rows:g}, {cfg!r}),  # {ms:.3f} ms vs {moe:.3f}")
+
+
+if __name__ == "__main__":
+    main()

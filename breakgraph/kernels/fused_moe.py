@@ -1,0 +1,558 @@
+"""Mixture of experts: routing, token->expert alignment, grouped GEMMs, top-k reduction.
+
+The torch twins are HF's arithmetic (a per-expert loop, as ``Qwen3MoeExperts.forward``);
+the CPU runs them. On CUDA, :func:`fused_experts_triton` runs the experts in four launches
+and a memset (one more for an unfused SiLU), whatever the routing:
+
+1. ``_moe_count_kernel``: fills ``sorted_ids`` with the sentinel and counts each expert's
+   rows with atomics (each row keeps its rank within its expert);
+2. ``_moe_place_kernel``: every program recomputes the experts' block-padded offsets from the
+   counts (a scan over E), places its rows at ``offset[expert] + rank`` and writes the expert
+   of its share of GEMM blocks, so each block of ``BLOCK_M`` sorted rows has one expert;
+3. ``_moe_gemm_kernel`` (gate/up, SiLU or tanh-GELU and the product fused in the epilogue;
+   or, where the config table says it pays, a plain GEMM and then SiLU-and-mul), then again
+   (down, each row scaled by its routing weight) into one row per (token, k);
+4. ``_moe_sum_kernel``: the top-k rows of each token summed in float32.
+
+Every buffer is sized from the step's token count (a shape, known on the host): the
+padded length is bounded by ``M*K + min(E, M*K) * (BLOCK_M - 1)``, blocks past the live
+total (a device scalar) exit at once. No host sync, no ``.item()``: capturable in a graph.
+
+A row's result does not depend on which rows share its block, so the atomics' order
+(which rows land where within an expert) changes nothing in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+
+from breakgraph.kernels.fused import silu_and_mul_triton
+
+try:  # Triton is optional: the CPU-only install runs the torch twins
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def _jit(*dynamic: str):
+    """``triton.jit`` that does not specialize on the named integer arguments: those that
+    follow the step's token count, so a new count never compiles a new variant."""
+    if triton is None:
+        return lambda fn: fn
+    return lambda fn: triton.jit(fn, do_not_specialize=dynamic)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+# ---------------------------------------------------------------------------- torch twins
+
+
+def moe_route_torch(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's routers: scores in float32 (softmax or sigmoid), top-k, optionally renormalized
+    to sum 1, optionally times a per-expert scale (Gemma 4). Returns (weights float32 [M, K],
+    expert ids int32 [M, K])."""
+    if scoring == "softmax":
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(router_logits.float())
+    else:
+        raise ValueError(f"scoring must be softmax or sigmoid, not {scoring!r}")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale[ids].float()
+    return weights, ids.to(torch.int32)
+
+
+def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
+
+
+def fused_experts_torch(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """HF's experts loop: x [M, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I],
+    routing [M, K] -> [M, H] in x's dtype. Experts in ascending order, each token's rows
+    added into the output as HF does (``index_add_``)."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids).tolist():
+        token, k = torch.where(topk_ids == expert)
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        h = F.linear(_act(gate, activation) * up, down[expert])
+        h = h * topk_weights[token, k, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+# ---------------------------------------------------------------------------- block sizes
+
+
+class MoEConfig(NamedTuple):
+    """One step's launch config. ``block_m`` is shared by the alignment and both GEMMs;
+    each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages); ``fuse_act``: the activation and
+    product in the gate/up GEMM's epilogue (two accumulators per tile), or a plain GEMM
+    writing [rows, 2I] and then SiLU-and-mul (SiLU only: GELU is always fused)."""
+
+    block_m: int
+    group_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+    fuse_act: bool = True
+
+
+# Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
+# bound is not exceeded). UNMEASURED: sane starting points, not yet tuned on the H200; to be
+# replaced by the sweep of `python -m breakgraph.bench.moe --sweep` (qwen3-30b-a3b and
+# gemma-4-26b-a4b expert shapes, M = 1..8192), recorded here with that command.
+_CONFIGS = (
+    (2.0, MoEConfig(16, 1, (64, 128, 4, 4), (64, 128, 4, 4))),  # decode: ~1 row per expert
+    (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),
+    (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3))),
+    (math.inf, MoEConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 3))),
+)
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """The launch config of a step of ``num_tokens`` tokens (host values only)."""
+    mean_rows = num_tokens * top_k / num_experts
+    return next(cfg for bound, cfg in _CONFIGS if mean_rows <= bound)
+
+
+def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the block-padded sorted length: each non-empty expert (at most
+    min(E, rows) of them) pads fewer than BLOCK_M rows."""
+    bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+# ---------------------------------------------------------------------------- Triton: routing
+
+
+@_jit("num_tokens")
+def _moe_route_kernel(
+    logits,
+    expert_scale,
+    topk_weights,
+    topk_ids,
+    num_tokens,
+    num_experts,
+    stride_lm,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(
+        logits + rows[:, None].to(tl.int64) * stride_lm + cols[None, :],
+        mask=mask,
+        other=-float("inf"),
+    ).to(tl.float32)
+    if SIGMOID:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        x = x - tl.max(x, 1)[:, None]
+        ex = tl.where(col_ok[None, :], tl.exp(x), 0.0)
+        p = ex / tl.sum(ex, 1)[:, None]
+    p = tl.where(col_ok[None, :], p, -1.0)  # below every score: never picked
+    kcols = tl.arange(0, BLOCK_K)
+    w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        # the lowest index among equal maxima
+        idx = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), 1)
+        w = tl.where(kcols[None, :] == k, best[:, None], w)
+        ids = tl.where(kcols[None, :] == k, idx[:, None], ids)
+        p = tl.where(cols[None, :] == idx[:, None], -2.0, p)
+    k_ok = kcols[None, :] < TOP_K
+    if RENORMALIZE:
+        w = w / tl.sum(tl.where(k_ok, w, 0.0), 1)[:, None]
+    if HAS_SCALE:
+        w = w * tl.load(expert_scale + ids, mask=k_ok, other=1.0).to(tl.float32)
+    out = rows[:, None] * TOP_K + kcols[None, :]
+    out_mask = row_ok[:, None] & k_ok
+    tl.store(topk_weights + out, w, mask=out_mask)
+    tl.store(topk_ids + out, ids, mask=out_mask)
+
+
+def moe_route_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`moe_route_torch`: scores, top-k, renormalize, scale in one
+    launch; ties go to the lowest expert id."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be softmax or sigmoid, not {scoring!r}")
+    m, e = router_logits.shape
+    assert router_logits.stride(-1) == 1 and 0 < top_k <= e
+    weights = torch.empty((m, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((m, top_k), dtype=torch.int32, device=router_logits.device)
+    if m == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(64, 4096 // block_e, triton.next_power_of_2(m)))
+    _moe_route_kernel[(triton.cdiv(m, block_t),)](
+        router_logits,
+        router_logits if expert_scale is None else expert_scale,
+        weights,
+        ids,
+        m,
+        e,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=block_e,
+        BLOCK_T=block_t,
+        SIGMOID=scoring == "sigmoid",
+        RENORMALIZE=renormalize,
+        HAS_SCALE=expert_scale is not None,
+        num_warps=4 if block_e <= 256 else 8,
+    )
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------- Triton: alignment
+
+
+@_jit("num_rows")
+def _moe_count_kernel(
+    topk_ids,
+    counts,
+    ranks,
+    sorted_ids,
+    num_rows,
+    max_padded,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # padding slots of the sorted list name the sentinel row num_rows (the GEMMs mask it)
+    tl.store(sorted_ids + offs, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=offs < max_padded)
+    ok = offs < num_rows
+    expert = tl.load(topk_ids + offs, mask=ok, other=0)
+    rank = tl.atomic_add(counts + expert, 1, mask=ok)
+    tl.store(ranks + offs, rank, mask=ok)
+
+
+@_jit("num_rows", "num_blocks")
+def _moe_place_kernel(
+    topk_ids,
+    counts,
+    ranks,
+    sorted_ids,
+    expert_ids,
+    num_post_padded,
+    num_rows,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts + e, mask=e < num_experts, other=0)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    if pid == 0:
+        tl.store(num_post_padded, tl.sum(padded, 0))
+
+    # this program's rows at their expert's offset + rank
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_rows
+    expert = tl.load(topk_ids + offs, mask=ok, other=0)
+    rank = tl.load(ranks + offs, mask=ok, other=0)
+    # start[expert] by a one-hot reduction: E is small (<= a few hundred)
+    hit = expert[:, None] == e[None, :]
+    base = tl.sum(tl.where(hit, start[None, :], 0), 1)
+    tl.store(sorted_ids + base + rank, offs, mask=ok)
+
+    # the expert of this program's share of GEMM blocks: the experts ending at or before
+    # the block's first row are behind it; blocks past the total get -1 (never read)
+    blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    first_row = blocks * BLOCK_M
+    behind = (end[None, :] <= first_row[:, None]) & (e[None, :] < num_experts)
+    owner = tl.sum(behind.to(tl.int32), 1)
+    owner = tl.where(owner < num_experts, owner, -1)
+    tl.store(expert_ids + blocks, owner, mask=blocks < num_blocks)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Rows (token * K + k) grouped by expert, each expert padded to ``block_m`` rows.
+
+    Returns (sorted_ids [P] int32, padding rows = M*K; expert_ids [P / block_m] int32, -1
+    past the live total; num_post_padded [1] int32, the live total) with P the host bound
+    :func:`max_padded_rows`.
+    """
+    num_rows = topk_ids.numel()
+    device = topk_ids.device
+    padded = max_padded_rows(num_rows, num_experts, block_m)
+    num_blocks = padded // block_m
+    sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
+    flat = topk_ids.reshape(-1)
+    block = 1024
+    _moe_count_kernel[(triton.cdiv(max(num_rows, padded), block),)](
+        flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, num_warps=4
+    )
+    block_e = triton.next_power_of_2(num_experts)
+    place_block = max(16, min(1024, 8192 // block_e))
+    block_b = max(16, min(256, 8192 // block_e))
+    grid = max(triton.cdiv(num_rows, place_block), triton.cdiv(num_blocks, block_b))
+    _moe_place_kernel[(grid,)](
+        flat,
+        counts,
+        ranks,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        num_rows,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        BLOCK=place_block,
+        BLOCK_B=block_b,
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, num_post_padded
+
+
+# ---------------------------------------------------------------------------- Triton: GEMMs
+
+
+@_jit("num_rows")
+def _moe_gemm_kernel(
+    a,
+    b,
+    c,
+    topk_weights,
+    sorted_ids,
+    expert_ids,
+    num_post_padded,
+    num_rows,
+    max_padded,
+    n_out,
+    k_in,
+    top_k,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
+    block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
+    c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight."""
+    pid = tl.program_id(0)
+    num_pid_m = max_padded // BLOCK_M
+    num_pid_n = tl.cdiv(n_out, BLOCK_N)
+    # grouped order: GROUP_M row blocks share the expert's weight tiles in L2
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_post_padded):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids + offs_m)
+    row_ok = rows < num_rows
+    expert = tl.load(expert_ids + pid_m).to(tl.int64)
+    if A_PER_TOKEN:
+        a_rows = rows // top_k
+    else:
+        a_rows = rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = offs_k < k_in - k0
+        x = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+        if GATED:
+            w_up = tl.load(
+                b_ptrs + n_out * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0
+            )
+            if IEEE:
+                acc_up += tl.dot(x, w_up, input_precision="ieee")
+            else:
+                acc_up += tl.dot(x, w_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+
+    dtype = c.dtype.element_ty
+    if GATED:  # round where the twin rounds: gate, up, act(gate), the product
+        g = acc.to(dtype).to(tl.float32)
+        if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
+            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+        else:
+            act = g / (1.0 + tl.exp(-g))
+        out = act.to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    else:
+        out = acc.to(dtype).to(tl.float32)
+    if MUL_WEIGHT:
+        out = out * tl.load(topk_weights + rows, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _launch_gemm(a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, **flags):
+    sorted_ids, expert_ids, num_post_padded = align
+    block_n, block_k, warps, stages = cfg
+    max_padded = sorted_ids.shape[0]
+    assert a.stride(-1) == 1 and c.stride(-1) == 1
+    grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
+    _moe_gemm_kernel[grid](
+        a,
+        b,
+        c,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        topk_weights.numel(),
+        max_padded,
+        n_out,
+        b.shape[2],
+        top_k,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        IEEE=a.dtype == torch.float32,
+        num_warps=warps,
+        num_stages=stages,
+        **flags,
+    )
+
+
+# ---------------------------------------------------------------------------- Triton: reduction
+
+
+@_jit()
+def _moe_sum_kernel(
+    rows, out, hidden, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(rows + (token * TOP_K + k) * stride_r + offs, mask=ok, other=0.0).to(
+            tl.float32
+        )
+    tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Triton twin of :func:`fused_experts_torch` (float32 top-k sum, one rounding)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
+    m, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
+    out = torch.empty_like(x)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    topk_weights = topk_weights.float().contiguous()
+    cfg = moe_config(m, top_k, num_experts)
+    block_m, group_m = cfg.block_m, cfg.group_m
+    align = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts, block_m)
+    rows = m * top_k
+    gelu = activation == "gelu_tanh"
+    if cfg.fuse_act or gelu:
+        h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        _launch_gemm(
+            x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False,
+        )  # fmt: skip
+    else:
+        h2 = torch.empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
+        _launch_gemm(
+            x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False,
+        )  # fmt: skip
+        h = silu_and_mul_triton(h2)
+    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    _launch_gemm(
+        h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
+        A_PER_TOKEN=False, GATED=False, GELU=False, MUL_WEIGHT=True,
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
+        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out
