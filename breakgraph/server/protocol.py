@@ -94,6 +94,8 @@ def parse_json(raw: bytes) -> Any:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
+        if "depth" in str(e):  # orjson's own recursion limit (1024 in recent versions)
+            raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
         raise APIError(f"malformed JSON body: {e}") from None
     _check_depth(body)
     return body
