@@ -130,23 +130,27 @@ def test_graph_bf16_logits_within_noise(small_dir):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
 
 
+def forbid_host_syncs_in_steps(eng: Engine) -> None:
+    """Make ``schedule`` and ``launch`` raise on any host sync (sync debug mode "error")."""
+    sched = eng.scheduler
+
+    def strict(fn):
+        def wrapped(*a, **kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return wrapped
+
+    sched.schedule, sched.launch = strict(sched.schedule), strict(sched.launch)
+
+
 def test_no_host_sync_inside_a_step(small_dir):
     for graphs in (True, False):
         eng = engine(small_dir, graphs=graphs)
-        sched = eng.scheduler
-        schedule, launch = sched.schedule, sched.launch
-
-        def strict(fn):
-            def wrapped(*a, **kw):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-
-            return wrapped
-
-        sched.schedule, sched.launch = strict(schedule), strict(launch)
+        forbid_host_syncs_in_steps(eng)
         run_workload(eng, seed=2)  # raises if a step syncs before its sampled ids exist
         sp = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1)
         eng.generate([[5, 6, 7]] * 3, sp, return_logprob=True)

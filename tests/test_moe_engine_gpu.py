@@ -17,7 +17,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from breakgraph.engine.request import SamplingParams  # noqa: E402
-from tests.test_engine_gpu import WARMUP_SCRIPT, LogitsTap, engine, run_workload  # noqa: E402
+from tests.test_engine_gpu import (  # noqa: E402
+    WARMUP_SCRIPT,
+    LogitsTap,
+    engine,
+    forbid_host_syncs_in_steps,
+    run_workload,
+)
 from tests.test_gemma4 import make_hf_gemma4  # noqa: E402
 from tests.test_gemma4_gpu import gpu_engine, workload  # noqa: E402
 
@@ -65,20 +71,7 @@ def test_moe_graph_bf16_logits_within_noise():
 def test_moe_no_host_sync_inside_a_step():
     for graphs in (True, False):
         eng = engine(MODEL, graphs=graphs, dtype="bfloat16")
-        sched = eng.scheduler
-        schedule, launch = sched.schedule, sched.launch
-
-        def strict(fn):
-            def wrapped(*a, **kw):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-
-            return wrapped
-
-        sched.schedule, sched.launch = strict(schedule), strict(launch)
+        forbid_host_syncs_in_steps(eng)
         run_workload(eng, seed=2)  # raises if a step syncs before its sampled ids exist
 
 

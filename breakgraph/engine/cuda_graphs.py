@@ -58,6 +58,34 @@ class _GraphsBase:
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
 
+    def _bank(
+        self,
+        inputs: list[StaticInput],
+        sizes: list[int],
+        pool,
+        check_addresses,
+        *,
+        name: str,
+        max_pad_factor: float = float("inf"),
+        split_at_breaks: bool = True,
+        capture_context=None,
+    ) -> GraphBank:
+        """A bank over ``self._forward``, guarded and compile-checked like every bank here."""
+        return GraphBank(
+            self._forward,
+            inputs,
+            sizes,
+            self.device,
+            max_pad_factor=max_pad_factor,
+            pool=pool,
+            split_at_breaks=split_at_breaks,
+            guard_tensors=self._guard_tensors,
+            check_addresses=check_addresses,
+            capture_context=capture_context,
+            compile_counter=self._compile_counter(),
+            name=name,
+        )
+
     def _capture_ctx(self, batch: ForwardBatch, size: int) -> ForwardContext:
         """The context a bucket of ``size`` rows is captured in: rows past the next smaller
         bucket are the ones a replay may pad (a smaller count takes a smaller bucket)."""
@@ -90,8 +118,7 @@ class DecodeGraphs(_GraphsBase):
         self, model, kv_pool, req_to_token, pad_req_idx, max_bs: int, pool, check_addresses=None
     ):
         super().__init__(model, kv_pool, req_to_token, pad_req_idx)
-        self.bank = GraphBank(
-            self._forward,
+        self.bank = self._bank(
             [
                 StaticInput("input_ids", torch.int64),
                 StaticInput("positions", torch.int64),
@@ -100,14 +127,10 @@ class DecodeGraphs(_GraphsBase):
                 StaticInput("seq_lens", torch.int32, pad_value=1),
             ],
             decode_batch_sizes(max_bs),
-            self.device,
-            max_pad_factor=float("inf"),
-            pool=pool,
-            split_at_breaks=False,
-            guard_tensors=self._guard_tensors,
-            check_addresses=check_addresses,
-            compile_counter=self._compile_counter(),
+            pool,
+            check_addresses,
             name="decode graphs",
+            split_at_breaks=False,
         )
         n = self.bank.max_size
         self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
@@ -174,23 +197,18 @@ class PrefillGraphs(_GraphsBase):
             self.tail = TailGraphs(
                 model, kv_pool, req_to_token, pad_req_idx, tail_sizes, pool, check_addresses
             )
-        self.bank = GraphBank(
-            self._forward,
+        self.bank = self._bank(
             [
                 StaticInput("input_ids", torch.int64),
                 StaticInput("positions", torch.int64),
                 StaticInput("out_cache_loc", torch.int64),  # the captured KV store's slots
             ],
             buckets,
-            self.device,
-            max_pad_factor=max_pad_factor,
-            pool=pool,
-            split_at_breaks=True,
-            guard_tensors=self._guard_tensors,
-            check_addresses=check_addresses,
-            capture_context=self._capture_context,
-            compile_counter=self._compile_counter(),
+            pool,
+            check_addresses,
             name="prefill graphs",
+            max_pad_factor=max_pad_factor,
+            capture_context=self._capture_context,
         )
 
     def _forward(self, input_ids, positions, out_cache_loc):
@@ -254,19 +272,13 @@ class TailGraphs(_GraphsBase):
         inputs += [
             StaticInput(name, dtype, shape) for name, (shape, dtype) in model.tail_inputs().items()
         ]
-        self.bank = GraphBank(
-            self._forward,
+        self.bank = self._bank(
             inputs,
             sizes,
-            self.device,
-            max_pad_factor=float("inf"),
-            pool=pool,
-            split_at_breaks=True,
-            guard_tensors=self._guard_tensors,
-            check_addresses=check_addresses,
-            capture_context=self._capture_context,
-            compile_counter=self._compile_counter(),
+            pool,
+            check_addresses,
             name="tail graphs",
+            capture_context=self._capture_context,
         )
 
     def _forward(self, positions, hidden, per_layer_inputs=None):
