@@ -412,6 +412,80 @@ def test_metrics_text_format(server):
         assert buckets == sorted(buckets) and buckets[-1] == values[f"{name}_count"] > 0
 
 
+def metric_values(srv: ServerProcess) -> dict[str, float]:
+    text = httpx.get(f"{srv.url}/metrics").text
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    }
+
+
+# every histogram of the request timeline and the step times, fed once per request or step
+TIMELINE_HISTOGRAMS = (
+    "request_api_seconds", "request_ipc_seconds", "request_queue_seconds",
+    "request_scheduling_seconds", "forward_host_seconds", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "step_time_seconds",
+)  # fmt: skip
+OLD_METRICS = (
+    "prompt_tokens_total", "generation_tokens_total", "cached_tokens_total",
+    'requests_total{reason="length"}', "num_requests_running", "num_requests_waiting",
+    "kv_slots_used", "kv_slots_cached", "kv_slots_total", "kernel_compilations_after_ready",
+    "kernel_compilations_total",
+)  # fmt: skip
+
+
+def test_metrics_timeline_histograms_move(server):
+    """The old names stay; each timeline histogram counts the requests (or steps) served."""
+    before = metric_values(server)
+    for name in OLD_METRICS:
+        assert f"breakgraph_{name}" in before, name
+    n = 3
+    for i in range(n):
+        body = {"input_ids": [1, 2, 3 + i], "sampling_params": GREEDY}
+        assert post(server, "/generate", body).status_code == 200
+    after = metric_values(server)
+    count = {h: after[f"breakgraph_{h}_count"] - before.get(f"breakgraph_{h}_count", 0)
+             for h in TIMELINE_HISTOGRAMS}  # fmt: skip
+    for h in ("request_api_seconds", "request_ipc_seconds", "request_queue_seconds",
+              "request_scheduling_seconds", "time_to_first_token_seconds",
+              "e2e_request_latency_seconds"):  # fmt: skip
+        assert count[h] == n, h  # one per request
+    assert count["inter_token_latency_seconds"] == n * 5  # GREEDY: 6 tokens each
+    assert count["forward_host_seconds"] >= n * 6 and count["step_time_seconds"] >= n * 6
+    for h in TIMELINE_HISTOGRAMS:
+        assert after[f"breakgraph_{h}_sum"] >= 0
+    assert after["breakgraph_step_host_seconds"] > 0
+    # the earlier stages end before the first token
+    ttft = after["breakgraph_time_to_first_token_seconds_sum"]
+    stages = sum(after[f"breakgraph_request_{s}_seconds_sum"]
+                 for s in ("api", "ipc", "queue", "scheduling"))  # fmt: skip
+    assert stages <= ttft + 1e-3 * n
+
+
+def test_return_timeline_adds_up_to_e2e(server):
+    """Each stage is non-negative and together they are the end-to-end latency reported."""
+    for stream in (False, True):
+        body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "return_timeline": True,
+                "stream": stream}  # fmt: skip
+        r = post(server, "/generate", body)
+        assert r.status_code == 200
+        if stream:
+            chunks = sse_events(r.text.splitlines())
+            assert chunks[-1] == "[DONE]"
+            meta = chunks[-2]["meta_info"]
+        else:
+            meta = r.json()["meta_info"]
+        timeline = meta["timeline"]
+        assert list(timeline) == [
+            "validate", "send", "ipc", "queue", "schedule", "forward", "sample", "return",
+            "decode", "respond",
+        ]  # fmt: skip
+        assert all(v >= 0 for v in timeline.values()), timeline
+        assert abs(sum(timeline.values()) - meta["e2e_latency"]) < 2e-3, (timeline, meta)
+    plain = post(server, "/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+    assert "timeline" not in plain.json()["meta_info"]
+
+
 def torch_loaded(pid: int) -> bool:
     """Whether process ``pid`` has torch's native library mapped (Linux)."""
     maps = Path(f"/proc/{pid}/maps")
@@ -458,6 +532,7 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
     steps = [m for m in messages if isinstance(m, StepResult)]
     assert steps[0].errors == [RequestError("bad", "token id 999 is out of range [0, 256)")]
     assert len(steps) == 3 and all(m.step_ms > 0 for m in steps)
+    assert all(0 < m.forward_ms <= m.step_ms and m.gpu_ms is None for m in steps)  # CPU: host only
     for m in steps:  # a and b share every step: one message carries both tokens
         assert sorted((o.rid, len(o.token_ids)) for o in m.outputs) == [("a", 1), ("b", 1)]
     reply = next(m for m in messages if isinstance(m, StatsReply))

@@ -60,6 +60,16 @@ def test_generate_text(server):
     assert meta["completion_tokens"] == len(out["output_ids"])
 
 
+def test_timeline_with_text(server):
+    """With a tokenizer the timeline has its detokenize stage; the stages add up to e2e."""
+    body = {"text": CHATML, "sampling_params": GREEDY, "return_timeline": True}
+    meta = generate(server, body).json()["meta_info"]
+    timeline = meta["timeline"]
+    assert "detokenize" in timeline and "forward" in timeline
+    assert all(v >= 0 for v in timeline.values()), timeline
+    assert abs(sum(timeline.values()) - meta["e2e_latency"]) < 2e-3, (timeline, meta)
+
+
 def test_stream_text_is_cumulative(server):
     events = stream_generate(server, {"text": CHATML, "sampling_params": GREEDY})
     assert events[-1] == "[DONE]"

@@ -22,6 +22,7 @@ from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.engine.step_timer import StepTiming
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
 from breakgraph.models.loader import load_model, resolve_dtype
@@ -219,7 +220,9 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        received_at: float | None = None,
     ) -> str:
+        """``received_at``: when the request reached the engine (time.time), for its timeline."""
         sampling = sampling or SamplingParams()
         self.validate_input(input_ids, sampling)
         check_logprob_args(len(input_ids), logprob_start_len, top_logprobs_num)
@@ -236,6 +239,8 @@ class Engine:
             top_logprobs_num=top_logprobs_num if return_logprob else 0,
             generator=generator,
         )
+        if received_at is not None:
+            req.received_at = received_at
         self.scheduler.add(req)
         return rid
 
@@ -244,6 +249,11 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         return self.scheduler.step()
+
+    @property
+    def last_step_timing(self) -> StepTiming:
+        """The last step's host time and, when resolved, an earlier step's GPU time."""
+        return self.scheduler.timer.last
 
     @property
     def has_work(self) -> bool:

@@ -24,6 +24,7 @@ class StepOutput:
     top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[lp, id], ...]
     input_logprobs: list[float | None] | None = None  # once, with the first output
     input_top_logprobs: list[list[list] | None] | None = None
+    timeline: dict[str, float] | None = None  # engine stamps, once, with the first output
 
 
 class OutputProcessor:
@@ -81,4 +82,5 @@ def finished_output(req: Req, reason: dict, last: StepOutput | None = None) -> S
         out.token_ids, out.logprobs = last.token_ids, last.logprobs
         out.top_logprobs = last.top_logprobs
         out.input_logprobs, out.input_top_logprobs = last.input_logprobs, last.input_top_logprobs
+        out.timeline = last.timeline
     return fill_meta(out, req)

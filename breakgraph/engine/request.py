@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,12 @@ class Req:
     generator: torch.Generator | None = None
     decoding: bool = False  # in the scheduler's running (decode) list
     num_retractions: int = 0
+    # timeline, wall clock (time.time: comparable with the API process's stamps)
+    received_at: float = field(default_factory=time.time)
+    scheduled_at: float | None = None  # first scheduled
+    forward_start_at: float | None = None  # host side, its first forward
+    forward_end_at: float | None = None
+    first_token_at: float | None = None  # its first token read back on the host
 
     @property
     def prompt_rows_from(self) -> int | None:

@@ -9,6 +9,7 @@ one host sync), and output.py turns them into request state and finish decisions
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.engine.prefill import PrefillManager
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
-from breakgraph.forward_batch import ForwardBatch, upload_many
+from breakgraph.engine.step_timer import StepTimer
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "StepOutput"]
 
@@ -116,6 +118,7 @@ class Scheduler:
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
         self.last_step_tokens = 0
+        self.timer = StepTimer(device)  # host vs GPU time of each step; timeline stamps
 
     # ---- requests in and out ----
     def add(self, req: Req) -> None:
@@ -151,14 +154,17 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedule, launch (no host sync until here), then read the sampled ids back."""
+        self.timer.step_begin()
         outputs: list[StepOutput] = []
         scheduled = self.schedule(outputs)
         if scheduled is None:
             self.last_step_tokens = 0
+            self.timer.step_end()
             return outputs
         reqs, batch = scheduled
         self.last_step_tokens = batch.num_tokens
         outputs.extend(self.process_outputs(self.launch(reqs, batch)))
+        self.timer.step_end()
         return outputs
 
     def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
@@ -195,7 +201,9 @@ class Scheduler:
         launched = Launched(done=[], readback=rb)
         if prompt:
             rows, targets, k = self._prompt_plan(prompt)
+            fwd_start = self.timer.forward_begin()
             logits, lp, top_v, top_i = self.prompt_forward(batch, rows, targets, k)
+            fwd_end = self.timer.forward_end()
             launched.prompt, launched.prompt_top_k = prompt, k
             launched.prompt_handles = (
                 rb.add(lp),
@@ -203,7 +211,11 @@ class Scheduler:
                 None if top_i is None else rb.add(top_i),
             )
         else:
+            fwd_start = self.timer.forward_begin()
             logits = self.forward(batch)
+            fwd_end = self.timer.forward_end()
+        if batch.mode is not ForwardMode.DECODE:  # a request's first forward is a prefill
+            self._stamp_first_forward(reqs, fwd_start, fwd_end)
         chunked = self.prefill.chunked
         done = launched.done = [r for r in reqs if r is not chunked]
         if not done:
@@ -233,6 +245,12 @@ class Scheduler:
                 launched.top_values, launched.top_ids = rb.add(top_v), rb.add(top_i)
         return launched
 
+    def _stamp_first_forward(self, reqs: list[Req], start: float, end: float) -> None:
+        scheduled_at = self.timer.step_started_at or start  # 0 when launched outside step()
+        for r in reqs:
+            if r.scheduled_at is None:
+                r.scheduled_at, r.forward_start_at, r.forward_end_at = scheduled_at, start, end
+
     def _prompt_rows(self, reqs: list[Req], batch: ForwardBatch) -> list[PromptRows]:
         """The prompt rows this step computes that requests want logprobs of."""
         out, start = [], 0
@@ -260,6 +278,7 @@ class Scheduler:
         """Read the step back (its one host sync); append each request's sampled token,
         finish it, or move it on to decoding."""
         values = launched.readback.fetch()  # the step's one host sync
+        read_at = time.time()
         if launched.prompt:
             self._take_prompt_logprobs(launched, values)
         reqs = launched.done
@@ -280,6 +299,7 @@ class Scheduler:
             if req.sampling.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
                 out = self._finish(req, {"type": "length", "length": 0})
                 self._attach_prompt(out, req)
+                out.timeline = first_token_timeline(req, read_at)
                 outputs.append(out)
                 continue
             lp = lp_list[b] if lp_list is not None and req.return_logprob else None
@@ -290,6 +310,8 @@ class Scheduler:
                 out.top_logprobs = [top]
             if first:
                 self._attach_prompt(out, req)
+                if req.first_token_at is None:
+                    out.timeline = first_token_timeline(req, read_at)
             if reason is not None:
                 self.decode.remove(req)
                 out = self._finish(req, reason, out)
@@ -338,3 +360,15 @@ class Scheduler:
 def req_k(req: Req) -> int:
     """Top-k a request wants for its prompt rows."""
     return req.top_logprobs_num if req.return_logprob else 0
+
+
+def first_token_timeline(req: Req, sampled_at: float) -> dict[str, float]:
+    """The engine's wall-clock stamps of a request, sent once with its first output."""
+    req.first_token_at = sampled_at
+    return {
+        "engine_recv": req.received_at,
+        "scheduled": req.scheduled_at or sampled_at,
+        "forward_start": req.forward_start_at or sampled_at,
+        "forward_end": req.forward_end_at or sampled_at,
+        "first_token": sampled_at,
+    }

@@ -70,7 +70,9 @@ def _engine_main(engine_args: EngineArgs, paths: IpcPaths, log_level: str) -> No
 @dataclass
 class _InFlight:
     queue: asyncio.Queue
-    submitted_at: float
+    submitted_at: float  # perf_counter: when the request was received by the API process
+    received_at: float  # wall clock (time.time), the timeline's stamps
+    sent_at: float
     last_token_at: float | None = None
 
 
@@ -201,7 +203,7 @@ class EngineClient:
         for rid in rids:
             entry = self._inflight.pop(rid, None)
             if entry is not None:
-                self.metrics.requests.inc(label_value="abort")
+                self.metrics.requests.labels("abort").inc()
                 entry.queue.put_nowait(error)
         return len(rids)
 
@@ -214,8 +216,13 @@ class EngineClient:
         return_logprob: bool,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        received_at: float | None = None,
+        received_perf: float | None = None,
     ) -> asyncio.Queue:
-        """Send a validated request; its TokenDeltas (or an exception, last) arrive on the queue."""
+        """Send a validated request; its TokenDeltas (or an exception, last) arrive on the queue.
+
+        ``received_at`` (time.time) and ``received_perf`` (perf_counter): when the API process
+        received it (default: now); TTFT and end-to-end latency count from there."""
         if not self.alive:
             raise EngineError("the engine is not running")
         if self.draining:
@@ -230,8 +237,15 @@ class EngineClient:
             )
         except (ValueError, TypeError, OverflowError) as e:
             raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
-        entry = _InFlight(asyncio.Queue(), time.perf_counter())
+        now_perf, now = time.perf_counter(), time.time()
+        entry = _InFlight(
+            asyncio.Queue(),
+            now_perf if received_perf is None else received_perf,
+            now if received_at is None else received_at,
+            now,
+        )
         self._send_bytes(data)
+        entry.sent_at = time.time()
         self._inflight[rid] = entry
         if self.log_requests:
             request_log.info(
@@ -322,10 +336,10 @@ class EngineClient:
     def _on_step(self, msg: StepResult) -> None:
         now = time.perf_counter()
         if msg.step_ms is not None:
-            self.metrics.step_time.observe(msg.step_ms / 1000.0)
+            self.metrics.observe_step(msg.step_ms, msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms)
         for err in msg.errors:
             entry = self._inflight.pop(err.rid, None)
-            self.metrics.requests.inc(label_value="error")
+            self.metrics.requests.labels("error").inc()
             if entry is not None:
                 entry.queue.put_nowait(RequestRejected(err.message))
         for out in msg.outputs:
@@ -336,6 +350,8 @@ class EngineClient:
         if entry is None:
             return
         m, n = self.metrics, len(out.token_ids)
+        if out.timeline is not None:
+            m.observe_timeline(entry.received_at, entry.sent_at, out.timeline)
         if n:
             m.generation_tokens.inc(n)
             if entry.last_token_at is None:
@@ -350,7 +366,7 @@ class EngineClient:
         if out.finished:
             del self._inflight[out.rid]
             m.e2e.observe(now - entry.submitted_at)
-            m.requests.inc(label_value=(out.finish_reason or {}).get("type", "unknown"))
+            m.requests.labels((out.finish_reason or {}).get("type", "unknown")).inc()
             if self.log_requests:
                 request_log.info(
                     "finished %s: %d prompt (%d cached) + %d completion tokens, %s, %.3f s",

@@ -154,7 +154,11 @@ class EngineLoop:
         logger.info("engine loop stopped")
 
     def _send_step(self, step_ms: float | None) -> None:
-        self._send(StepResult(step_ms, self._outputs, self._errors))
+        msg = StepResult(step_ms, self._outputs, self._errors)
+        if step_ms is not None:
+            t = self.engine.last_step_timing
+            msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms = t.forward_ms, t.gpu_ms, t.gpu_step_ms
+        self._send(msg)
         self._outputs, self._errors = [], []
 
     def _send(self, msg: FromEngine) -> None:
@@ -180,17 +184,18 @@ class EngineLoop:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            received_at = time.time()  # the request's timeline: it reached the engine
             try:
                 msg = decode(data)
             except ValueError as e:
                 logger.error("dropped a message: %s", e)
                 continue
-            self._handle(msg)
+            self._handle(msg, received_at)
 
-    def _handle(self, msg: ToEngine) -> None:
+    def _handle(self, msg: ToEngine, received_at: float) -> None:
         match msg:
             case GenerateReq():
-                self._add(msg)
+                self._add(msg, received_at)
             case AbortReq():
                 out = self.engine.abort(msg.rid)
                 if out is not None:
@@ -204,7 +209,7 @@ class EngineLoop:
             case _:
                 logger.error("unexpected message %s", type(msg).__name__)
 
-    def _add(self, msg: GenerateReq) -> None:
+    def _add(self, msg: GenerateReq, received_at: float) -> None:
         try:
             self.engine.add_request(
                 msg.input_ids,
@@ -213,6 +218,7 @@ class EngineLoop:
                 return_logprob=msg.return_logprob,
                 logprob_start_len=msg.logprob_start_len,
                 top_logprobs_num=msg.top_logprobs_num,
+                received_at=received_at,
             )
         except (ValueError, TypeError) as e:  # the API validates first; this is the backstop
             self._errors.append(RequestError(msg.rid, str(e)))
@@ -232,4 +238,5 @@ def token_delta(out: StepOutput) -> TokenDelta:
         top_logprobs=out.top_logprobs,
         input_logprobs=out.input_logprobs,
         input_top_logprobs=out.input_top_logprobs,
+        timeline=out.timeline,
     )

@@ -28,6 +28,29 @@ class GenerationRequest:
     no_stop_trim: bool = False
     logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
     top_logprobs_num: int = 0
+    return_timeline: bool = False  # per-request stage durations in meta_info
+    # when the API process received the request (wall clock for the timeline, perf_counter
+    # for latencies) and when it was parsed, validated and tokenized (None: not measured)
+    received_at: float = field(default_factory=time.time)
+    received_perf: float = field(default_factory=time.perf_counter)
+    validated_at: float | None = None
+
+
+# a request's timeline, in order: (stage, the stamp that ends it); each stage lasts from the
+# previous present stamp to its own, so the stages add up to the end-to-end latency
+TIMELINE_STAGES = (
+    ("validate", "validated"),  # parse, validate, tokenize
+    ("send", "sent"),  # build and send the engine message
+    ("ipc", "engine_recv"),  # until the engine loop reads it
+    ("queue", "scheduled"),  # waiting to be scheduled
+    ("schedule", "forward_start"),  # batch building and uploads before its first forward
+    ("forward", "forward_end"),  # host side of its first forward
+    ("sample", "first_token"),  # further prefill chunks, sampling, the read-back
+    ("return", "first_output"),  # the engine message back to the API process
+    ("decode", "last_output"),  # the remaining tokens
+    ("detokenize", "detokenized"),
+    ("respond", "now"),  # building the response
+)
 
 
 @dataclass
@@ -50,6 +73,18 @@ class GenerationState:
     top_logprobs: list[list[list]] = field(default_factory=list)  # per output: [[lp, id], ...]
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[list] | None] = field(default_factory=list)
+    return_timeline: bool = False
+    stamps: dict[str, float] = field(default_factory=dict)  # timeline, wall clock
+
+    def timeline(self, now: float) -> dict[str, float]:
+        """Stage durations in seconds (TIMELINE_STAGES), from the stamps present."""
+        stamps = {**self.stamps, "now": now}
+        out, prev = {}, stamps["received"]
+        for stage, stamp in TIMELINE_STAGES:
+            if stamp in stamps:
+                out[stage] = stamps[stamp] - prev
+                prev = stamps[stamp]
+        return out
 
     @property
     def input_logprob_ids(self) -> list[int]:
@@ -65,14 +100,17 @@ class GenerationState:
     def meta_info(self, token_text: Callable[[int], str] | None = None) -> dict:
         """SGLang's meta_info; logprobs as [logprob, token id, text or None] triples (text with
         ``token_text``: return_text_in_logprobs)."""
+        now, now_perf = time.time(), time.perf_counter()
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
-            "e2e_latency": time.perf_counter() - self.started_at,
+            "e2e_latency": now_perf - self.started_at,
         }
+        if self.return_timeline:
+            meta["timeline"] = self.timeline(now)
         if not self.return_logprob:
             return meta
 
@@ -103,11 +141,17 @@ async def stream_generation(
     state = GenerationState(
         rid=rid,
         prompt_tokens=len(req.input_ids),
+        started_at=req.received_perf,
         return_logprob=req.return_logprob,
         input_ids=req.input_ids,
         logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+        return_timeline=req.return_timeline,
     )
+    stamps = state.stamps
+    stamps["received"] = req.received_at
+    if req.validated_at is not None:
+        stamps["validated"] = req.validated_at
     text = None
     if tokenizer is not None:
         text = TextStream(tokenizer, req.sampling.stop, req.skip_special_tokens, req.no_stop_trim)
@@ -119,12 +163,16 @@ async def stream_generation(
         req.return_logprob,
         req.logprob_start_len if req.return_logprob else -1,
         req.top_logprobs_num if req.return_logprob else 0,
+        received_at=req.received_at,
+        received_perf=req.received_perf,
     )
+    stamps["sent"] = time.time()
     try:
         while not state.finished:
             items = [await queue.get()]
             while not queue.empty():  # coalesce what piled up while the consumer was busy
                 items.append(queue.get_nowait())
+            stamps["last_output"] = time.time()
             new_ids: list[int] = []
             for item in items:
                 if isinstance(item, Exception):
@@ -137,6 +185,10 @@ async def stream_generation(
                     state.input_logprobs = item.input_logprobs
                     state.input_top_logprobs = item.input_top_logprobs or []
                 state.cached_tokens = item.cached_tokens
+                if item.timeline is not None:
+                    stamps.update(item.timeline)
+                if item.token_ids and "first_output" not in stamps:
+                    stamps["first_output"] = stamps["last_output"]
                 if item.finished:
                     state.finished = True
                     state.finish_reason = item.finish_reason
@@ -146,6 +198,7 @@ async def stream_generation(
                     state.text = text.finish(state.output_ids, state.finish_reason)
                 else:
                     state.text = text.feed(new_ids)
+                stamps["detokenized"] = time.time()
             yield state
     finally:
         if not state.finished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -98,9 +99,14 @@ def _native_output(
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
+    received_at, received_perf = time.time(), time.perf_counter()
     s = server_state(request)
     raw = await read_body(request, s.max_request_bytes)
     req, gen_reqs, is_batch = await off_loop_if_large(raw, _prepare_generate, raw, s)
+    validated_at = time.time()
+    for r in gen_reqs:
+        r.received_at, r.received_perf, r.validated_at = received_at, received_perf, validated_at
+        r.return_timeline = req.return_timeline
     s.require_alive()
     text = None
     if req.return_text_in_logprobs and s.tokenizer is not None:

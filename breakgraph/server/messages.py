@@ -103,6 +103,9 @@ class TokenDelta:
     top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[lp, id], ...]
     input_logprobs: list[float | None] | None = None  # once, with the first output
     input_top_logprobs: list[list[list] | None] | None = None
+    # once, with the first output: the engine's wall-clock (time.time) stamps of the request
+    # (engine_recv, scheduled, forward_start, forward_end, first_token)
+    timeline: dict[str, float] | None = None
 
 
 @dataclass
@@ -115,11 +118,17 @@ class RequestError:
 
 @dataclass
 class StepResult:
-    """What one loop iteration produced; step_ms is None when no step ran (only aborts, errors)."""
+    """What one loop iteration produced; step_ms is None when no step ran (only aborts, errors).
+
+    forward_ms: host time in the step's forward call; gpu_ms: the GPU time of an earlier step's
+    forward (CUDA events read one step late), gpu_step_ms that step's host wall time."""
 
     step_ms: float | None
     outputs: list[TokenDelta] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
+    forward_ms: float | None = None
+    gpu_ms: float | None = None
+    gpu_step_ms: float | None = None
 
 
 @dataclass

@@ -1,84 +1,38 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), without a client lib.
+"""Server metrics for /metrics, produced by prometheus_client (text format 0.0.4).
 
-Counters and histograms live in the API process; the step-time histogram is fed with the
-step times the engine process measures and sends along with each step's outputs. Gauges
-(running/queued requests, KV slots) come from the engine's live stats at scrape time.
+Counters and histograms live in the API process. The engine sends, with each step's
+outputs, the step's host times and (CUDA) an earlier step's GPU forward time, and once per
+request, with its first output, the wall-clock stamps of its engine stages; the API process
+turns those into histograms. Gauges of load and KV usage come from the engine's live stats
+at scrape time. Each ServerMetrics has its own registry.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterable, Sequence
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+try:  # no *_created series: the exposition stays what it was before prometheus_client
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # pragma: no cover - older prometheus_client
+    pass
 
 PREFIX = "breakgraph_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
     0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-
-
-def _fmt(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    items = [f'{k}="{_escape(v)}"' for k, v in pairs]
-    return "{" + ",".join(items) + "}" if items else ""
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class Counter:
-    def __init__(self, name: str, help_text: str, label: str | None = None):
-        self.name, self.help, self.label = PREFIX + name, help_text, label
-        self.values: dict[str, float] = {}
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        self.values[label_value] = self.values.get(label_value, 0.0) + amount
-
-    def value(self, label_value: str = "") -> float:
-        return self.values.get(label_value, 0.0)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        values = self.values or {"": 0.0}
-        for lv, v in sorted(values.items()):
-            labels = _labels([(self.label, lv)] if self.label else [])
-            lines.append(f"{self.name}{labels} {_fmt(v)}")
-        return lines
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S):
-        self.name, self.help = PREFIX + name, help_text
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last: above every bound (+Inf only)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
-            cumulative += n
-            lines.append(f"{self.name}_bucket{_labels([('le', _fmt(bound))])} {cumulative}")
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
+# host-side stages are far below a millisecond when all is well
+STAGE_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 80.0,
+)  # fmt: skip
+SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 # engine stats key -> (metric name, help)
 GAUGES = {
@@ -98,34 +52,104 @@ GAUGES = {
 }
 
 
+class _EngineStats(Collector):
+    """The engine's live stats, as gauges, from the snapshot taken for this scrape."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int | float] | None = None
+
+    def collect(self):
+        for key, (name, help_text) in GAUGES.items():
+            if self.stats is not None and key in self.stats:
+                yield GaugeMetricFamily(PREFIX + name, help_text, value=self.stats[key])
+
+
 class ServerMetrics:
     def __init__(self) -> None:
-        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
-        self.cached_tokens = Counter(
+        self.registry = reg = CollectorRegistry(auto_describe=False)
+        self._engine_stats = _EngineStats()
+        reg.register(self._engine_stats)
+
+        def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, help_text, labels, registry=reg)
+
+        def hist(name: str, help_text: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(PREFIX + name, help_text, buckets=buckets, registry=reg)
+
+        def gauge(name: str, help_text: str) -> Gauge:
+            return Gauge(PREFIX + name, help_text, registry=reg)
+
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.cached_tokens = counter(
             "cached_tokens_total", "Prompt tokens served from the prefix cache."
         )
-        self.requests = Counter("requests_total", "Requests finished, by reason.", label="reason")
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = Histogram("inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency, end to end.")
-        self.step_time = Histogram("step_time_seconds", "Engine step time (engine process).")
+        self.requests = counter("requests_total", "Requests finished, by reason.", ("reason",))
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, end to end.")
+        self.step_time = hist("step_time_seconds", "Engine step time (engine process).")
+        # the request timeline (wall clock across the two processes)
+        self.api_time = hist(
+            "request_api_seconds",
+            "API process: request received -> sent to the engine (parse, validate, tokenize).",
+            STAGE_BUCKETS_S,
+        )
+        self.ipc_time = hist(
+            "request_ipc_seconds",
+            "Sent by the API process -> received by the engine loop.",
+            STAGE_BUCKETS_S,
+        )
+        self.queue_time = hist(
+            "request_queue_seconds",
+            "Received by the engine -> first scheduled (waiting queue).",
+            STAGE_BUCKETS_S,
+        )
+        self.scheduling_time = hist(
+            "request_scheduling_seconds",
+            "First scheduled -> its first forward starts (batch building, uploads).",
+            STAGE_BUCKETS_S,
+        )
+        self.forward_time = hist(
+            "forward_host_seconds",
+            "Host time inside each step's forward call (launches; the whole forward on CPU).",
+            STAGE_BUCKETS_S,
+        )
+        # host time vs GPU time per step
+        self.step_host = gauge("step_host_seconds", "Host wall time of the last engine step.")
+        self.step_gpu = gauge(
+            "step_gpu_seconds",
+            "GPU time of the forward of the latest step whose CUDA events resolved (CUDA only).",
+        )
+        self.host_share = hist(
+            "step_host_share",
+            "Share of a step's host wall time the GPU was not running its forward (CUDA only):"
+            " near 1 is host-bound.",
+            SHARE_BUCKETS,
+        )
 
-    def render(self, stats: dict[str, int] | None) -> str:
-        lines: list[str] = []
-        for key, (name, help_text) in GAUGES.items():
-            if stats is not None and key in stats:
-                lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge"]
-                lines.append(f"{PREFIX}{name} {_fmt(stats[key])}")
-        for metric in (
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.cached_tokens,
-            self.requests,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.step_time,
-        ):
-            lines += metric.render()
-        return "\n".join(lines) + "\n"
+    def observe_step(
+        self,
+        step_ms: float,
+        forward_ms: float | None,
+        gpu_ms: float | None,
+        gpu_step_ms: float | None,
+    ) -> None:
+        self.step_time.observe(step_ms / 1000.0)
+        self.step_host.set(step_ms / 1000.0)
+        if forward_ms is not None:
+            self.forward_time.observe(forward_ms / 1000.0)
+        if gpu_ms is not None and gpu_step_ms:
+            self.step_gpu.set(gpu_ms / 1000.0)
+            self.host_share.observe(min(max(1.0 - gpu_ms / gpu_step_ms, 0.0), 1.0))
+
+    def observe_timeline(self, received_at: float, sent_at: float, engine: dict) -> None:
+        """A request's stages up to its first forward (wall-clock stamps, time.time)."""
+        self.api_time.observe(max(sent_at - received_at, 0.0))
+        self.ipc_time.observe(max(engine["engine_recv"] - sent_at, 0.0))
+        self.queue_time.observe(max(engine["scheduled"] - engine["engine_recv"], 0.0))
+        self.scheduling_time.observe(max(engine["forward_start"] - engine["scheduled"], 0.0))
+
+    def render(self, stats: dict[str, int | float] | None) -> str:
+        self._engine_stats.stats = stats
+        return generate_latest(self.registry).decode()

@@ -140,6 +140,7 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: StrictInt | list[StrictInt] | None = None
     top_logprobs_num: StrictInt | list[StrictInt] | None = None
     return_text_in_logprobs: StrictBool = False
+    return_timeline: StrictBool = False  # per-request stage durations in meta_info["timeline"]
     # accepted for compatibility; only their defaults are supported
     image_data: Any = None
     lora_path: Any = None
