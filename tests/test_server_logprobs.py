@@ -82,6 +82,8 @@ def test_generate_logprob_args_are_400(server):
     ]:
         r = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": {**GREEDY, **sp}})
         assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    state = wait_idle(server)
+    assert state["num_inflight_requests"] == 0 and state["kv_tokens_used"] == 0
 
 
 def test_echo_with_max_tokens_zero_through_the_openai_client(server, ref):
@@ -131,3 +133,37 @@ def test_n_choices_and_sampling_fields_on_completions(server):
     assert bad.status_code == 400 and "logprobs" in bad.json()["error"]["message"]
     stats = wait_idle(server)
     assert stats["kv_tokens_used"] == 0 and info(server)["num_running_reqs"] == 0
+
+
+def test_new_fields_bad_values_are_400_and_leak_nothing(server):
+    """Every field this API added answers a bad value with a one-line 400 naming it, on every
+    route that takes it; afterwards nothing is in flight and no KV is held."""
+    gen = {"input_ids": [1, 2, 3], "sampling_params": GREEDY}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    comp = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 2}
+    cases = [
+        ("/generate", {**gen, "return_timeline": "yes"}, "return_timeline"),
+        ("/generate", {**gen, "return_logprob": 1}, "return_logprob"),
+        (
+            "/generate",
+            {**gen, "return_logprob": True, "logprob_start_len": 2**70},
+            "logprob_start_len",
+        ),
+        ("/v1/completions", {**comp, "echo": "true"}, "echo"),
+        ("/v1/completions", {**comp, "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {**comp, "n": 0}, "n"),
+        ("/v1/completions", {**comp, "n": 10**6}, "n"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "n": 0}, "n"),
+        ("/v1/completions", {**comp, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/completions", {**comp, "logit_bias": {"1": "a"}}, "logit_bias"),
+    ]
+    for path, body, word in cases:
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        message = r.json()["error"]["message"]
+        assert "\n" not in message and word in message, (path, body, message)
+    state = wait_idle(server)
+    assert state["num_inflight_requests"] == 0 and state["kv_tokens_used"] == 0
+    assert (state["num_running_reqs"], state["num_queued_reqs"]) == (0, 0)
