@@ -55,7 +55,8 @@ def chunked_row_logprobs(
 
 class ReadBack:
     """Device tensors gathered for the step's one host read (``.tolist()``): each added tensor
-    comes back as a flat list of Python numbers, in order (float64 carries ids exactly)."""
+    comes back as a flat list of Python numbers, in order. Several tensors go as one float64
+copy (it carries ids exactly); the common step, ids alone, skips the conversion and the cat."""
 
     def __init__(self):
         self._parts: list[torch.Tensor] = []
@@ -63,7 +64,7 @@ class ReadBack:
 
     def add(self, t: torch.Tensor) -> int:
         """Queue ``t``; returns its handle for ``get``."""
-        flat = t.reshape(-1).to(torch.float64)
+        flat = t.reshape(-1)
         self._parts.append(flat)
         self._sizes.append(flat.numel())
         return len(self._parts) - 1
@@ -72,7 +73,9 @@ class ReadBack:
         """One host sync: every queued tensor as a flat list."""
         if not self._parts:
             return []
-        values = torch.cat(self._parts).tolist()
+        if len(self._parts) == 1:  # most steps: the sampled ids alone, read as they are
+            return [self._parts[0].tolist()]
+        values = torch.cat([p.to(torch.float64) for p in self._parts]).tolist()
         out, at = [], 0
         for n in self._sizes:
             out.append(values[at : at + n])
