@@ -55,8 +55,8 @@ def chunked_row_logprobs(
 
 class ReadBack:
     """Device tensors gathered for the step's one host read (``.tolist()``): each added tensor
-    comes back as a flat list of Python numbers, in order. Several tensors go as one float64
-copy (it carries ids exactly); the common step, ids alone, skips the conversion and the cat."""
+        comes back as a flat list of Python numbers, in order. Several tensors go as one float64
+    copy (it carries ids exactly); the common step, ids alone, skips the conversion and the cat."""
 
     def __init__(self):
         self._parts: list[torch.Tensor] = []
