@@ -244,8 +244,9 @@ class EngineClient:
             now if received_at is None else received_at,
             now,
         )
+        # sent_at (``now``) is stamped before the send: the engine may read the message
+        # before this coroutine runs again, and the IPC stage must not come out negative
         self._send_bytes(data)
-        entry.sent_at = time.time()
         self._inflight[rid] = entry
         if self.log_requests:
             request_log.info(
@@ -256,6 +257,11 @@ class EngineClient:
                 sampling.temperature,
             )
         return entry.queue
+
+    def sent_at(self, rid: str) -> float | None:
+        """Wall-clock time the request's message was handed to the engine socket."""
+        entry = self._inflight.get(rid)
+        return None if entry is None else entry.sent_at
 
     def abort(self, rid: str) -> bool:
         """Ask the engine to abort a request; it answers with a finished output."""

@@ -166,7 +166,7 @@ async def stream_generation(
         received_at=req.received_at,
         received_perf=req.received_perf,
     )
-    stamps["sent"] = time.time()
+    stamps["sent"] = client.sent_at(rid) or time.time()  # the client's stamp, before the send
     try:
         while not state.finished:
             items = [await queue.get()]
