@@ -244,3 +244,23 @@ def test_stream_error_event_is_an_error():
 
     with pytest.raises(BenchError, match="engine died"):
         asyncio.run(go())
+
+
+def test_step_arms_for_kv_shared_layers(tmp_path):
+    """A model with KV-shared layers (Gemma 4) is timed twice: all rows and bounded replay."""
+    from tests.test_gemma4 import make_hf_gemma4
+
+    make_hf_gemma4("text").save_pretrained(tmp_path / "gemma4")
+    cli(
+        "bench", "step", "--models", str(tmp_path / "gemma4"), "-N", "8", "-P", "0", "4",
+        "--reps", "1", "--no-hf", "--device", "cpu", "--json", str(tmp_path / "step.json"),
+    )  # fmt: skip
+    points = json.loads((tmp_path / "step.json").read_text())
+    assert [(p["new_tokens"], p["prefix_tokens"]) for p in points] == [(8, 0), (8, 4)]
+    for p in points:
+        arms = {a["arm"]: a for a in p["arms"]}
+        assert set(arms) == {
+            "breakgraph eager all rows", "breakgraph graphs all rows",
+            "breakgraph eager bounded", "breakgraph graphs bounded",
+        }  # fmt: skip
+        assert arms["breakgraph eager bounded"]["ms"] > 0 < arms["breakgraph eager all rows"]["ms"]

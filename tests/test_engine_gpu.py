@@ -92,18 +92,54 @@ def run_workload(eng: Engine, seed=0):
     return [[r.output_ids for r in eng.generate(w, sp)] for w in waves]
 
 
+def assert_hf_parity(hf, path, prompts, **engine_kw):
+    """Last-token logits of ``prompts`` (one batch, graphs on) against HF on the GPU.
+
+    float32: the engine within 2e-3 of HF in float32. bfloat16: both the engine and HF in
+    bf16 are compared with HF's float32 logits; the engine's error may be at most twice HF's
+    own bf16 error (plus 1% of the logit scale), since two correct bf16 paths differ by their
+    rounding, not by a fixed tolerance (a router top-k near a tie moves both the same way).
+    """
+    assert sum(map(len, prompts)) <= max(BUCKETS), (
+        "one prefill step in a graph: the tap reads step 0"
+    )
+    hf = hf.cuda().float()
+    hf.save_pretrained(path)
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        eng = engine(
+            path, graphs=True, dtype=dtype, load_format="auto", max_total_tokens=2048, **engine_kw
+        )
+        tap = LogitsTap(eng)
+        eng.generate(prompts, sp)
+        got[dtype] = tap.steps[0]
+        del eng
+    with torch.no_grad():
+        ref = torch.stack(
+            [hf(input_ids=torch.tensor([p], device="cuda")).logits[0, -1] for p in prompts]
+        )
+        hf16 = hf.to(torch.bfloat16)
+        ref16 = torch.stack(
+            [hf16(input_ids=torch.tensor([p], device="cuda")).logits[0, -1] for p in prompts]
+        )
+    ref, ref16 = ref.float(), ref16.float()
+    torch.testing.assert_close(got["float32"], ref, atol=2e-3, rtol=2e-3)
+    scale = ref.abs().amax(dim=-1)
+    err = (got["bfloat16"] - ref).abs().amax(dim=-1)
+    hf_err = (ref16 - ref).abs().amax(dim=-1)
+    assert bool((err <= 2 * hf_err + 1e-2 * scale).all()), (
+        err.tolist(),
+        hf_err.tolist(),
+        scale.tolist(),
+    )
+
+
 def test_logits_match_hf_on_gpu(tmp_path):
     from tests.conftest import make_hf_model
 
-    hf = make_hf_model("qwen3").cuda().to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path, graphs=True, dtype="bfloat16", load_format="auto", max_total_tokens=2048)
-    tap = LogitsTap(eng)
     prompt = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(3)).tolist()
-    eng.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-    torch.testing.assert_close(tap.steps[0][0], ref, atol=3e-2, rtol=3e-2)
+    assert_hf_parity(make_hf_model("qwen3"), tmp_path, [prompt])
 
 
 def test_graph_equals_eager_tokens_and_logits(small_dir):

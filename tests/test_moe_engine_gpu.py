@@ -16,10 +16,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from breakgraph.engine.request import SamplingParams  # noqa: E402
 from tests.test_engine_gpu import (  # noqa: E402
     WARMUP_SCRIPT,
     LogitsTap,
+    assert_hf_parity,
     engine,
     forbid_host_syncs_in_steps,
     run_workload,
@@ -33,17 +33,9 @@ MODEL = "qwen3-moe-tiny"
 def test_moe_logits_match_hf_on_gpu(tmp_path):
     from tests.conftest import make_hf_model
 
-    hf = make_hf_model("qwen3_moe").cuda().to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path, graphs=True, dtype="bfloat16", load_format="auto", max_total_tokens=2048)
-    tap = LogitsTap(eng)
     g = torch.Generator().manual_seed(3)
-    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (50, 7, 130)]
-    eng.generate(ps, SamplingParams(max_new_tokens=1, temperature=0.0))
-    for row, p in enumerate(ps):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p], device="cuda")).logits[0, -1].float()
-        torch.testing.assert_close(tap.steps[0][row], ref, atol=3e-2, rtol=3e-2)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (50, 7, 60)]
+    assert_hf_parity(make_hf_model("qwen3_moe"), tmp_path, ps)
 
 
 def test_moe_graph_equals_eager_tokens_and_logits():
@@ -105,14 +97,6 @@ def test_gemma4_moe_bounded_replay_equals_eager(gemma4_moe_dir):
 
 
 def test_gemma4_moe_logits_match_hf_on_gpu(tmp_path):
-    hf = make_hf_gemma4("moe").cuda().to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path, graphs=True, dtype="bfloat16", load_format="auto", max_total_tokens=2048)
-    tap = LogitsTap(eng)
     g = torch.Generator().manual_seed(4)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 9)]
-    eng.generate(ps, SamplingParams(max_new_tokens=1, temperature=0.0))
-    for row, p in enumerate(ps):
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([p], device="cuda")).logits[0, -1].float()
-        torch.testing.assert_close(tap.steps[0][row], ref, atol=5e-2, rtol=5e-2)
+    assert_hf_parity(make_hf_gemma4("moe"), tmp_path, ps)

@@ -4,6 +4,9 @@ of P, timed for several arms in one process on the same weights.
 Arms: breakgraph eager, breakgraph graphs (breakable prefill bank), the floor (the same
 forward captured whole as one CUDA graph at that fixed shape), HF transformers eager (sdpa),
 and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
+A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
+the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
+layers replayed on each request's last row only), each with its own floor.
 Prints ms per arm (median of reps, wall clock with a sync: host-bound arms pay their host
 time), ratios to the floor and to HF eager, and kernel launches per step (profiler).
 """
@@ -81,7 +84,15 @@ def count_launches(fn: Callable[[], object]) -> int | None:
 class StepBench:
     """Holds an engine on a model shape and builds one-request extend batches on it."""
 
-    def __init__(self, model: str, max_new: int, max_prefix: int, device: str, dtype: str = "auto"):
+    def __init__(
+        self,
+        model: str,
+        max_new: int,
+        max_prefix: int,
+        device: str,
+        dtype: str = "auto",
+        fast_prefill: bool | None = None,
+    ):
         from breakgraph.engine.args import EngineArgs
         from breakgraph.engine.engine import Engine
 
@@ -98,6 +109,7 @@ class StepBench:
                 max_running_requests=4,
                 disable_cuda_graph=True,  # decode graphs are not measured here
                 context_length=max(max_new + max_prefix + 16, 4096),
+                kv_sharing_fast_prefill=fast_prefill,
             )
         )
         eng = self.engine
@@ -111,7 +123,8 @@ class StepBench:
         from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
         g = torch.Generator().manual_seed(new_tokens)
-        ids = torch.randint(1000, self.engine.vocab_size - 1, (new_tokens,), generator=g).tolist()
+        low = min(1000, self.engine.vocab_size // 2)  # past the special tokens of a real vocabulary
+        ids = torch.randint(low, self.engine.vocab_size - 1, (new_tokens,), generator=g).tolist()
         loc = self.slots[prefix_tokens : prefix_tokens + new_tokens].tolist()
         return ForwardBatch.build(
             ForwardMode.EXTEND, ids, loc, [self.req_idx], [prefix_tokens], [new_tokens],
@@ -120,16 +133,21 @@ class StepBench:
 
 
 def floor_graph(runner, batch) -> Callable[[], object]:
-    """The same forward captured whole, attention inline, at this fixed shape."""
+    """The same forward captured whole, attention inline, at this fixed shape (for a model
+    with ``forward_logits_rows``, that: bounded replay when the model has it on)."""
     from breakgraph.forward_batch import ForwardContext, forward_context
     from breakgraph.graph import BreakableGraph
 
     ctx = ForwardContext(batch=batch, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token)
+    model = runner.model
+    rows_only = getattr(model, "forward_logits_rows", None)
 
     def fwd():
         with forward_context(ctx):
-            hidden = runner.model(batch.input_ids, batch.positions)
-        return runner.model.compute_logits(hidden[batch.logits_rows])
+            if rows_only is not None:
+                return model.compute_logits(rows_only(batch.input_ids, batch.positions))
+            hidden = model(batch.input_ids, batch.positions)
+        return model.compute_logits(hidden[batch.logits_rows])
 
     with torch.inference_mode():
         fwd()
@@ -211,11 +229,15 @@ def arch_model_type(arch: str) -> str:
 
 
 def bench_point(
-    sb: StepBench, hf: HFArms | None, n: int, p: int, reps: int, do_compile: bool
+    benches: dict[str, StepBench],
+    hf: HFArms | None,
+    n: int,
+    p: int,
+    reps: int,
+    do_compile: bool,
 ) -> PointResult:
-    runner = sb.engine.runner
-    batch = sb.batch(n, p)
-    res = PointResult(sb.model_name, n, p)
+    """``benches``: arm suffix -> engine ("" for a model without KV-shared layers)."""
+    res = PointResult(next(iter(benches.values())).model_name, n, p)
 
     def add(arm, fn, note=""):
         if fn is None:
@@ -223,16 +245,26 @@ def bench_point(
             return
         res.arms.append(ArmResult(arm, time_ms(fn, reps), count_launches(fn), note))
 
-    add("breakgraph eager", lambda: runner.forward_eager(batch))
-    if runner.prefill_graphs is not None and runner.prefill_graphs.bank.bucket_for(n):
-        bucket = runner.prefill_graphs.bank.bucket_for(n)
-        add("breakgraph graphs", lambda: runner.forward(batch), f"bucket {bucket}")
-    else:
-        add("breakgraph graphs", None, "no bucket")
-    if sb.engine.device.type == "cuda":
-        add("floor", floor_graph(runner, batch))
+    for suffix, sb in benches.items():
+        runner, batch = sb.engine.runner, sb.batch(n, p)
+        tag = f" {suffix}" if suffix else ""
+        add("breakgraph eager" + tag, lambda r=runner, b=batch: r.forward_eager(b))
+        bucket = runner.prefill_graphs.bank.bucket_for(n) if runner.prefill_graphs else None
+        if bucket:
+            add(
+                "breakgraph graphs" + tag,
+                lambda r=runner, b=batch: r.forward(b),
+                f"bucket {bucket}",
+            )
+        else:
+            add("breakgraph graphs" + tag, None, "no bucket")
+        if sb.engine.device.type == "cuda":
+            add("floor" + tag, floor_graph(runner, batch))
     if hf is not None:
-        add("HF eager", hf.eager_fn(n, p))
+        try:
+            add("HF eager", hf.eager_fn(n, p))
+        except Exception as e:  # noqa: BLE001 - an HF failure is a result to report
+            add("HF eager", None, f"failed: {type(e).__name__}: {str(e)[:80]}")
         if do_compile and p == 0:
             fn, note = hf.compiled_fn(n)
             add("HF compile", fn, note)
@@ -244,7 +276,8 @@ def bench_point(
 def format_table(points: list[PointResult]) -> str:
     lines = []
     for pt in points:
-        floor, hf = pt.ms("floor"), pt.ms("HF eager")
+        floor = pt.ms("floor") or pt.ms("floor all rows")
+        hf = pt.ms("HF eager")
         lines.append(f"\n{pt.model}  N={pt.new_tokens}  P={pt.prefix_tokens}")
         lines.append(f"  {'arm':<18} {'ms':>9} {'x floor':>8} {'x HF':>7} {'launches':>9}  note")
         for a in pt.arms:
@@ -266,7 +299,11 @@ def run_step_bench(args) -> list[PointResult]:
     )
     points: list[PointResult] = []
     for model in args.models:
-        sb = StepBench(model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
+        shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
+        sb = StepBench(*shape)
+        benches = {"": sb}
+        if getattr(sb.engine.runner.model, "bounded_prefill", False):
+            benches = {"all rows": StepBench(*shape, fast_prefill=False), "bounded": sb}
         hf = None
         if not args.no_hf:
             try:
@@ -275,10 +312,11 @@ def run_step_bench(args) -> list[PointResult]:
                 logger.warning("HF arms unavailable: %s", e)
         for p in args.prefix_tokens:
             for n in args.new_tokens:
-                pt = bench_point(sb, hf, n, p, args.reps, not args.no_compile and device == "cuda")
+                do_compile = not args.no_compile and device == "cuda"
+                pt = bench_point(benches, hf, n, p, args.reps, do_compile)
                 points.append(pt)
                 print(format_table([pt]), flush=True)
-        del sb, hf
+        del sb, benches, hf
         if device == "cuda":
             torch.cuda.empty_cache()
     save_results(points, args.json, args.plot, "plot_step")
