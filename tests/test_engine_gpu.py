@@ -192,6 +192,28 @@ def test_no_host_sync_inside_a_step(small_dir):
         eng.generate([[5, 6, 7]] * 3, sp, return_logprob=True)
 
 
+def test_overlap_schedule_equals_no_overlap(small_dir):
+    """Overlap scheduling (the CUDA default) against reading each step back first: same
+    tokens for greedy, seeded sampling and stop ids, graphs on, no host sync in a step."""
+    engines = {o: engine(small_dir, graphs=True, overlap_schedule=o) for o in (True, False)}
+    assert engines[True].scheduler.cfg.overlap and not engines[False].scheduler.cfg.overlap
+    forbid_host_syncs_in_steps(engines[True])
+    sps = [
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=i, stop_token_ids=[7])
+        for i in range(12)
+    ]
+    prompts = [[3 + i, 40 + i, 9, 11 + i] for i in range(12)]
+    got = {}
+    for o, eng in engines.items():
+        got[o] = (
+            run_workload(eng),
+            [(r.output_ids, r.finish_reason) for r in eng.generate(prompts, sps)],
+        )
+        assert eng.flush_cache()
+        assert eng.allocator.available == eng.allocator.capacity
+    assert got[True] == got[False]
+
+
 def test_default_buckets_capture_fast_qwen3_0_6b():
     t0 = time.perf_counter()
     eng = Engine(

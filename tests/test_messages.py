@@ -3,6 +3,7 @@ the API process (``breakgraph serve`` minus the engine) never imports torch."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def test_wire_names_are_field_names():
     assert wire == {
         "type": "GenerateReq",
         "rid": "a",
-        "input_ids": [1, 2, 3],
+        "input_ids": array.array("i", [1, 2, 3]).tobytes(),  # packed: one bin, not a list
         "sampling": dataclasses.asdict(SAMPLING),
         "return_logprob": True,
         "logprob_start_len": -1,
@@ -81,11 +82,32 @@ def test_wire_names_are_field_names():
         {"type": "AbortReq", "rid": "a", "extra": 1},
         {"type": "GenerateReq", "rid": "a", "input_ids": [1], "sampling": {"bogus": 1}},
         {"type": "StepResult", "step_ms": 1.0, "outputs": [3]},
+        {"type": "GenerateReq", "rid": "a", "input_ids": [1, 2], "sampling": {}},
+        {"type": "GenerateReq", "rid": "a", "input_ids": b"\x01\x00\x00", "sampling": {}},
     ],
 )
 def test_malformed_messages_are_value_errors(wire):
     with pytest.raises(ValueError):
         decode(msgpack.packb(wire))
+
+
+def test_long_prompts_round_trip_packed():
+    """A 64K-id prompt, ids across the whole int32 range a vocabulary can use, comes back as
+    the list of ints the engine takes; ids that are no int32 cannot be sent."""
+    ids = [0, 1, 255, 256, 65_535, 65_536, 2**31 - 1] + list(range(0, 2**31 - 1, 32_771))[:65_000]
+    back = decode(encode(GenerateReq("long", ids, SAMPLING)))
+    assert back.input_ids == ids and type(back.input_ids) is list
+    assert all(type(t) is int for t in back.input_ids[:10])
+    unsendable = [
+        ([1, 2**31], OverflowError),
+        ([1, -(2**31) - 1], OverflowError),
+        ([1, 2.0], TypeError),
+        ([1, "2"], TypeError),
+        ([None], TypeError),
+    ]
+    for bad, error in unsendable:
+        with pytest.raises(error):
+            encode(GenerateReq("bad", bad, SAMPLING))
 
 
 def test_only_messages_are_sent():

@@ -344,3 +344,57 @@ def test_random_operations_match_model_and_never_leak(seed):
         alloc.free(req.slots[req.owned_from :])
     assert cache.flush()
     alloc.check_no_leak(0)
+
+
+# ---- long keys (64K-token prompts): the common prefix is found by comparing slices ----
+LONG = 65_536
+
+
+@pytest.mark.parametrize(
+    "diverge_at", [0, 1, 63, 64, 65, 1000, LONG // 2, LONG - 2, LONG - 1, None]
+)
+def test_long_key_divergence_at_any_offset(diverge_at):
+    """A 64K key and a copy that differs at one position: the match stops exactly there, and
+    inserting the copy shares exactly that prefix."""
+    rng = random.Random(diverge_at)
+    alloc, cache = _cache(num_slots=2 * LONG + 1)
+    key = [rng.randrange(50_000) for _ in range(LONG)]
+    other = list(key)
+    if diverge_at is not None:
+        other[diverge_at] += 1
+    shared = LONG if diverge_at is None else diverge_at
+    slots = _insert_fresh(alloc, cache, key)
+    m = cache.match_prefix(other)
+    assert m.prefix_len == shared
+    assert m.slots.tolist() == slots[:shared].tolist()
+    other_slots = alloc.alloc(LONG)
+    assert cache.insert(other, other_slots) == shared
+    alloc.free(other_slots[:shared])
+    assert cache.match_prefix(other).slots.tolist() == (
+        slots[:shared].tolist() + other_slots[shared:].tolist()
+    )
+    assert cache.match_prefix(key).slots.tolist() == slots.tolist()
+    assert cache.total_size() == 2 * LONG - shared
+    cache.check_invariants()
+
+
+def test_common_prefix_len_matches_a_token_by_token_scan():
+    """Against the plain definition, for keys of many lengths, starts and divergence points."""
+    from breakgraph.cache.radix_cache import _common_prefix_len
+
+    def reference(node_key: list[int], key: list[int], start: int) -> int:
+        n = 0
+        while n < len(node_key) and start + n < len(key) and node_key[n] == key[start + n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        length = rng.choice([1, 2, 63, 64, 65, 127, 128, 129, 1000, 5000])
+        node_key = [rng.randrange(4) for _ in range(length)]
+        start = rng.randrange(0, 50)
+        tail = list(node_key[: rng.randint(0, length)])
+        if tail and rng.random() < 0.8:
+            tail[rng.randrange(len(tail))] += 1  # one difference, anywhere
+        key = [rng.randrange(4) for _ in range(start)] + tail + [9] * rng.randint(0, 3)
+        assert _common_prefix_len(node_key, key, start) == reference(node_key, key, start)

@@ -405,3 +405,26 @@ def test_engine_passes_max_prefill_tokens(tiny_llama_dir):
     engine.generate(ps, sp)
     assert extends == [12, 12]
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_samples_share_one_prompt_prefill(tiny_llama_dir, overlap):
+    """Four seeded samples of one prompt: the prompt is computed once (each other sample
+    computes only its last token, a cache hit), the samples differ and are reproducible."""
+    engine = make_engine(tiny_llama_dir, overlap_schedule=overlap)
+    computed = []
+    launch = engine.scheduler.launch
+
+    def counting(reqs, batch):
+        if batch.mode is ForwardMode.EXTEND:
+            computed.append(batch.num_tokens)
+        return launch(reqs, batch)
+
+    engine.scheduler.launch = counting
+    prompt = list(range(3, 103))
+    sps = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=7 + j) for j in range(4)]
+    first = [r.output_ids for r in engine.generate([prompt] * 4, sps)]
+    assert sum(computed) == len(prompt) + 3, computed
+    assert len({tuple(o) for o in first}) == 4
+    assert [r.output_ids for r in engine.generate([prompt] * 4, sps)] == first
+    assert_no_leak(engine)

@@ -248,6 +248,8 @@ BAD_GENERATE = [
     ({"input_ids": [1, -1]}, "out of range"),
     ({"input_ids": [1, 256]}, "out of range"),
     ({"input_ids": [1, "x"]}, "not an integer"),
+    ({"input_ids": [1, True]}, "input_ids[1]: token id True is not an integer"),
+    ({"input_ids": [[1], [2, 256]]}, "input_ids[1][1]: token id 256 is out of range [0, 256)"),
     ({"text": "hello"}, "no tokenizer"),
     ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": CONTEXT_LEN}}, "context length"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
@@ -283,6 +285,9 @@ def test_bad_openai_requests(server):
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = post(server, "/v1/completions", {"model": name, "prompt": [1], "max_tokens": "many"})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": name, "prompt": [[1], [2, -1]]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "prompt[1][1]: token id -1 is out of range [0, 256)"
 
 
 def test_still_serving_after_bad_input(server):

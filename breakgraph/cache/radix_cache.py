@@ -68,15 +68,29 @@ class MatchResult:
         return self.slots.numel()
 
 
+_SCAN_TOKENS = 64  # below this many candidates, find the first difference token by token
+
+
 def _common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
-    """Length of the common prefix of ``node_key`` and ``key[start:]``."""
+    """Length of the common prefix of ``node_key`` and ``key[start:]``.
+
+    Keys run to 64K+ tokens: slices are compared in C, halving the range that holds the first
+    difference (about two passes over the prefix in all), and only the last few candidates
+    are compared one by one in Python."""
     n = min(len(node_key), len(key) - start)
     if node_key[:n] == key[start : start + n]:
         return n
-    for i in range(n):
+    lo, hi = 0, n  # invariant: the first ``lo`` tokens match, the first difference is < hi
+    while hi - lo > _SCAN_TOKENS:
+        mid = (lo + hi) // 2
+        if node_key[lo:mid] == key[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    for i in range(lo, hi):
         if node_key[i] != key[start + i]:
             return i
-    return n
+    raise AssertionError("unreachable: the keys differ before hi")
 
 
 class RadixCache:

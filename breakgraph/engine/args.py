@@ -24,6 +24,8 @@ class EngineArgs:
     max_prefill_tokens: int | None = None
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
+    # launch step k+1 before reading step k back; None: on for CUDA
+    overlap_schedule: bool | None = None
     # models with KV-shared layers (Gemma 4): those layers run on each request's last row only
     # in prefill (exact); None: on for such models
     kv_sharing_fast_prefill: bool | None = None
@@ -75,6 +77,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_const",
+        const=False,
+        default=d.overlap_schedule,
+        help="read each step's sampled ids back before scheduling the next (default on CUDA: "
+        "the next step is scheduled and launched while the GPU runs this one)",
+    )
     g.add_argument(
         "--enable-mixed-chunk",
         action="store_true",

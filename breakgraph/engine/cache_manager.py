@@ -105,15 +105,19 @@ class CacheManager:
             req.cached_len, req.last_node = n, node
 
     def release(self, req: Req) -> None:
-        """Hand the request's KV to the tree (unlocked) and free its table row."""
+        """Hand the request's KV to the tree (unlocked) and free its table row.
+
+        The tree takes the KV of the tokens before the last output (the last one's KV is
+        never computed without overlap scheduling); KV written past it (by a step that ran
+        while the request's end was still on the device) is freed, never cached."""
         if req.req_pool_idx is None:
             return
+        n = min(req.kv_len, req.fill_len - (1 if req.output_ids else 0))
+        slots = req.kv_slots
+        if n < req.kv_len:
+            self.allocator.free(slots[n:].clone())
         self.tree.cache_tokens(
-            req.fill_ids[: req.kv_len],
-            req.kv_slots,
-            req.cached_len,
-            req.last_node,
-            keep_locked=False,
+            req.fill_ids[:n], slots[:n], req.cached_len, req.last_node, keep_locked=False
         )
         self._drop(req)
 

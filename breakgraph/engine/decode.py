@@ -42,6 +42,20 @@ class DecodeManager:
             self.running.remove(req)
             req.decoding = False
 
+    def needs_step(self, req: Req) -> bool:
+        """False for a request whose token still on the device (overlap scheduling) ends it
+        by length: it waits for that token's read-back instead of decoding one more."""
+        if not req.num_pending:
+            return True
+        return (
+            req.num_generated < req.sampling.max_new_tokens
+            and req.fill_len + req.num_pending < self.cfg.max_context_len
+        )
+
+    def stepping(self) -> list[Req]:
+        """The running requests the next decode step feeds, in admission order."""
+        return [r for r in self.running if self.needs_step(r)]
+
     def reserved_tokens(self, reqs: list[Req]) -> int:
         """KV room to keep for ``reqs``' future decode tokens."""
         cap = self.cfg.reserve_cap_tokens
@@ -56,7 +70,7 @@ class DecodeManager:
         holds KV (``others_hold_kv`` False), taken out of ``running`` to be finished.
         """
         retracted: list[Req] = []
-        while self.cache.available < len(self.running):
+        while self.cache.available < len(self.stepping()):
             if len(self.running) == 1 and not others_hold_kv:
                 req = self.running.pop()
                 logger.warning("KV pool exhausted by one request %s; finishing it", req.rid)
@@ -76,10 +90,13 @@ class DecodeManager:
         return req
 
     def schedule_batch(self) -> tuple[list[Req], ForwardBatch] | None:
-        """One token for every running request; call ``make_room`` first."""
-        if not self.running:
+        """One token for every running request that needs one; call ``make_room`` first.
+
+        A token still on the device goes in as a placeholder id (``Req.next_input_id``) that
+        the launch resolves from the previous step's sampled ids."""
+        reqs = self.stepping()
+        if not reqs:
             return None
-        reqs = list(self.running)
         slots = self.cache.alloc(len(reqs))
         assert slots is not None  # make_room() left room
         rows = [r.req_pool_idx for r in reqs]
@@ -92,7 +109,7 @@ class DecodeManager:
         )
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
-            [r.output_ids[-1] for r in reqs],
+            [r.next_input_id for r in reqs],
             slots.tolist(),
             rows,
             prefixes,

@@ -117,6 +117,11 @@ class Engine:
                 max_context_len=self.context_len,
                 eos_token_ids=eos,
                 enable_mixed_chunk=args.enable_mixed_chunk,
+                overlap=(
+                    self.device.type == "cuda"
+                    if args.overlap_schedule is None
+                    else args.overlap_schedule
+                ),
                 max_prefill_tokens=args.max_prefill_tokens,
             ),
             self.device,

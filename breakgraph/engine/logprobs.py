@@ -54,13 +54,19 @@ def chunked_row_logprobs(
 
 
 class ReadBack:
-    """Device tensors gathered for the step's one host read (``.tolist()``): each added tensor
-        comes back as a flat list of Python numbers, in order. Several tensors go as one float64
-    copy (it carries ids exactly); the common step, ids alone, skips the conversion and the cat."""
+    """Device tensors gathered for the step's one host read: each added tensor comes back as
+    a flat list of Python numbers, in order. Several tensors go as one float64 copy (it
+    carries ids exactly); the common step, ids alone, skips the conversion and the cat.
+
+    ``start`` queues the copy to pinned host memory behind the step's kernels and records an
+    event; ``fetch`` waits for that event only, not for the stream, so a later step may
+    already be queued behind it (overlap scheduling)."""
 
     def __init__(self):
         self._parts: list[torch.Tensor] = []
         self._sizes: list[int] = []
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
 
     def add(self, t: torch.Tensor) -> int:
         """Queue ``t``; returns its handle for ``get``."""
@@ -69,13 +75,32 @@ class ReadBack:
         self._sizes.append(flat.numel())
         return len(self._parts) - 1
 
+    def start(self) -> None:
+        """Queue the device-to-host copy (no sync)."""
+        if not self._parts or self._host is not None:
+            return
+        if len(self._parts) == 1:  # most steps: the sampled ids alone, read as they are
+            packed = self._parts[0]
+        else:
+            packed = torch.cat([p.to(torch.float64) for p in self._parts])
+        if packed.device.type != "cuda":
+            self._host = packed
+            return
+        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._host.copy_(packed, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
     def fetch(self) -> list[list[float]]:
-        """One host sync: every queued tensor as a flat list."""
+        """Wait for the copy (``start`` if not yet started): every queued tensor as a list."""
         if not self._parts:
             return []
-        if len(self._parts) == 1:  # most steps: the sampled ids alone, read as they are
-            return [self._parts[0].tolist()]
-        values = torch.cat([p.to(torch.float64) for p in self._parts]).tolist()
+        self.start()
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.tolist()
+        if len(self._parts) == 1:
+            return [values]
         out, at = [], 0
         for n in self._sizes:
             out.append(values[at : at + n])

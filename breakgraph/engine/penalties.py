@@ -80,7 +80,7 @@ class PenaltyPool:
                 bias_rows.append(i)
                 bias_cols.append(int(tok))
                 bias_vals.append(b)
-            if len(r.output_ids) < sp.min_new_tokens:
+            if r.num_generated < sp.min_new_tokens:
                 banned = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
                     banned |= eos_token_ids

@@ -11,6 +11,10 @@ then requests from the head of the queue, in order, while the budgets allow:
   admitted whatever its size (bounded by the chunk size alone);
 - ``--max-running-requests``, and KV room: a new request leaves room for the running
   ones' future decode tokens (see decode.py) unless nothing else is in flight.
+
+A waiting request whose prompt equals one that this batch computes (the samples of an
+``n > 1`` request, or a repeated prompt) ends the batch: next step it finds that prompt in
+the radix tree and computes only its last token, so n samples cost one prompt prefill.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class PrefillManager:
         ``finished``. With ``--enable-mixed-chunk`` the running requests decode one token
         each inside the batch, after the prefill rows.
         """
-        cfg, running = self.cfg, self.decode.running
+        cfg, running = self.cfg, self.decode.stepping()
         mixed = cfg.enable_mixed_chunk and bool(running)
         # a mixed step keeps one row per running request inside the chunk (and its bucket)
         mixed_rows = len(running) if mixed else 0
@@ -104,6 +108,8 @@ class PrefillManager:
             waiting = req.status is ReqStatus.WAITING
             if waiting:
                 if len(running) + len(reqs) >= cfg.max_running_requests:
+                    break
+                if _computes_same_prompt(reqs, req):
                     break
                 if req.sampling.max_new_tokens == 0 and req.prompt_rows_from is None:
                     finished.append(self.waiting.popleft())
@@ -173,11 +179,14 @@ class PrefillManager:
         rows: list[int] = []
         cols: list[int] = []
         for req, ext, pre, slots in zip(reqs, extends, prefixes, new_slots, strict=True):
-            input_ids.extend(req.fill_ids[pre : pre + ext])
+            if req.decoding:  # a mixed step's decode row: its last token (maybe a placeholder)
+                input_ids.append(req.next_input_id)
+            else:
+                input_ids.extend(req.fill_ids[pre : pre + ext])
             rows.extend([req.req_pool_idx] * ext)
             cols.extend(range(pre, pre + ext))
             req.append_kv(slots)
-            if req.kv_len < req.fill_len:
+            if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
         all_slots = torch.cat(new_slots)
         self.cache.write_table(rows, cols, all_slots)
@@ -190,3 +199,12 @@ class PrefillManager:
             extends,
             self.device,
         )
+
+
+def _computes_same_prompt(batch: list[Req], req: Req) -> bool:
+    """Whether a request of the batch computes ``req``'s prompt (not a cache hit of it)."""
+    n = len(req.input_ids)
+    return any(
+        len(m.input_ids) == n and m.cached_len < n - 1 and m.input_ids == req.input_ids
+        for m in batch
+    )

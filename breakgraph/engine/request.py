@@ -46,6 +46,10 @@ class Req:
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
     generator: torch.Generator | None = None
     decoding: bool = False  # in the scheduler's running (decode) list
+    # overlap scheduling: tokens sampled on the device, not yet read back (0 or 1 when a step
+    # is scheduled), and the row of the newest one in its step's sampled ids
+    num_pending: int = 0
+    pending_row: int = 0
     num_retractions: int = 0
     # timeline, wall clock (time.time: comparable with the API process's stamps)
     received_at: float = field(default_factory=time.time)
@@ -71,6 +75,17 @@ class Req:
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, those still on the device included."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def next_input_id(self) -> int:
+        """The token a decode row feeds: the last output, or ``-(row + 1)`` naming the row
+        of the previous step's sampled ids that holds it when it is still on the device."""
+        return -(self.pending_row + 1) if self.num_pending else self.output_ids[-1]
 
     @property
     def kv_slots(self) -> torch.Tensor:

@@ -5,6 +5,14 @@ decode batch (decode.py: one token per running request, retraction under KV pres
 the KV slots, radix tree and request table behind both are cache_manager.py's. Launch runs
 the forward and samples on the device; only then are the sampled ids read back (the step's
 one host sync), and output.py turns them into request state and finish decisions.
+
+Overlap scheduling (``SchedulerConfig.overlap``, the default on CUDA): a step schedules and
+launches step k+1 before it reads step k back, so the host's work for k+1 runs while the
+GPU runs k. Step k's sampled ids stay on the device and feed k+1 (``Req.next_input_id``
+placeholders, resolved in ``launch``). A request whose end (EOS, stop) is only known at
+the read-back may have run one more step: that step's token is dropped and its KV freed,
+never emitted or cached. A request that ends by length skips that step (it is known on the
+host), and retraction reads the step in flight back first, so its decisions see every token.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ class Launched:
 
     done: list[Req]  # requests sampled this step
     readback: ReadBack
+    sampled: torch.Tensor | None = None  # their sampled ids on the device [len(done)]
     ids: int | None = None  # ReadBack handles
     logprobs: int | None = None
     top_values: int | None = None
@@ -77,6 +86,7 @@ class SchedulerConfig:
     reserve_cap_tokens: int = 4096  # a request reserves at most this many future decode tokens
     enable_mixed_chunk: bool = False  # running requests decode inside prefill steps
     max_prefill_tokens: int | None = None  # new tokens in one prefill batch (None: no bound)
+    overlap: bool = False  # launch step k+1 before reading step k back
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
@@ -118,6 +128,7 @@ class Scheduler:
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
         self.last_step_tokens = 0
+        self.in_flight: Launched | None = None  # overlap: launched, not yet read back
         self.timer = StepTimer(device)  # host vs GPU time of each step; timeline stamps
 
     # ---- requests in and out ----
@@ -138,7 +149,15 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return self.prefill.has_work or bool(self.decode.running)
+        return self.prefill.has_work or bool(self.decode.running) or self._in_flight_is_live()
+
+    def _in_flight_is_live(self) -> bool:
+        """A step in flight that still has a live request to read back for."""
+        f = self.in_flight
+        if f is None:
+            return False
+        reqs = f.done + [p.req for p in f.prompt or []]
+        return any(self.reqs.get(r.rid) is r for r in reqs)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -153,19 +172,29 @@ class Scheduler:
     # ---- one step ----
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Schedule, launch (no host sync until here), then read the sampled ids back."""
+        """Schedule, launch (no host sync until here), then read the sampled ids back: this
+        step's, or with overlap the previous step's (this one's stay in flight)."""
         self.timer.step_begin()
         outputs: list[StepOutput] = []
         scheduled = self.schedule(outputs)
-        if scheduled is None:
-            self.last_step_tokens = 0
-            self.timer.step_end()
-            return outputs
-        reqs, batch = scheduled
-        self.last_step_tokens = batch.num_tokens
-        outputs.extend(self.process_outputs(self.launch(reqs, batch)))
+        launched = None
+        self.last_step_tokens = 0
+        if scheduled is not None:
+            reqs, batch = scheduled
+            self.last_step_tokens = batch.num_tokens
+            launched = self.launch(reqs, batch)
+        if self.cfg.overlap:
+            previous, self.in_flight = self.in_flight, launched
+            launched = previous
+        if launched is not None:
+            outputs.extend(self.process_outputs(launched))
         self.timer.step_end()
         return outputs
+
+    def drain(self) -> list[StepOutput]:
+        """Read back the step in flight (overlap), if any."""
+        launched, self.in_flight = self.in_flight, None
+        return [] if launched is None else self.process_outputs(launched)
 
     def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
         """Pick the next batch (prefill first, else decode) and upload its metadata.
@@ -178,6 +207,10 @@ class Scheduler:
             outputs.append(self._finish(req, {"type": "length", "length": 0}))
         if scheduled is not None or not self.decode.running:
             return scheduled
+        if self.in_flight is not None and self.cache.available < len(self.decode.stepping()):
+            # retraction must see every sampled token: read the step in flight back first
+            outputs.extend(self.drain())
+            return self.schedule(outputs)
         retracted, exhausted = self.decode.make_room(
             others_hold_kv=self.prefill.chunked is not None
         )
@@ -197,6 +230,8 @@ class Scheduler:
         A request mid-prefill (chunked) has no token to sample: its logits row is dropped.
         """
         rb = ReadBack()
+        if any(r.num_pending for r in reqs if r.decoding):
+            batch.input_ids = self._resolve_pending(batch.input_ids)
         prompt = self._prompt_rows(reqs, batch)
         launched = Launched(done=[], readback=rb)
         if prompt:
@@ -219,6 +254,7 @@ class Scheduler:
         chunked = self.prefill.chunked
         done = launched.done = [r for r in reqs if r is not chunked]
         if not done:
+            rb.start()
             return launched
         if len(done) != len(reqs):
             rows = [i for i, r in enumerate(reqs) if r is not chunked]
@@ -236,14 +272,28 @@ class Scheduler:
         ids, _ = sample(processed, [r.sampling for r in done], [r.generator for r in done])
         if self.penalties is not None:
             self.penalties.record(done, ids)
-        launched.ids = rb.add(ids)
+        launched.ids, launched.sampled = rb.add(ids), ids
+        for row, r in enumerate(done):
+            r.num_pending += 1
+            r.pending_row = row
+            if self.cfg.overlap and not r.decoding:  # decodes next step, its token in flight
+                self.decode.add(r)
         if any(r.return_logprob for r in done):
             k = max(r.top_logprobs_num if r.return_logprob else 0 for r in done)
             lp, top_v, top_i = token_logprobs(logits, ids, k)
             launched.logprobs, launched.top_k = rb.add(lp), k
             if top_v is not None:
                 launched.top_values, launched.top_ids = rb.add(top_v), rb.add(top_i)
+        rb.start()
         return launched
+
+    def _resolve_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Placeholder ids ``-(row + 1)`` -> that row of the step in flight's sampled ids
+        (device ops, no sync)."""
+        assert self.in_flight is not None and self.in_flight.sampled is not None
+        sampled = self.in_flight.sampled.to(input_ids.dtype)
+        rows = (-input_ids - 1).clamp_(min=0)
+        return torch.where(input_ids < 0, sampled[rows], input_ids)
 
     def _stamp_first_forward(self, reqs: list[Req], start: float, end: float) -> None:
         scheduled_at = self.timer.step_started_at or start  # 0 when launched outside step()
@@ -295,7 +345,10 @@ class Scheduler:
             ]
         outputs = []
         for b, (req, tok) in enumerate(zip(reqs, ids_list, strict=True)):
-            first = not req.decoding
+            req.num_pending -= 1
+            if self.reqs.get(req.rid) is not req:  # finished (or aborted) while in flight
+                continue
+            first = not req.output_ids
             if req.sampling.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
                 out = self._finish(req, {"type": "length", "length": 0})
                 self._attach_prompt(out, req)
@@ -329,6 +382,9 @@ class Scheduler:
         at = 0
         for p in launched.prompt:
             req, n, want = p.req, p.count, req_k(p.req)
+            if self.reqs.get(req.rid) is not req:  # aborted while in flight
+                at += n
+                continue
             if req.logprob_start_len == 0 and not req.input_logprobs:
                 req.input_logprobs.append(None)  # the first prompt token has no logprob
                 req.input_top_logprobs.append(None)
@@ -350,6 +406,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
         """Release the request's KV and table row, forget it, report it finished."""
+        self.decode.remove(req)
         self.cache.release(req)
         if self.penalties is not None:
             self.penalties.release(req)

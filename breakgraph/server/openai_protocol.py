@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from breakgraph.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import (
+    TOKENIZED,
     APIError,
     check_fits,
     check_input_ids,
@@ -170,16 +171,18 @@ def completion_prompts(
 ) -> list[list[int]]:
     """OpenAI's prompt: a string, a list of strings, token ids, or a list of token id lists."""
     if isinstance(prompt, str):
-        return [check_input_ids(encode_text(tokenizer, prompt, info.context_length), info)]
+        return [
+            check_input_ids(encode_text(tokenizer, prompt, info.context_length), info, TOKENIZED)
+        ]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return [
-                check_input_ids(encode_text(tokenizer, p, info.context_length), info)
+                check_input_ids(encode_text(tokenizer, p, info.context_length), info, TOKENIZED)
                 for p in prompt
             ]
         if all(isinstance(p, list) for p in prompt):
-            return [check_input_ids(p, info) for p in prompt]
-        return [check_input_ids(prompt, info)]
+            return [check_input_ids(p, info, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [check_input_ids(prompt, info, "prompt")]
     if prompt == [] or prompt == "":
         raise APIError("the prompt is empty", param="prompt")
     raise APIError(
@@ -198,7 +201,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None, info: M
         )
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise APIError(f"cannot apply the chat template: {e}") from None
-    return check_input_ids(encode_text(tokenizer, text, info.context_length), info)
+    return check_input_ids(encode_text(tokenizer, text, info.context_length), info, TOKENIZED)
 
 
 def build_sampling(

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
@@ -31,6 +32,8 @@ _FLOAT_PARAMS = (
 )
 _INT_PARAMS = ("max_new_tokens", "top_k", "seed", "min_new_tokens")
 MAX_JSON_DEPTH = 32  # no request shape nests deeper than ~5; deeper bodies are refused
+_CONTAINERS = frozenset((list, dict))  # the container types orjson produces
+TOKENIZED = "tokenized text"  # how a 400 names a prompt the tokenizer produced
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
 _NEUTRAL_PARAMS = {"n": 1, "spaces_between_special_tokens": True}
 
@@ -107,7 +110,10 @@ def _check_depth(body: Any) -> None:
         obj, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-        for child in obj.values() if isinstance(obj, dict) else obj:
+        children = obj.values() if isinstance(obj, dict) else obj
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue  # only scalars (a prompt of 64K ids): one pass in C, not a Python loop
+        for child in children:
             if isinstance(child, list | dict):
                 stack.append((child, depth + 1))
 
@@ -216,18 +222,36 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
     return max(lengths, default=1) or 1
 
 
-def check_input_ids(ids: Any, info: ModelInfo) -> list[int]:
-    """A prompt of token ids, checked against the vocabulary."""
+def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list[int]:
+    """A prompt of token ids, checked against the vocabulary; ``field`` names it in a 400.
+
+    Prompts run to 64K+ ids: the common case (all plain ints in range) is checked in C, and
+    only a prompt that fails it is walked in Python to name its first bad id."""
     if not isinstance(ids, list):
-        raise APIError(f"input_ids must be a list of integers, got {type(ids).__name__}")
+        raise APIError(f"{field} must be a list of integers, got {type(ids).__name__}")
     if not ids:
         raise APIError("the prompt is empty")
-    for t in ids:
+    if {*map(type, ids)} == {int}:  # no bool, float, str, None, list
+        try:
+            arr = np.array(ids, dtype=np.int64)
+        except OverflowError:  # beyond 64 bits: out of range, named below
+            arr = None
+        if arr is not None and arr.min() >= 0 and arr.max() < info.vocab_size:
+            return ids
+    for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise APIError(f"token id {t!r} is not an integer")
+            raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
         if not 0 <= t < info.vocab_size:
-            raise APIError(f"token id {t} is out of range [0, {info.vocab_size})")
-    return ids
+            raise APIError(
+                f"{field}[{i}]: token id {_short(t)} is out of range [0, {info.vocab_size})"
+            )
+    return ids  # int subclasses: valid, just not on the fast path
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 400 message stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_fits(ids: list[int], sampling: SamplingParams, info: ModelInfo) -> None:
@@ -269,12 +293,13 @@ def prompts_of(req: GenerateReqInput, tokenizer: Tokenizer | None, info: ModelIn
         if not texts:
             raise APIError("text is an empty list")
         prompts = [
-            check_input_ids(encode_text(tokenizer, t, info.context_length), info) for t in texts
+            check_input_ids(encode_text(tokenizer, t, info.context_length), info, TOKENIZED)
+            for t in texts
         ]
         return prompts, not isinstance(req.text, str)
     ids = req.input_ids
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-        return [check_input_ids(x, info) for x in ids], True
+        return [check_input_ids(x, info, f"input_ids[{i}]") for i, x in enumerate(ids)], True
     return [check_input_ids(ids, info)], False
 
 

@@ -1,0 +1,216 @@
+"""Host time around the forward for long prompts (issue 14, item 2), on the CPU: API-side
+validation of a /generate body, the GenerateReq codec across the process boundary, and the
+radix tree's match + insert, for one 65,536-id prompt and for 8 x 8,192. Each stage runs
+against an inline copy of its former implementation in the same run (best of --reps).
+Usage: python benchmarks/host_path.py [--reps N]"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import orjson
+import torch
+
+from breakgraph.cache import radix_cache
+from breakgraph.cache.radix_cache import RadixCache
+from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server import protocol
+from breakgraph.server.http import _prepare_generate
+from breakgraph.server.messages import GenerateReq, ModelInfo, decode, encode
+
+VOCAB = 151_936
+INFO = ModelInfo("bench", "Qwen3ForCausalLM", VOCAB, 131_072, 64, 1 << 20, "bfloat16", "cpu", 0)
+
+
+# ---- the former implementations (the reference) ----
+def old_check_depth(body: Any) -> None:
+    stack = [(body, 1)] if isinstance(body, list | dict) else []
+    while stack:
+        obj, depth = stack.pop()
+        if depth > protocol.MAX_JSON_DEPTH:
+            raise protocol.APIError("too deep")
+        for child in obj.values() if isinstance(obj, dict) else obj:
+            if isinstance(child, list | dict):
+                stack.append((child, depth + 1))
+
+
+def old_check_input_ids(ids: Any, info: ModelInfo, field: str = "") -> list[int]:
+    if not isinstance(ids, list):
+        raise protocol.APIError("input_ids must be a list of integers")
+    if not ids:
+        raise protocol.APIError("the prompt is empty")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise protocol.APIError(f"token id {t!r} is not an integer")
+        if not 0 <= t < info.vocab_size:
+            raise protocol.APIError(f"token id {t} is out of range [0, {info.vocab_size})")
+    return ids
+
+
+def old_encode(msg: GenerateReq) -> bytes:  # ids as a msgpack list of ints
+    return msgpack.packb({"type": "GenerateReq", **vars(msg)}, default=vars)
+
+
+def old_decode(data: bytes) -> GenerateReq:
+    wire = msgpack.unpackb(data)
+    del wire["type"]
+    wire["sampling"] = SamplingParams(**wire["sampling"])
+    return GenerateReq(**wire)
+
+
+def old_common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
+    n = min(len(node_key), len(key) - start)
+    if node_key[:n] == key[start : start + n]:
+        return n
+    for i in range(n):
+        if node_key[i] != key[start + i]:
+            return i
+    return n
+
+
+# ---- timing ----
+def best_ms(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> float:
+    """Best of ``reps`` runs of ``fn(setup())`` (or ``fn()``), setup untimed."""
+    best = float("inf")
+    for _ in range(reps + 1):  # the first run warms up
+        arg = setup() if setup is not None else None
+        start = time.perf_counter()
+        fn(arg) if setup is not None else fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+@dataclass
+class Row:
+    case: str
+    stage: str
+    before_ms: float
+    after_ms: float
+
+
+def patched(module: Any, **impls: Any):
+    """A context manager that swaps module attributes for the reference ones."""
+
+    class _Swap:
+        def __enter__(self):
+            self.saved = {k: getattr(module, k) for k in impls}
+            for k, v in impls.items():
+                setattr(module, k, v)
+
+        def __exit__(self, *exc):
+            for k, v in self.saved.items():
+                setattr(module, k, v)
+
+    return _Swap()
+
+
+def validation(prompts: list[list[int]], batch: bool, reps: int) -> tuple[float, float]:
+    raw = orjson.dumps({"input_ids": prompts if batch else prompts[0],
+                        "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+    state = SimpleNamespace(tokenizer=None, info=INFO)
+    after = best_ms(lambda: _prepare_generate(raw, state), reps)
+    with patched(protocol, _check_depth=old_check_depth, check_input_ids=old_check_input_ids):
+        before = best_ms(lambda: _prepare_generate(raw, state), reps)
+    return before, after
+
+
+def codec(prompts: list[list[int]], reps: int) -> list[tuple[str, float, float]]:
+    """GenerateReq encode (API process) and decode (engine process), timed apart."""
+    sampling = SamplingParams(max_new_tokens=1)
+    msgs = [GenerateReq(f"r{i}", p, sampling) for i, p in enumerate(prompts)]
+    new_wire = [encode(m) for m in msgs]
+    old_wire = [old_encode(m) for m in msgs]
+    assert [decode(w) for w in new_wire] == msgs == [old_decode(w) for w in old_wire]
+    return [
+        (
+            "GenerateReq encode (API process)",
+            best_ms(lambda: [old_encode(m) for m in msgs], reps),
+            best_ms(lambda: [encode(m) for m in msgs], reps),
+        ),
+        (
+            "GenerateReq decode (engine process)",
+            best_ms(lambda: [old_decode(w) for w in old_wire], reps),
+            best_ms(lambda: [decode(w) for w in new_wire], reps),
+        ),
+    ]
+
+
+class _NoFree:
+    def free(self, slots: torch.Tensor) -> None:
+        pass
+
+
+def radix(prompts: list[list[int]], stored: list[list[int]], reps: int) -> tuple[float, float]:
+    """match_prefix + insert of each prompt into a fresh tree holding ``stored``."""
+
+    def setup() -> RadixCache:
+        tree = RadixCache(_NoFree())
+        for key in stored:
+            tree.insert(key, torch.arange(len(key)))
+        return tree
+
+    slots = [torch.arange(len(p)) for p in prompts]
+
+    def run(tree: RadixCache) -> None:
+        for p, s in zip(prompts, slots, strict=True):
+            tree.match_prefix(p)
+            tree.insert(p, s)
+
+    after = best_ms(run, reps, setup)
+    with patched(radix_cache, _common_prefix_len=old_common_prefix_len):
+        before = best_ms(run, reps, setup)
+    return before, after
+
+
+def diverged(key: list[int], at: int) -> list[int]:
+    """``key`` with a different token at ``at`` (and the same after it)."""
+    out = list(key)
+    out[at] = (out[at] + 1) % VOCAB
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    cases = {
+        "1 x 65536": [[rng.randrange(VOCAB) for _ in range(65_536)]],
+        "8 x 8192": [[rng.randrange(VOCAB) for _ in range(8_192)] for _ in range(8)],
+    }
+    rows: list[Row] = []
+    for case, prompts in cases.items():
+        batch = len(prompts) > 1
+        rows.append(
+            Row(case, "API validation (/generate body)", *validation(prompts, batch, args.reps))
+        )
+        rows += [Row(case, *stage) for stage in codec(prompts, args.reps)]
+        radix_arms = {
+            "hit (tree holds the prompts)": prompts,
+            "miss (tree empty)": [],
+            "diverges at the middle": [diverged(p, len(p) // 2) for p in prompts],
+            "diverges at the last id": [diverged(p, len(p) - 1) for p in prompts],
+        }
+        for arm, stored in radix_arms.items():
+            rows.append(
+                Row(case, f"radix match + insert, {arm}", *radix(prompts, stored, args.reps))
+            )
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} intra-op threads; best of {args.reps} runs")
+    print(f"{'case':<10} {'stage':<48} {'before ms':>10} {'after ms':>10} {'before/after':>13}")
+    for r in rows:
+        ratio = r.before_ms / r.after_ms
+        print(
+            f"{r.case:<10} {r.stage:<48} {r.before_ms:>10.3f} {r.after_ms:>10.3f} {ratio:>12.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""API-side validation without a server: a 64K-id prompt is accepted as is, and a bad one is a
+one-line 400 naming the field, the index and the value of its first bad id."""
+
+from __future__ import annotations
+
+import enum
+
+import orjson
+import pytest
+
+from breakgraph.server.messages import ModelInfo
+from breakgraph.server.protocol import APIError, check_input_ids, parse_json
+
+INFO = ModelInfo("m", "LlamaForCausalLM", 256, 131_072, 64, 1 << 20, "float32", "cpu", 1)
+LONG = 65_536
+
+
+class _Tok(enum.IntEnum):
+    A = 7
+
+
+def test_a_long_valid_prompt_is_returned_as_is():
+    ids = [i % 256 for i in range(LONG)]
+    assert check_input_ids(ids, INFO) is ids
+    subclassed = [1, _Tok.A, 255]  # an int subclass is an int (not on the fast path)
+    assert check_input_ids(subclassed, INFO) is subclassed
+
+
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (-1, "token id -1 is out of range [0, 256)"),
+        (256, "token id 256 is out of range [0, 256)"),
+        (2**63, f"token id {2**63} is out of range [0, 256)"),  # past int64: still named, not a 500
+        (True, "token id True is not an integer"),
+        (1.0, "token id 1.0 is not an integer"),
+        ("5", "token id '5' is not an integer"),
+        (None, "token id None is not an integer"),
+        ([1], "token id [1] is not an integer"),
+    ],
+)
+@pytest.mark.parametrize("pos", [0, 1, LONG // 2, LONG - 1])
+def test_the_first_bad_id_is_named_by_field_and_index(bad, words, pos):
+    ids = [3] * LONG
+    ids[pos] = bad
+    if pos < LONG - 1:
+        ids[-1] = -5  # a later bad id is not the one named
+    with pytest.raises(APIError) as e:
+        check_input_ids(ids, INFO, "input_ids[2]")
+    assert e.value.message == f"input_ids[2][{pos}]: {words}"
+    assert e.value.status == 400
+
+
+def test_a_huge_bad_value_keeps_the_message_short():
+    with pytest.raises(APIError) as e:
+        check_input_ids([1, "x" * 10_000], INFO)
+    assert e.value.message.startswith("input_ids[1]: token id 'xxx") and len(e.value.message) < 100
+
+
+def test_not_a_list_and_empty():
+    with pytest.raises(APIError, match="prompt must be a list of integers, got dict"):
+        check_input_ids({}, INFO, "prompt")
+    with pytest.raises(APIError, match="the prompt is empty"):
+        check_input_ids([], INFO)
+
+
+def test_depth_is_checked_inside_long_lists():
+    flat = {"input_ids": [1] * LONG, "sampling_params": {"max_new_tokens": 1}}
+    assert parse_json(orjson.dumps(flat)) == flat
+    deep: list = [1]
+    for _ in range(40):
+        deep = [deep]
+    for where in (0, LONG // 2, LONG):  # a nested list anywhere in a long list is still seen
+        ids: list = [1] * LONG
+        ids.insert(where, deep)
+        with pytest.raises(APIError, match="nests deeper than 32"):
+            parse_json(orjson.dumps({"input_ids": ids}))
+    batch = {"input_ids": [[1] * 8192 for _ in range(8)]}
+    assert parse_json(orjson.dumps(batch)) == batch
