@@ -135,6 +135,25 @@ def test_n_choices_and_sampling_fields_on_completions(server):
     assert stats["kv_tokens_used"] == 0 and info(server)["num_running_reqs"] == 0
 
 
+def test_generate_n_samples_share_one_prefill(server):
+    """SGLang's sampling_params.n on /generate: n seeded samples per prompt, prompt-major,
+    distinct and reproducible; the prompt is computed once (the other samples hit it)."""
+    prompt = [5 + (7 * i) % 200 for i in range(37)]  # a prompt no other test sends
+    sp = {"n": 3, "temperature": 1.0, "seed": 11, "max_new_tokens": 6, "ignore_eos": True}
+    r = post(server, "/generate", {"input_ids": prompt, "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) == 3
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0, 36, 36]
+    again = post(server, "/generate", {"input_ids": prompt, "sampling_params": sp}).json()
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    batch = {"input_ids": [prompt, [9, 8, 7]], "sampling_params": {**sp, "n": 2}, "rid": ["a", "b"]}
+    outs = post(server, "/generate", batch).json()
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [37, 37, 3, 3]
+    assert [o["meta_info"]["id"] for o in outs] == ["a-0", "a-1", "b-0", "b-1"]
+
+
 def test_new_fields_bad_values_are_400_and_leak_nothing(server):
     """Every field this API added answers a bad value with a one-line 400 naming it, on every
     route that takes it; afterwards nothing is in flight and no KV is held."""
@@ -156,6 +175,10 @@ def test_new_fields_bad_values_are_400_and_leak_nothing(server):
         ("/v1/chat/completions", {**chat, "top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "n": 0}, "n"),
+        *[
+            ("/generate", {**gen, "sampling_params": {**GREEDY, "n": bad}}, "sampling_params.n")
+            for bad in (0, 65, "2", 1.5, True, [2])
+        ],
         ("/v1/completions", {**comp, "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {**comp, "logit_bias": {"1": "a"}}, "logit_bias"),
     ]

@@ -35,6 +35,8 @@ from breakgraph.server.protocol import (
     off_loop_if_large,
     parse_json,
     parse_model,
+    per_sample,
+    pop_n,
     prompts_of,
     read_body,
     sampling_from_dict,
@@ -139,20 +141,24 @@ def _prepare_generate(
     unsupported(req)
     prompts, is_batch = prompts_of(req, s.tokenizer, s.info)
     sampling, logprob, rids, starts, tops = batch_fields(req, len(prompts))
-    given = [r for r in rids if r is not None]
-    if len(set(given)) != len(given):
-        raise APIError("rid values must be unique")
     gen_reqs = []
     rows = zip(prompts, sampling, logprob, rids, starts, tops, strict=True)
     for ids, sp_dict, lp, rid, start, top in rows:
         if sp_dict is not None and not isinstance(sp_dict, dict):
             raise APIError(f"sampling_params must be an object, got {type(sp_dict).__name__}")
+        sp_dict, n = pop_n(sp_dict)
         sp, api_opts = sampling_from_dict(sp_dict)
         check_fits(ids, sp, s.info)
         check_logprobs(len(ids), start, top)
         start, top = (-1 if start is None else start), top or 0
-        gen_reqs.append(GenerationRequest(ids, sp, lp, rid, **api_opts, logprob_start_len=start,
-                                          top_logprobs_num=top))  # fmt: skip
+        for j, sp_j in enumerate(per_sample(sp, n)):
+            rid_j = rid if rid is None or n == 1 else f"{rid}-{j}"
+            gen_reqs.append(GenerationRequest(ids, sp_j, lp, rid_j, **api_opts,
+                                              logprob_start_len=start, top_logprobs_num=top))  # fmt: skip
+        is_batch = is_batch or n > 1  # n samples answer as a list, prompt-major
+    given = [r.rid for r in gen_reqs if r.rid is not None]
+    if len(set(given)) != len(given):
+        raise APIError("rid values must be unique")
     return req, gen_reqs, is_batch
 
 

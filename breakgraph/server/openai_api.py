@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,6 +31,7 @@ from breakgraph.server.protocol import (
     off_loop_if_large,
     parse_json,
     parse_model,
+    per_sample,
     read_body,
 )
 from breakgraph.server.sse import DONE, event_stream, sse
@@ -126,16 +126,10 @@ def _requests(
     top_k: int = 0,
     prompt_logprobs: bool = False,
 ) -> list[GenerationRequest]:
-    """n requests per prompt (prompt-major); a seeded request's choices get seeds seed+j
-    (mod 2**64, so every choice's seed stays in the range the first one was checked in)."""
+    """n requests per prompt (prompt-major), seeds as :func:`per_sample` gives them."""
     sampling, api_opts = build_sampling(req, req.max_new_tokens(), [len(p) for p in prompts], info)
     check_all_fit(prompts, sampling, info)
-    per_choice = [
-        sampling
-        if j == 0 or sampling.seed is None
-        else replace(sampling, seed=(sampling.seed + j) % (1 << 64))
-        for j in range(n)
-    ]
+    per_choice = per_sample(sampling, n)
     return [
         GenerationRequest(
             ids,

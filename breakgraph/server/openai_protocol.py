@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from breakgraph.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import (
+    MAX_CHOICES,
     TOKENIZED,
     APIError,
     check_fits,
@@ -23,7 +24,6 @@ from breakgraph.server.protocol import (
 )
 from breakgraph.tokenizer import Tokenizer
 
-MAX_CHOICES = 64
 # a JSON number (an int too), never a numeric string: the same rule as /generate
 Number = Annotated[float, Field(strict=True)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,7 +36,8 @@ MAX_JSON_DEPTH = 32  # no request shape nests deeper than ~5; deeper bodies are 
 _CONTAINERS = frozenset((list, dict))  # the container types orjson produces
 TOKENIZED = "tokenized text"  # how a 400 names a prompt the tokenizer produced
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
-_NEUTRAL_PARAMS = {"n": 1, "spaces_between_special_tokens": True}
+_NEUTRAL_PARAMS = {"spaces_between_special_tokens": True}
+MAX_CHOICES = 64  # samples of one prompt (``n``; OpenAI's choices)
 
 OFF_LOOP_BYTES = 64 << 10
 M = TypeVar("M", bound=BaseModel)
@@ -151,6 +153,32 @@ class GenerateReqInput(BaseModel):
     image_data: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None
+
+
+def pop_n(d: dict[str, Any] | None) -> tuple[dict[str, Any] | None, int]:
+    """SGLang's ``sampling_params.n`` (samples of the prompt, 1 to MAX_CHOICES) taken out of
+    the dict: the rest goes to :func:`sampling_from_dict`."""
+    if not isinstance(d, dict) or d.get("n") is None:
+        return d, 1
+    d = dict(d)
+    n = d.pop("n")
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:
+        raise APIError(
+            f"sampling_params.n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n"
+        )
+    return d, n
+
+
+def per_sample(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of ``n`` samples of one prompt: a seeded request's samples get
+    seeds seed+j (mod 2**64, so every seed stays in the range the first one was checked in),
+    so they differ and each stays reproducible."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [
+        sampling if j == 0 else replace(sampling, seed=(sampling.seed + j) % (1 << 64))
+        for j in range(n)
+    ]
 
 
 def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[str, bool]]:
