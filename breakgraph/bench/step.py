@@ -300,7 +300,10 @@ def run_step_bench(args) -> list[PointResult]:
     points: list[PointResult] = []
     for model in args.models:
         shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
+        t0 = time.perf_counter()
         sb = StepBench(*shape)
+        # engine start (weights, KV pool, graph capture) is long for big models: say where we are
+        print(f"{model}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         benches = {"": sb}
         if getattr(sb.engine.runner.model, "bounded_prefill", False):
             benches = {"all rows": StepBench(*shape, fast_prefill=False), "bounded": sb}
