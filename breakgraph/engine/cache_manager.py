@@ -67,7 +67,7 @@ class CacheManager:
         limit = req.fill_len - 1
         if req.prompt_rows_from is not None:
             limit = min(limit, req.prompt_rows_from)
-        m = self.tree.match_prefix(req.fill_ids[:limit])
+        m = self.tree.match_prefix(req.fill_prefix(limit))
         self.tree.lock(m.node)
         req.last_node, req.cached_len = m.node, m.prefix_len
         req.set_kv(m.slots)
@@ -95,7 +95,7 @@ class CacheManager:
             n = req.kv_len
             owned_from = req.cached_len
             node, slots = self.tree.cache_tokens(
-                req.fill_ids[:n], req.kv_slots, owned_from, req.last_node, keep_locked=True
+                req.fill_prefix(n), req.kv_slots, owned_from, req.last_node, keep_locked=True
             )
             changed = (slots[owned_from:n] != req.kv_slots[owned_from:n]).nonzero().flatten()
             if changed.numel():
@@ -117,7 +117,7 @@ class CacheManager:
         if n < req.kv_len:
             self.allocator.free(slots[n:].clone())
         self.tree.cache_tokens(
-            req.fill_ids[:n], slots[:n], req.cached_len, req.last_node, keep_locked=False
+            req.fill_prefix(n), slots[:n], req.cached_len, req.last_node, keep_locked=False
         )
         self._drop(req)
 

@@ -86,7 +86,7 @@ class DecodeManager:
         req.num_retractions += 1
         self.num_retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
-        logger.info("KV pool short: retracted %s (%d tokens)", req.rid, len(req.fill_ids))
+        logger.info("KV pool short: retracted %s (%d tokens)", req.rid, req.fill_len)
         return req
 
     def schedule_batch(self) -> tuple[list[Req], ForwardBatch] | None:

@@ -182,7 +182,7 @@ class PrefillManager:
             if req.decoding:  # a mixed step's decode row: its last token (maybe a placeholder)
                 input_ids.append(req.next_input_id)
             else:
-                input_ids.extend(req.fill_ids[pre : pre + ext])
+                input_ids.extend(req.fill_prefix(pre + ext, pre))
             rows.extend([req.req_pool_idx] * ext)
             cols.extend(range(pre, pre + ext))
             req.append_kv(slots)

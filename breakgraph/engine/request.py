@@ -72,6 +72,14 @@ class Req:
         """All tokens that will have KV: the prompt and the output so far."""
         return self.input_ids + self.output_ids
 
+    def fill_prefix(self, n: int, start: int = 0) -> list[int]:
+        """``fill_ids[start:n]`` without building ``fill_ids`` (a 64K prompt is not copied
+        whole to take one chunk of it)."""
+        k = len(self.input_ids)
+        if n <= k:
+            return self.input_ids[start:n]
+        return self.input_ids[start:] + self.output_ids[max(start - k, 0) : n - k]
+
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
