@@ -264,6 +264,54 @@ print(json.dumps({"warmup_requests": report.requests if report else 0,
 """
 
 
+LONG_SCRIPT = r"""
+import json, random, sys, time
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.engine.request import SamplingParams
+from breakgraph.kernels import jit_watch
+
+eng = Engine(EngineArgs(model_path=sys.argv[1], load_format="dummy", device="cuda",
+    context_length=70000, max_total_tokens=140000, chunked_prefill_size=8192))
+eng.run_warmups()
+jit_watch.mark_ready()
+rng = random.Random(3)
+rand = lambda n: [rng.randrange(5, 1000) for _ in range(n)]
+sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+def timed(prompts):
+    t0 = time.perf_counter()
+    eng.generate(prompts, sp)
+    return time.perf_counter() - t0
+first = timed([rand(8192)])  # the first 8K request after ready
+steady = min(timed([rand(8192)]) for _ in range(3))
+timed([rand(8192) for _ in range(8)])  # cold 8192 x 8
+base = rand(65536)
+timed([base])
+timed([base + rand(1024)])  # hit 65536 + 1024
+st = jit_watch.stats()
+print(json.dumps({"first": first, "steady": steady, "after_ready": st.after_ready,
+                  "names": st.names_after_ready}))
+"""
+
+
+def test_no_compilation_after_warmup_on_long_prefill_workloads(small_dir):
+    """The issue-14 workloads (cold 8192 x 8, a 65,536-token prefix hit) after the default
+    warm-up: nothing compiles, and the first 8K request is within 1.2x of a steady one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", LONG_SCRIPT, str(small_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["after_ready"] == 0, result["names"]
+    assert result["first"] <= 1.2 * result["steady"] + 0.002, result
+
+
 def test_no_compilation_after_serving_shape_warmup(small_dir):
     import subprocess
     import sys
