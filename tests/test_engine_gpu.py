@@ -264,6 +264,21 @@ print(json.dumps({"warmup_requests": report.requests if report else 0,
 """
 
 
+def run_script(script: str, *argv, timeout: float = 300) -> dict:
+    """Run ``script`` in a fresh process (its own JIT counters) -> its last line as JSON."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 LONG_SCRIPT = r"""
 import json, random, sys, time
 from breakgraph.engine.args import EngineArgs
@@ -297,32 +312,12 @@ print(json.dumps({"first": first, "steady": steady, "after_ready": st.after_read
 def test_no_compilation_after_warmup_on_long_prefill_workloads(small_dir):
     """The issue-14 workloads (cold 8192 x 8, a 65,536-token prefix hit) after the default
     warm-up: nothing compiles, and the first 8K request is within 1.2x of a steady one."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", LONG_SCRIPT, str(small_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script(LONG_SCRIPT, small_dir)
     assert result["after_ready"] == 0, result["names"]
     assert result["first"] <= 1.2 * result["steady"] + 0.002, result
 
 
 def test_no_compilation_after_serving_shape_warmup(small_dir):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", WARMUP_SCRIPT, str(small_dir), "serving-shapes"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script(WARMUP_SCRIPT, small_dir, "serving-shapes")
     assert result["warmup_requests"] > 20
     assert result["after_ready"] == 0, result["names"]

@@ -5,10 +5,6 @@ Gemma 4 with the MoE block: bounded replay equal to eager, HF parity in bf16."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from tests.test_engine_gpu import (  # noqa: E402
     assert_hf_parity,
     engine,
     forbid_host_syncs_in_steps,
+    run_script,
     run_workload,
 )
 from tests.test_gemma4 import make_hf_gemma4  # noqa: E402
@@ -68,14 +65,7 @@ def test_moe_no_host_sync_inside_a_step():
 
 
 def test_moe_no_compilation_after_serving_shape_warmup():
-    out = subprocess.run(
-        [sys.executable, "-c", WARMUP_SCRIPT, MODEL, "serving-shapes"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script(WARMUP_SCRIPT, MODEL, "serving-shapes")
     assert result["after_ready"] == 0, result["names"]
 
 
