@@ -44,6 +44,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # host copies of the slots and table rows (``build`` keeps them): what TP rank 0 sends the
+    # other ranks so that they rebuild the step without reading device values
+    out_cache_loc_cpu: list[int] | None = None
+    req_pool_indices_cpu: list[int] | None = None
     # per-step state the attention break derives once and every layer reuses: launch plans
     # keyed by what they depend on besides the step (heads, head_dim, scale, window)
     attention_plans: dict[tuple, Any] = field(
@@ -152,6 +156,8 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
+            out_cache_loc_cpu=out_cache_loc,
+            req_pool_indices_cpu=req_pool_indices,
         )
 
 

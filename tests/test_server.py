@@ -510,42 +510,47 @@ def test_api_process_never_loads_torch(server):
 
 
 # ---- the engine loop, without HTTP ----
-def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_model_dir, overlap):
     """The engine-side check is a backstop: an invalid request comes back as a per-request
-    error and the loop goes on; each step's outputs travel in one message."""
-    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    error and the loop goes on; each step's outputs travel in one message (with overlap
+    scheduling, a step's tokens travel with the next step's message)."""
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir), overlap_schedule=overlap))
     ctx = zmq.Context()
     inbox, to_engine = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    inbox.bind("inproc://to"), to_engine.connect("inproc://to")
-    from_engine.bind("inproc://from"), outbox.connect("inproc://from")
-    sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    for rid, ids in [("bad", [1, 999]), ("a", [1, 2]), ("b", [3, 4, 5])]:
-        to_engine.send(encode(GenerateReq(rid, ids, sampling)))
-    to_engine.send(encode(StatsReq(call_id=7)))
-    loop = threading.Thread(target=EngineLoop(engine, inbox, outbox).run)
-    loop.start()
-    messages, finished = [], set()
-    while len(finished) < 2 and from_engine.poll(30_000):
-        msg = decode(from_engine.recv())
-        messages.append(msg)
-        if isinstance(msg, StepResult):
-            finished |= {o.rid for o in msg.outputs if o.finished}
-    to_engine.send(encode(Shutdown()))
-    loop.join(10)
-    assert not loop.is_alive()
-    steps = [m for m in messages if isinstance(m, StepResult)]
-    assert steps[0].errors == [RequestError("bad", "token id 999 is out of range [0, 256)")]
-    assert len(steps) == 3 and all(m.step_ms > 0 for m in steps)
-    assert all(0 < m.forward_ms <= m.step_ms and m.gpu_ms is None for m in steps)  # CPU: host only
-    for m in steps:  # a and b share every step: one message carries both tokens
-        assert sorted((o.rid, len(o.token_ids)) for o in m.outputs) == [("a", 1), ("b", 1)]
-    reply = next(m for m in messages if isinstance(m, StatsReply))
-    assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
-    assert engine.stats()["kv_tokens_used"] == 0
-    for sock in (inbox, to_engine, outbox, from_engine):
-        sock.close(linger=0)
-    ctx.term()
+    try:
+        inbox.bind("inproc://to"), to_engine.connect("inproc://to")
+        from_engine.bind("inproc://from"), outbox.connect("inproc://from")
+        sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        for rid, ids in [("bad", [1, 999]), ("a", [1, 2]), ("b", [3, 4, 5])]:
+            to_engine.send(encode(GenerateReq(rid, ids, sampling)))
+        to_engine.send(encode(StatsReq(call_id=7)))
+        loop = threading.Thread(target=EngineLoop(engine, inbox, outbox).run)
+        loop.start()
+        messages, finished = [], set()
+        while len(finished) < 2 and from_engine.poll(30_000):
+            msg = decode(from_engine.recv())
+            messages.append(msg)
+            if isinstance(msg, StepResult):
+                finished |= {o.rid for o in msg.outputs if o.finished}
+        to_engine.send(encode(Shutdown()))
+        loop.join(10)
+        assert not loop.is_alive()
+        steps = [m for m in messages if isinstance(m, StepResult)]
+        assert steps[0].errors == [RequestError("bad", "token id 999 is out of range [0, 256)")]
+        assert len(steps) == 3 + overlap and all(m.step_ms > 0 for m in steps)
+        launched = steps[:3]  # with overlap the last step only reads the third one back
+        assert all(0 < m.forward_ms <= m.step_ms and m.gpu_ms is None for m in launched)  # CPU
+        for m in steps[overlap:]:  # a and b share every step: one message carries both tokens
+            assert sorted((o.rid, len(o.token_ids)) for o in m.outputs) == [("a", 1), ("b", 1)]
+        reply = next(m for m in messages if isinstance(m, StatsReply))
+        assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
+        assert engine.stats()["kv_tokens_used"] == 0
+    finally:  # a failed assert must not leave sockets that block ctx.term at GC
+        for sock in (inbox, to_engine, outbox, from_engine):
+            sock.close(linger=0)
+        ctx.term()
 
 
 # ---- lifecycle ----

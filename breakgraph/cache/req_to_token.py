@@ -6,6 +6,7 @@ without ever waiting for the device.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from breakgraph.forward_batch import upload_many
@@ -19,6 +20,9 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=self.device)
+        # TP rank 0 logs every write (host values) for the other ranks' copies of the table;
+        # None: no log (TP 1)
+        self.write_log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self.clear()
 
     @property
@@ -59,6 +63,9 @@ class ReqToTokenPool:
             raise ValueError(
                 f"write of {n} slots at {start} exceeds max_context_len {self.max_context_len}"
             )
+        if self.write_log is not None:
+            cols = np.arange(start, start + n, dtype=np.int32)
+            self._log(np.full(n, idx, dtype=np.int32), cols, slots)
         dst = self.table[idx, start : start + n]
         if self.device.type == "cuda":
             host = torch.empty(n, dtype=torch.int32, pin_memory=True)
@@ -75,8 +82,30 @@ class ReqToTokenPool:
         """
         if not rows:
             return
+        if self.write_log is not None:
+            self._log(np.asarray(rows, dtype=np.int32), np.asarray(cols, dtype=np.int32), slots)
         r, c = upload_many([rows, cols], torch.int64, self.device)
         vals = slots.reshape(-1).to(torch.int32)
         if self.device.type == "cuda":
             vals = vals.pin_memory()
         self.table.index_put_((r, c), vals.to(self.device, non_blocking=True))
+
+    def _log(self, rows: np.ndarray, cols: np.ndarray, slots: torch.Tensor) -> None:
+        vals = slots.reshape(-1).to(torch.int32).numpy().copy()
+        self.write_log.append((rows, cols, vals))
+
+    def drain_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The writes logged since the last drain as (rows, cols, slots) int32, in order."""
+        log = self.write_log
+        if not log:
+            return None
+        self.write_log = []
+        return tuple(np.concatenate(part) for part in zip(*log, strict=True))
+
+    def apply_writes(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """Replay writes drained from another rank's table: of several writes to one cell the
+        last wins, as it did there (one scatter of duplicates would pick any)."""
+        cells = rows.astype(np.int64) * self.max_context_len + cols
+        _, last_rev = np.unique(cells[::-1], return_index=True)
+        keep = len(cells) - 1 - last_rev
+        self.write_many(rows[keep].tolist(), cols[keep].tolist(), torch.from_numpy(slots[keep]))

@@ -30,6 +30,8 @@ class EngineArgs:
     # in prefill (exact); None: on for such models
     kv_sharing_fast_prefill: bool | None = None
     seed: int = 0
+    # tensor parallelism: ranks (processes, one GPU each) a model is sharded over
+    tp_size: int = 1
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
@@ -100,6 +102,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "models)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--tp-size",
+        "--tp",
+        dest="tp_size",
+        type=_positive_int,
+        default=d.tp_size,
+        help="tensor parallelism: shard the model over this many ranks (one process and GPU "
+        "each; gloo on the CPU); the heads must divide evenly",
+    )
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")
     g.add_argument(

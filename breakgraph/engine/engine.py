@@ -16,6 +16,7 @@ import torch
 from breakgraph.cache.kv_pool import KVPool, SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
@@ -23,9 +24,11 @@ from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from breakgraph.engine.step_timer import StepTiming
+from breakgraph.engine.tp_worker import TPDriver, WorkerSetup, rank_device
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
-from breakgraph.models.loader import load_model, resolve_dtype
+from breakgraph.models.loader import load_model, peek_config, resolve_dtype
+from breakgraph.models.registry import check_tp_support
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,47 @@ class GenerateResult:
     input_top_logprobs: list[list[list] | None] = field(default_factory=list)
 
 
+def capture_graphs(
+    args: EngineArgs,
+    runner: ModelRunner,
+    req_pool: ReqToTokenPool,
+    max_running: int,
+    context_len: int,
+) -> None:
+    """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
+    # padding rows of graph steps read this table row: all zeros, i.e. slot 0
+    pad_req_idx = req_pool.alloc()
+    decode_bs = None if args.disable_cuda_graph else min(args.cuda_graph_max_bs, max_running)
+    buckets = None
+    if args.cuda_graph_backend_prefill in ("auto", "breakable"):
+        max_tokens = min(
+            args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, context_len
+        )
+        buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
+        buckets = [b for b in buckets if b <= context_len]
+    runner.capture_graphs(
+        pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
+        tail_max_rows=min(args.cuda_graph_max_bs, max_running),
+    )  # fmt: skip
+
+
+def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.device) -> int:
+    """KV slots this rank's pool holds: ``--max-total-tokens``, else from free device memory."""
+    per_slot = KVPool.slot_bytes(model.kv_cache_shapes(), dtype)
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * args.mem_fraction_static - (total - free)
+    if budget < per_slot * 1024:
+        raise RuntimeError(
+            f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
+            f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
+        )
+    return int(budget // per_slot)
+
+
 def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) -> str:
     """Detokenize an output the way the API reports it: stop token and stop string cut off."""
     ids = output_ids
@@ -61,12 +105,39 @@ def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) ->
 
 class Engine:
     def __init__(self, args: EngineArgs):
+        """With ``args.tp_size`` N > 1 this is TP rank 0: it spawns ranks 1..N-1 (stop them
+        with ``shutdown()``) and runs the scheduler; every rank holds a shard of the model."""
         self.args = args
+        self.tp_driver: TPDriver | None = None
+        if args.tp_size != 1:
+            config = peek_config(args.model_path)
+            if config is not None:  # fail before spawning anything
+                check_tp_support(config, args.tp_size)
+            self.tp_driver = TPDriver(args, args.tp_size)
+        try:
+            self._init(args)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the TP workers, if any (idempotent; a TP 1 engine holds none)."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
+
+    def _init(self, args: EngineArgs) -> None:
         self.warmup_report: WarmupReport | None = None
         self.device = torch.device(args.resolved_device())
+        if self.tp_driver is not None:
+            self.device = rank_device(self.device, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         torch.manual_seed(args.seed)
+        self.tp_group = (
+            self.tp_driver.join_group(self.device)
+            if self.tp_driver
+            else TPGroup(device=self.device)
+        )
         loaded = load_model(
             args.model_path,
             args.load_format,
@@ -74,6 +145,7 @@ class Engine:
             self.device,
             args.seed,
             args.context_length,
+            tp_group=self.tp_group,
         )
         self.model = loaded.model
         if args.kv_sharing_fast_prefill is not None and hasattr(
@@ -88,7 +160,8 @@ class Engine:
             args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
 
-        num_slots = self._num_kv_slots()
+        # each rank sizes its own pool; the engine holds what the smallest one holds
+        num_slots = self.tp_group.min_int(self._num_kv_slots())
         # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
         self.kv_pool = KVPool.from_shapes(
             num_slots + 1, self.model.kv_cache_shapes(), self.dtype, self.device
@@ -97,8 +170,12 @@ class Engine:
         self.max_running_requests = args.max_running_requests or min(1024, max(8, num_slots // 64))
         # + 1: the padding row graph steps use
         self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
+        if self.tp_driver is not None:
+            self.tp_driver.setup(
+                self.req_pool, WorkerSetup(self.max_running_requests, self.context_len)
+            )
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table, tp=self.tp_driver)
         if self.device.type == "cuda":
             jit_watch.install()
             self._capture_graphs()
@@ -152,41 +229,12 @@ class Engine:
         jit_watch.mark_ready()
 
     def _capture_graphs(self) -> None:
-        args = self.args
-        # padding rows of graph steps read this table row: all zeros, i.e. slot 0
-        pad_req_idx = self.req_pool.alloc()
-        decode_bs = (
-            None
-            if args.disable_cuda_graph
-            else min(args.cuda_graph_max_bs, self.max_running_requests)
+        capture_graphs(
+            self.args, self.runner, self.req_pool, self.max_running_requests, self.context_len
         )
-        buckets = None
-        if args.cuda_graph_backend_prefill in ("auto", "breakable"):
-            max_tokens = min(
-                args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, self.context_len
-            )
-            buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
-            buckets = [b for b in buckets if b <= self.context_len]
-        self.runner.capture_graphs(
-            pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
-            tail_max_rows=min(args.cuda_graph_max_bs, self.max_running_requests),
-        )  # fmt: skip
 
     def _num_kv_slots(self) -> int:
-        args = self.args
-        per_slot = KVPool.slot_bytes(self.model.kv_cache_shapes(), self.dtype)
-        if args.max_total_tokens:
-            return args.max_total_tokens
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_MAX_TOTAL_TOKENS
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * args.mem_fraction_static - (total - free)
-        if budget < per_slot * 1024:
-            raise RuntimeError(
-                f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
-                f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
-            )
-        return int(budget // per_slot)
+        return num_kv_slots(self.args, self.model, self.dtype, self.device)
 
     def _stop_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

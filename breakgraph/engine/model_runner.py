@@ -5,6 +5,9 @@ The model contract: ``model(input_ids, positions)`` -> final hidden states of ev
 stores KV; optionally ``forward_logits_rows(input_ids, positions)`` -> the final hidden
 states of the step's ``logits_rows`` only, which eager steps prefer (Gemma 4 runs its
 KV-shared layers on those rows only).
+
+Under tensor parallelism rank 0's runner has a ``tp`` driver (engine/tp_worker.py): each
+forward first sends the step to the other ranks, which run the same forward on their shards.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor):
+    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor, tp=None):
         self.model = model
+        self.tp = tp  # TPDriver on rank 0 of a TP group; None otherwise (TP 1, workers)
         shapes = [tuple(s) for s in model.kv_cache_shapes()]
         if kv_pool.layer_shapes != shapes:
             raise ValueError(
@@ -67,6 +71,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> logits [B, vocab] float32 of each request's last row."""
+        if self.tp is not None:
+            with self.tp.step(batch):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         decode = batch.mode is ForwardMode.DECODE
         graphs = self.decode_graphs if decode else self.prefill_graphs
         if graphs is not None:
@@ -96,6 +106,12 @@ class ModelRunner:
         on all rows (no graph, no ``forward_logits_rows``: Gemma 4's KV-shared layers must
         see the prompt rows too) -> (logits of each request's last row, logprobs of the
         rows' targets, top-k logprobs, their ids); the rows go through a chunked LM head."""
+        if self.tp is not None:
+            with self.tp.step(batch, rows, targets, top_k):
+                return self._forward_prompt(batch, rows, targets, top_k)
+        return self._forward_prompt(batch, rows, targets, top_k)
+
+    def _forward_prompt(self, batch: ForwardBatch, rows, targets, top_k: int):
         self.step_counts[f"{batch.mode.value}_eager"] += 1
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         with forward_context(ctx):

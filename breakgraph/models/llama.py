@@ -3,6 +3,10 @@
 q/k/v and gate/up are stacked into one projection each (``qkv_proj``, ``gate_up_proj``),
 as SGLang and vLLM do: one GEMM launch instead of three or two. ``load_weights`` maps
 HF's separate tensors into their shards.
+
+Tensor parallel (built under ``tp_group_scope``): q/k/v and gate/up column-parallel, o and
+down row-parallel (one all-reduce each), vocab-parallel embedding and LM head; each layer's
+``weight_loader`` copies its rank's slice of the HF tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +18,14 @@ from torch import nn
 
 from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
+from breakgraph.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
 from breakgraph.layers.norm import RMSNorm
 from breakgraph.layers.rotary import RotaryEmbedding
 from breakgraph.models.config import ModelConfig
@@ -23,8 +35,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -33,15 +47,22 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        # this rank's heads (all of them without TP)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
 
     def split_qkv(self, hidden_states: torch.Tensor):
@@ -92,7 +113,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [self.layer_cls(config, i) for i in range(config.num_hidden_layers)]
         )
@@ -129,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -138,23 +159,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        """(num_kv_heads, head_dim) of each layer storing KV: every layer, one shape."""
+        """(num_kv_heads, head_dim) of each layer storing KV (this rank's KV heads): every
+        layer, one shape."""
         c = self.config
-        return [(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+        attn = self.model.layers[0].self_attn
+        return [(attn.num_kv_heads, c.head_dim)] * c.num_hidden_layers
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 
-    def _shard_slice(self, stacked: str, shard) -> slice:
-        c = self.config
-        if stacked == "qkv_proj":
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
-        i = c.intermediate_size
-        return slice(shard * i, (shard + 1) * i)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the parameters; returns the names of params loaded."""
+        """Copy HF-named tensors (or lazy safetensors slices) into the parameters, each
+        parameter's ``weight_loader`` taking this rank's slice; returns the names loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -166,12 +182,13 @@ class LlamaForCausalLM(nn.Module):
                 if f".{hf_name}." in name:
                     target = name.replace(f".{hf_name}.", f".{stacked}.")
                     param = params[target]
-                    param.data[self._shard_slice(stacked, shard)].copy_(tensor)
+                    param.weight_loader(param, tensor, shard)
                     loaded.add(target)
                     break
             else:
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
-                params[name].data.copy_(tensor)
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
         return loaded

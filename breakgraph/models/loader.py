@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from breakgraph.distributed import TPGroup, tp_group_scope
 from breakgraph.models.config import ModelConfig
-from breakgraph.models.registry import get_model_class
+from breakgraph.models.registry import check_tp_support, get_model_class
 from breakgraph.models.sources import BUILTIN_MODELS, CONFIG_DIR
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,12 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     context_length: int | None = None,
+    tp_group: TPGroup | None = None,
 ) -> LoadedModel:
-    """Build the model on ``device`` with weights from ``model_path`` (None: the embedded model)."""
+    """Build the model on ``device`` with weights from ``model_path`` (None: the embedded model);
+    with a ``tp_group`` of size > 1, this rank's shard of it."""
     device = torch.device(device)
+    tp_size = tp_group.size if tp_group else 1
     torch_dtype = resolve_dtype(dtype, device)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format must be auto or dummy, not {load_format!r}")
@@ -61,6 +65,7 @@ def load_model(
 
         gguf_file = Path(model_path) if model_path else find_embedded_gguf()
         source = gguf_file.name
+        # GGUF: every rank reads whole tensors (dequantized) and keeps its slice
         gguf = load_gguf(gguf_file, dtype=torch_dtype)
         config, tokenizer = ModelConfig.from_dict(gguf.hf_config), gguf.tokenizer
         weights = iter(gguf.state_dict.items()) if load_format == "auto" else None
@@ -88,7 +93,9 @@ def load_model(
             from breakgraph.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_pretrained(path)
-        weights = _safetensors_weights(path) if load_format == "auto" else None
+        # under TP, lazy slices: a rank reads only its part of each tensor from disk
+        lazy = tp_size > 1
+        weights = _safetensors_weights(path, lazy) if load_format == "auto" else None
 
     if context_length and context_length > config.max_position_embeddings:
         logger.warning(
@@ -98,7 +105,8 @@ def load_model(
             config.max_position_embeddings,
         )
         config.max_position_embeddings = context_length
-    model = build_model(config, torch_dtype, device)
+    check_tp_support(config, tp_size)
+    model = build_model(config, torch_dtype, device, tp_group)
     if weights is None:
         init_dummy_weights(model, seed)
     else:
@@ -120,12 +128,25 @@ def load_model(
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=source)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def peek_config(model_path: str | None) -> ModelConfig | None:
+    """The config of a checkpoint directory or built-in name, without loading weights; None
+    for GGUF files (and the embedded model), whose config sits in the weights file."""
+    if model_path is None or str(model_path).endswith(".gguf"):
+        return None
+    if model_path in BUILTIN_MODELS:
+        return ModelConfig.from_file(CONFIG_DIR / f"{model_path}.json")
+    path = Path(model_path) / "config.json"
+    return ModelConfig.from_file(path) if path.is_file() else None
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_group: TPGroup | None = None
+) -> nn.Module:
     cls = get_model_class(config.architecture)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), tp_group_scope(tp_group):
             return cls(config)
     finally:
         torch.set_default_dtype(prev)
@@ -134,7 +155,12 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights, as ``--load-format dummy`` in SGLang/vLLM: norms and scales 1, the rest
-    N(0, 0.02)."""
+    N(0, 0.02).
+
+    A TP shard draws each full tensor in the same generator order and loads its slice, so
+    the weights of every TP size are equal (TP1 vs TPn comparisons). That is the full model's
+    draws on every rank, transiently one full tensor at a time: cheap for small models,
+    seconds to minutes of generator time per rank for large ones."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -142,11 +168,16 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif tuple(getattr(param, "full_shape", param.shape)) != tuple(param.shape):
+            whole = torch.empty(param.full_shape, dtype=param.dtype, device=param.device)
+            param.weight_loader(param, whole.normal_(0.0, 0.02, generator=gen))
         else:
             param.normal_(0.0, 0.02, generator=gen)
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; ``lazy``: (name, safetensors slice), from
+    which a parameter's weight_loader reads only its rank's part."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -162,5 +193,5 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name in files:
             with safe_open(str(path / name), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield key, f.get_tensor(key)
+                    yield key, f.get_slice(key) if lazy else f.get_tensor(key)
             bar.update(1)

@@ -21,6 +21,36 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+# architectures whose model code shards over a TP group (breakgraph.layers.linear)
+TP_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+
+def check_tp_support(config, tp_size: int) -> None:
+    """Raise a one-line error if ``config``'s model cannot run at ``tp_size``."""
+    if tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
+    if tp_size == 1:
+        return
+    if config.architecture not in TP_ARCHITECTURES:
+        raise NotImplementedError(
+            f"tensor parallelism (--tp-size {tp_size}) is not implemented for "
+            f"{config.architecture} yet (supported: {', '.join(sorted(TP_ARCHITECTURES))})"
+        )
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the {heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"--tp-size {tp_size} neither divides the {kv_heads} KV heads nor is a multiple of them"
+        )
+    if config.intermediate_size % tp_size:
+        raise ValueError(
+            f"--tp-size {tp_size} does not divide the intermediate size {config.intermediate_size}"
+        )
+
+
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[architecture]

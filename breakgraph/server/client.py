@@ -112,7 +112,10 @@ class EngineClient:
             target=_engine_main,
             args=(self.engine_args, paths, self.log_level),
             name="breakgraph-engine",
-            daemon=True,  # multiprocessing terminates it if the API process exits without close()
+            # daemonic: multiprocessing terminates it if the API process exits without close();
+            # with --tp-size > 1 it spawns the TP workers, which a daemonic process may not
+            # (it then watches the API process itself, as every engine process does)
+            daemon=self.engine_args.tp_size == 1,
         )
         self.process.start()
         logger.info("engine process %d started; loading the model", self.process.pid)

@@ -64,6 +64,7 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
     inbox = make_socket(ctx, zmq.PULL, paths.to_engine, bind=False)
     outbox = make_socket(ctx, zmq.PUSH, paths.from_engine, bind=False)
     code = 0
+    engine = None
     try:
         try:
             engine = Engine(engine_args)
@@ -83,6 +84,8 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
         logger.exception("engine loop crashed")
         code = 1
     finally:
+        if engine is not None:
+            engine.shutdown()  # its TP workers, if any
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()

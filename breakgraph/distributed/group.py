@@ -1,0 +1,118 @@
+"""The TP group: one torch.distributed process group over the ranks of one engine.
+
+NCCL on CUDA (a rank's device is ``cuda:{rank}``), gloo on the CPU. Layers take the group
+that is current while they are built (``tp_group_scope``), so engines of different TP sizes
+can live in one process (one of them TP > 1 at a time: torch.distributed has one default
+group per process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# a collective that waits longer than this raises instead of hanging (gloo honours it; NCCL
+# with its async error handling, on by default). Generous: a rank's first step may JIT-compile
+# kernels while the others wait. A dead peer is noticed at once (closed connection), not here.
+DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dim, in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``x`` of rank ``src`` into ``x`` of every rank, in place (x contiguous)."""
+        if self.size > 1:
+            dist.broadcast(x, src)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The minimum of an int over ranks (startup only: a host round trip)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+_SINGLE = TPGroup()
+_CURRENT: TPGroup = _SINGLE
+
+
+def get_tp_group() -> TPGroup:
+    """The group layers built now shard over (size 1 outside ``tp_group_scope``)."""
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def tp_group_scope(group: TPGroup | None):
+    global _CURRENT
+    prev, _CURRENT = _CURRENT, group or _SINGLE
+    try:
+        yield _CURRENT
+    finally:
+        _CURRENT = prev
+
+
+def init_tp_group(
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device | str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TPGroup:
+    """Join the group of ``size`` ranks at ``init_method`` (tcp://host:port or file://path)."""
+    device = torch.device(device)
+    if size == 1:
+        return TPGroup(0, 1, device)
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a TP process group already exists in this process: shut its engine down first"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kw,
+    )
+    logger.info("TP rank %d/%d joined (%s on %s)", rank, size, backend, device)
+    return TPGroup(rank, size, device)
+
+
+def destroy_tp_group(group: TPGroup) -> None:
+    if group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

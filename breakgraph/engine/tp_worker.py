@@ -1,0 +1,290 @@
+"""Tensor parallelism across processes: rank 0 (the engine) drives ranks 1..N-1 (workers).
+
+Rank 0 runs the scheduler. Before each forward its ModelRunner sends every worker one small
+message (``StepMessage``: the step's lengths, slots, table rows and the request-table writes
+made since the last step), broadcasts the step's input ids over the TP group (they may be a
+device tensor from overlap scheduling: never read on the host), and every rank runs the same
+forward on its shard; only rank 0 samples. A worker exits when rank 0 says so, closes its
+pipe or dies; rank 0 raises a RuntimeError naming a dead worker at its next step, and
+collectives time out rather than hang (``breakgraph.distributed.DEFAULT_TIMEOUT_S``).
+
+CUDA (NCCL, ``cuda:{rank}``, graphs capturing the all-reduce) is written the same way but has
+not run yet: only the CPU (gloo) path is tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from breakgraph.distributed import TPGroup, destroy_tp_group, init_tp_group
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 1.0  # how often an idle worker checks that rank 0 is alive
+_JOIN_S = 10.0  # how long shutdown waits for a worker before terminating it
+
+
+@dataclass
+class StepMessage:
+    """One step as rank 0 sends it: everything but the input ids (broadcast as a tensor)."""
+
+    mode: str  # ForwardMode value
+    out_cache_loc: np.ndarray  # int32 [T]
+    req_pool_indices: np.ndarray  # int32 [B]
+    prefix_lens: np.ndarray  # int32 [B]
+    extend_lens: np.ndarray  # int32 [B]
+    table_writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (rows, cols, slots)
+    prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
+    top_k: int = 0
+
+
+@dataclass
+class WorkerSetup:
+    """What rank 0 decides once and every worker must agree on."""
+
+    max_running_requests: int
+    context_len: int
+
+
+def _i32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A rank's device: ``cuda:{rank}`` on CUDA, the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TPDriver:
+    """Rank 0's side: spawns the workers, sends them each step, stops them."""
+
+    def __init__(self, args, size: int):
+        self.size = size
+        self.group: TPGroup | None = None
+        self.req_pool = None  # set by attach(): the table whose writes go out with each step
+        if mp.current_process().daemon:
+            raise RuntimeError(
+                "--tp-size > 1 needs a non-daemonic engine process (multiprocessing forbids "
+                "daemonic processes children): start the engine process with daemon=False"
+            )
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs: list = []
+        self.conns: list = []
+        for rank in range(1, size):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(args, rank, size, self.init_method, child, os.getpid()),
+                name=f"breakgraph-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()  # the worker's end lives in the worker only: its death closes the pipe
+            self.procs.append(proc)
+            self.conns.append(conn)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+
+    def join_group(self, device: torch.device) -> TPGroup:
+        try:
+            self.group = init_tp_group(0, self.size, self.init_method, device)
+        except Exception as e:
+            self._raise_dead(e, wait_s=2.0)
+            raise
+        return self.group
+
+    def setup(self, req_pool, setup: WorkerSetup) -> None:
+        """Send the workers the engine's sizes; log ``req_pool``'s writes from now on."""
+        self.req_pool = req_pool
+        req_pool.write_log = []
+        self._send(setup)
+
+    @contextlib.contextmanager
+    def step(self, batch: ForwardBatch, rows=None, targets=None, top_k: int = 0):
+        """Send the step to the workers and broadcast its tensors; the body runs rank 0's
+        forward. A collective failing because a worker died raises a RuntimeError naming it."""
+        self.check_workers()
+        msg = StepMessage(
+            mode=batch.mode.value,
+            out_cache_loc=_i32(batch.out_cache_loc_cpu),
+            req_pool_indices=_i32(batch.req_pool_indices_cpu),
+            prefix_lens=_i32(batch.prefix_lens_cpu),
+            extend_lens=_i32(batch.extend_lens_cpu),
+            table_writes=self.req_pool.drain_writes(),
+            prompt_rows=-1 if rows is None else rows.shape[0],
+            top_k=top_k,
+        )
+        self._send(msg)
+        try:
+            _broadcast_inputs(self.group, batch.input_ids, rows, targets)
+            yield
+        except Exception as e:
+            self._raise_dead(e, wait_s=2.0)
+            raise RuntimeError(f"tensor-parallel step failed: {e}") from e
+
+    def check_workers(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                raise RuntimeError(
+                    f"TP worker rank {rank} exited (exit code {proc.exitcode}): the engine "
+                    "cannot run further steps; restart it"
+                )
+
+    def _raise_dead(self, cause: Exception, wait_s: float) -> None:
+        """If a worker died (give it ``wait_s`` to be reaped), raise naming it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check_workers()
+            except RuntimeError as e:
+                raise e from cause
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _send(self, obj) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(obj)
+            except OSError as e:
+                self._raise_dead(e, wait_s=2.0)
+                raise RuntimeError(f"TP worker rank {rank} is unreachable: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the workers (they exit at the next message) and leave the TP group."""
+        self._finalizer()
+        if self.group is not None:
+            destroy_tp_group(self.group)
+            self.group = None
+
+
+def _stop_workers(procs, conns) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(None)
+    deadline = time.monotonic() + _JOIN_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+def _broadcast_inputs(group: TPGroup, input_ids, rows=None, targets=None) -> None:
+    """Rank 0's step tensors into the workers' buffers of the same shapes (int64)."""
+    for t in (input_ids, rows, targets):
+        if t is not None:
+            if group.rank == 0 and (t.dtype != torch.int64 or not t.is_contiguous()):
+                t = t.to(torch.int64).contiguous()  # a copy to send; rank 0 keeps its own
+            group.broadcast(t, src=0)
+
+
+class _ParentGone(Exception):
+    pass
+
+
+def _recv(conn, parent_pid: int):
+    while not conn.poll(_POLL_S):
+        if os.getppid() != parent_pid:
+            raise _ParentGone
+    return conn.recv()
+
+
+def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: int) -> None:
+    """A worker rank: build this rank's shard, KV pool and runner, then run rank 0's steps."""
+    logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 stops the workers (or they see it gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    group = None
+    try:
+        group = _serve(args, rank, size, init_method, conn, parent_pid)
+    except (EOFError, _ParentGone, ConnectionError):
+        logger.warning("TP worker rank %d: rank 0 is gone, exiting", rank)
+    except Exception:
+        logger.exception("TP worker rank %d failed", rank)
+        os._exit(1)  # no teardown that could block on the group
+    finally:
+        if group is not None:
+            with contextlib.suppress(Exception):
+                destroy_tp_group(group)
+
+
+def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
+    from breakgraph.cache.kv_pool import KVPool
+    from breakgraph.cache.req_to_token import ReqToTokenPool
+    from breakgraph.engine.engine import capture_graphs, num_kv_slots
+    from breakgraph.engine.model_runner import ModelRunner
+    from breakgraph.models.loader import load_model, resolve_dtype
+
+    device = rank_device(torch.device(args.resolved_device()), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)
+    group = init_tp_group(rank, size, init_method, device)
+    model = load_model(
+        args.model_path,
+        args.load_format,
+        args.dtype,
+        device,
+        args.seed,
+        args.context_length,
+        tp_group=group,
+    ).model
+    dtype = resolve_dtype(args.dtype, device)
+    slots = group.min_int(num_kv_slots(args, model, dtype, device))
+    setup: WorkerSetup = _recv(conn, parent_pid)
+    kv_pool = KVPool.from_shapes(slots + 1, model.kv_cache_shapes(), dtype, device)
+    req_pool = ReqToTokenPool(setup.max_running_requests + 1, setup.context_len, device)
+    runner = ModelRunner(model, kv_pool, req_pool.table)
+    if device.type == "cuda":
+        capture_graphs(args, runner, req_pool, setup.max_running_requests, setup.context_len)
+    while (msg := _recv(conn, parent_pid)) is not None:
+        _run_step(msg, runner, req_pool, group, device)
+    return group
+
+
+def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device) -> None:
+    if msg.table_writes is not None:
+        req_pool.apply_writes(*msg.table_writes)
+    n = len(msg.out_cache_loc)
+    batch = ForwardBatch.build(
+        ForwardMode(msg.mode),
+        [0] * n,
+        msg.out_cache_loc.tolist(),
+        msg.req_pool_indices.tolist(),
+        msg.prefix_lens.tolist(),
+        msg.extend_lens.tolist(),
+        device,
+    )
+    batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
+    if msg.prompt_rows < 0:
+        _broadcast_inputs(group, batch.input_ids)
+        runner.forward(batch)
+        return
+    rows = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
+    targets = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
+    _broadcast_inputs(group, batch.input_ids, rows, targets)
+    runner.forward_prompt(batch, rows, targets, msg.top_k)

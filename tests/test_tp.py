@@ -1,0 +1,259 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks): TP2 logits equal TP1's in float32, whole,
+ragged, over a cached prefix and chunked; greedy tokens equal; dummy weights equal; a dead
+worker fails the next step with a clear error; shutdown leaves no process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from breakgraph.engine.args import EngineArgs, add_engine_args
+from breakgraph.engine.engine import Engine
+from breakgraph.engine.request import SamplingParams
+from tests.conftest import make_hf_model
+
+ATOL = 1e-5
+DENSE = ["llama", "qwen2", "qwen3"]  # qwen2: one KV head, replicated on both ranks
+
+
+class LogitsTap:
+    """Records every step's last-row logits of an engine's scheduler forward."""
+
+    def __init__(self, engine: Engine):
+        self.steps: list[torch.Tensor] = []
+        inner = engine.scheduler.forward
+
+        def forward(batch):
+            logits = inner(batch)
+            self.steps.append(logits.clone())
+            return logits
+
+        engine.scheduler.forward = forward
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for family in [*DENSE, "qwen3_moe"]:
+        out[family] = tmp_path_factory.mktemp(f"tp-{family}")
+        make_hf_model(family).save_pretrained(out[family])
+    return out
+
+
+def make_args(path, **kw) -> EngineArgs:
+    args = EngineArgs(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048)
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+@contextlib.contextmanager
+def tp1_and_tp2(path, **kw):
+    """A TP1 and a TP2 engine over the same checkpoint, each with a logits tap."""
+    tp1 = Engine(make_args(path, **kw))
+    tp2 = Engine(make_args(path, tp_size=2, **kw))
+    try:
+        yield tp1, tp2, LogitsTap(tp1), LogitsTap(tp2)
+    finally:
+        tp2.shutdown()
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def assert_same_steps(a: LogitsTap, b: LogitsTap) -> None:
+    assert len(a.steps) == len(b.steps) > 0
+    for i, (x, y) in enumerate(zip(a.steps, b.steps, strict=True)):
+        torch.testing.assert_close(y, x, atol=ATOL, rtol=0, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_tp2_logits_equal_tp1(checkpoints, family):
+    """One whole prompt, a ragged batch, a request over a cached prefix, greedy decode."""
+    with tp1_and_tp2(checkpoints[family]) as (tp1, tp2, tap1, tap2):
+        (base,) = prompts([48], seed=2)
+        batches = [
+            (prompts([37]), greedy(1)),
+            (prompts([5, 33, 1, 70], seed=3), greedy(1)),
+            ([base], greedy(1)),
+            ([base + [7, 8, 9, 10, 11]], greedy(1)),  # the whole base is cached
+            (prompts([20, 45, 9], seed=4), greedy(6)),
+        ]
+        cached = []
+        for ps, sp in batches:
+            r1, r2 = tp1.generate(ps, sp), tp2.generate(ps, sp)
+            assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+            assert [r.cached_tokens for r in r2] == [r.cached_tokens for r in r1]
+            cached.append(r2[0].cached_tokens)
+        assert cached[3] == len(base)
+        assert_same_steps(tap1, tap2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp2_chunked_prefill_equals_tp1(checkpoints, family):
+    with tp1_and_tp2(checkpoints[family], chunked_prefill_size=16) as (tp1, tp2, tap1, tap2):
+        ps = prompts([50, 9], seed=5)
+        r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
+        assert len(tap2.steps) >= 5  # 59 prompt tokens in 16-token steps, then decode
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert_same_steps(tap1, tap2)
+
+
+def test_tp2_prompt_logprobs_equal_tp1(checkpoints):
+    """Steps with prompt logprobs go through forward_prompt on every rank."""
+    with tp1_and_tp2(checkpoints["qwen3"]) as (tp1, tp2, _, _):
+        ps = prompts([12, 30], seed=6)
+        kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+        r1, r2 = tp1.generate(ps, greedy(2), **kw), tp2.generate(ps, greedy(2), **kw)
+        for a, b in zip(r1, r2, strict=True):
+            assert b.output_ids == a.output_ids
+            torch.testing.assert_close(
+                torch.tensor(b.input_logprobs[1:]),
+                torch.tensor(a.input_logprobs[1:]),
+                atol=ATOL,
+                rtol=0,
+            )
+
+
+def test_dummy_weights_equal_and_dead_worker_fails_cleanly(checkpoints):
+    """Dummy TP2 weights are TP1's; then a killed worker makes the next step raise naming
+    its rank (no hang), and shutdown leaves no child process."""
+    with tp1_and_tp2(checkpoints["qwen3"], load_format="dummy") as (tp1, tp2, tap1, tap2):
+        ps = prompts([17, 40], seed=7)
+        assert [r.output_ids for r in tp2.generate(ps, greedy(3))] == [
+            r.output_ids for r in tp1.generate(ps, greedy(3))
+        ]
+        assert_same_steps(tap1, tap2)
+
+        (worker,) = tp2.tp_driver.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="TP worker rank 1"):
+            tp2.generate(ps, greedy(1))
+        assert time.monotonic() - start < 10
+    assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
+
+
+def test_shutdown_stops_workers(checkpoints):
+    engine = Engine(make_args(checkpoints["llama"], tp_size=2))
+    procs = list(engine.tp_driver.procs)
+    engine.generate(prompts([8]), greedy(2))
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert all(p.exitcode == 0 for p in procs)
+    assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie waiting for init to reap it is gone too
+
+
+def test_workers_exit_when_rank0_dies(checkpoints, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from breakgraph.engine.args import EngineArgs
+        from breakgraph.engine.engine import Engine
+        if __name__ == "__main__":
+            e = Engine(EngineArgs(model_path={str(checkpoints["llama"])!r}, device="cpu",
+                                  dtype="float32", max_total_tokens=512, tp_size=2))
+            print(e.tp_driver.procs[0].pid, flush=True)
+            os._exit(0)  # no shutdown: the worker must notice by itself
+        """
+    )
+    (tmp_path / "rank0.py").write_text(script)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "rank0.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 15
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(pid), f"TP worker {pid} outlived rank 0"
+
+
+def test_unconverted_family_or_bad_size_fails_at_startup(checkpoints):
+    start = time.monotonic()
+    with pytest.raises(NotImplementedError, match="Qwen3MoeForCausalLM"):
+        Engine(make_args(checkpoints["qwen3_moe"], tp_size=2))
+    with pytest.raises(ValueError, match="attention heads"):
+        Engine(make_args(checkpoints["llama"], tp_size=3))  # 4 heads
+    assert time.monotonic() - start < 5  # refused before any worker is spawned
+    assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
+
+
+def test_tp_flag_and_alias():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineArgs.from_namespace(parser.parse_args(["--tp", "2"])).tp_size == 2
+    assert EngineArgs.from_namespace(parser.parse_args(["--tp-size", "4"])).tp_size == 4
+    assert EngineArgs.from_namespace(parser.parse_args([])).tp_size == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tp-size", "0"])
+
+
+def test_serve_tp2_answers_as_tp1_and_sigterm_leaves_no_process(checkpoints, tmp_path):
+    """`breakgraph serve --tp 2`: the engine process spawns its worker, /generate equals a
+    TP1 engine's greedy tokens, and SIGTERM stops the API process, the engine and the worker."""
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    path = checkpoints["llama"]
+    want = Engine(make_args(path)).generate(prompts([9]), greedy(5))[0].output_ids
+    srv = ServerProcess(
+        ["--model-path", str(path), "--tp", "2", "--dtype", "float32"], tmp_path / "tp.log"
+    ).wait_ready()
+    try:
+        body = {
+            "input_ids": prompts([9])[0],
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        }
+        out = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
+        assert out["output_ids"] == want, srv.log()
+        children = [
+            int(p)
+            for p in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
+        ]
+        engine_pid = children[0]
+        workers = [
+            int(p)
+            for p in Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+        ]
+        assert workers, "the engine process spawned no TP worker"
+    finally:
+        assert srv.stop() == 0, srv.log()
+    deadline = time.monotonic() + 20
+    while not all(_gone(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in [engine_pid, *workers])
