@@ -59,6 +59,21 @@ FAMILIES = {
 }
 
 
+class LogitsTap:
+    """Records every step's last-row logits (float32 copies) of an engine's scheduler forward."""
+
+    def __init__(self, engine):
+        self.steps: list[torch.Tensor] = []
+        inner = engine.scheduler.forward
+
+        def forward(batch):
+            logits = inner(batch)
+            self.steps.append(logits.float().clone())
+            return logits
+
+        engine.scheduler.forward = forward
+
+
 def make_hf_model(family: str, seed: int = 0):
     transformers = pytest.importorskip("transformers")
     cfg_name, model_name, extra = FAMILIES[family]

@@ -12,6 +12,7 @@ import torch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
+from tests.conftest import LogitsTap
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -58,19 +59,6 @@ def engine(path, graphs: bool, dtype="float32", **kw) -> Engine:
     for k, v in kw.items():
         setattr(args, k, v)
     return Engine(args)
-
-
-class LogitsTap:
-    def __init__(self, eng: Engine):
-        self.steps: list[torch.Tensor] = []
-        inner = eng.scheduler.forward
-
-        def forward(batch):
-            logits = inner(batch)
-            self.steps.append(logits.float().clone())
-            return logits
-
-        eng.scheduler.forward = forward
 
 
 def workload(seed=0):

@@ -8,6 +8,7 @@ import torch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
+from tests.conftest import LogitsTap
 
 ATOL = 2e-4
 
@@ -15,21 +16,6 @@ ATOL = 2e-4
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
-
-
-class LogitsTap:
-    """Wraps the runner's forward and records every step's last-row logits."""
-
-    def __init__(self, engine: Engine):
-        self.steps: list[torch.Tensor] = []
-        inner = engine.scheduler.forward
-
-        def forward(batch):
-            logits = inner(batch)
-            self.steps.append(logits.clone())
-            return logits
-
-        engine.scheduler.forward = forward
 
 
 def make_engine(path, **kw) -> Engine:

@@ -20,25 +20,10 @@ import torch
 from breakgraph.engine.args import EngineArgs, add_engine_args
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
-from tests.conftest import make_hf_model
+from tests.conftest import LogitsTap, make_hf_model
 
 ATOL = 1e-5
 DENSE = ["llama", "qwen2", "qwen3"]  # qwen2: one KV head, replicated on both ranks
-
-
-class LogitsTap:
-    """Records every step's last-row logits of an engine's scheduler forward."""
-
-    def __init__(self, engine: Engine):
-        self.steps: list[torch.Tensor] = []
-        inner = engine.scheduler.forward
-
-        def forward(batch):
-            logits = inner(batch)
-            self.steps.append(logits.clone())
-            return logits
-
-        engine.scheduler.forward = forward
 
 
 @pytest.fixture(scope="module")
