@@ -138,8 +138,10 @@ def test_n_choices_and_sampling_fields_on_completions(server):
 def test_generate_n_samples_share_one_prefill(server):
     """SGLang's sampling_params.n on /generate: n seeded samples per prompt, prompt-major,
     distinct and reproducible; the prompt is computed once (the other samples hit it)."""
-    prompt = [5 + (7 * i) % 200 for i in range(37)]  # a prompt no other test sends
+    prompt = [5 + (7 * i) % 200 for i in range(37)]
     sp = {"n": 3, "temperature": 1.0, "seed": 11, "max_new_tokens": 6, "ignore_eos": True}
+    wait_idle(server)
+    assert post(server, "/flush_cache", None).status_code == 200  # nothing cached before
     r = post(server, "/generate", {"input_ids": prompt, "sampling_params": sp})
     assert r.status_code == 200, r.text
     outs = r.json()
