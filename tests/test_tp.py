@@ -207,6 +207,19 @@ def test_tp_flag_and_alias():
         parser.parse_args(["--tp-size", "0"])
 
 
+def _children(pid: int) -> list[int]:
+    """Child pids of every thread of ``pid`` (Linux)."""
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
 def test_serve_tp2_answers_as_tp1_and_sigterm_leaves_no_process(checkpoints, tmp_path):
     """`breakgraph serve --tp 2`: the engine process spawns its worker, /generate equals a
     TP1 engine's greedy tokens, and SIGTERM stops the API process, the engine and the worker."""
@@ -226,15 +239,8 @@ def test_serve_tp2_answers_as_tp1_and_sigterm_leaves_no_process(checkpoints, tmp
         }
         out = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
         assert out["output_ids"] == want, srv.log()
-        children = [
-            int(p)
-            for p in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
-        ]
-        engine_pid = children[0]
-        workers = [
-            int(p)
-            for p in Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
-        ]
+        engine_pid = srv.engine_pid()
+        workers = [p for p in _children(engine_pid) if "resource_tracker" not in _cmdline(p)]
         assert workers, "the engine process spawned no TP worker"
     finally:
         assert srv.stop() == 0, srv.log()
