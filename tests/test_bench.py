@@ -264,3 +264,19 @@ def test_step_arms_for_kv_shared_layers(tmp_path):
             "breakgraph eager bounded", "breakgraph graphs bounded",
         }  # fmt: skip
         assert arms["breakgraph eager bounded"]["ms"] > 0 < arms["breakgraph eager all rows"]["ms"]
+
+
+def test_step_and_decode_benches_under_tensor_parallelism(tmp_path):
+    """`--tp 2`: the benches drive the worker rank too (an arm that ran on rank 0 alone would
+    wait forever for its all-reduces) and stop it at the end."""
+    from tests.conftest import make_hf_model
+
+    make_hf_model("llama").save_pretrained(tmp_path / "llama")
+    common = ["--models", str(tmp_path / "llama"), "--reps", "1", "--device", "cpu", "--tp", "2"]
+    cli("bench", "step", *common, "-N", "8", "--no-hf", "--json", str(tmp_path / "step.json"))
+    cli("bench", "decode", *common, "--batch-sizes", "1", "2", "--context", "16",
+        "--json", str(tmp_path / "decode.json"))  # fmt: skip
+    (step,) = json.loads((tmp_path / "step.json").read_text())
+    assert next(a for a in step["arms"] if a["arm"] == "breakgraph eager")["ms"] > 0
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert [p["batch_size"] for p in decode] == [1, 2] and all(p["eager_ms"] > 0 for p in decode)

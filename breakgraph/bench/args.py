@@ -14,6 +14,7 @@ def add_step_args(p) -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-timeout", type=float, default=120.0)
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against N")
 
@@ -24,5 +25,6 @@ def add_decode_args(p) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="auto")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")

@@ -46,6 +46,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 cuda_graph_max_bs=max_bs,
                 cuda_graph_backend_prefill="disabled",
                 context_length=max(args.context + 16, 4096),
+                tp_size=args.tp_size,
             )
         )
         rows = [eng.req_pool.alloc() for _ in range(max_bs)]
@@ -82,6 +83,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 f"{model:<14} bs={bs:<4} C={args.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}",
                 flush=True,
             )
+        eng.shutdown()  # TP workers, if any
         del eng, runner, rows, slots
         if device == "cuda":
             torch.cuda.empty_cache()

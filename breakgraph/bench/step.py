@@ -92,6 +92,7 @@ class StepBench:
         device: str,
         dtype: str = "auto",
         fast_prefill: bool | None = None,
+        tp_size: int = 1,
     ):
         from breakgraph.engine.args import EngineArgs
         from breakgraph.engine.engine import Engine
@@ -110,6 +111,7 @@ class StepBench:
                 disable_cuda_graph=True,  # decode graphs are not measured here
                 context_length=max(max_new + max_prefix + 16, 4096),
                 kv_sharing_fast_prefill=fast_prefill,
+                tp_size=tp_size,
             )
         )
         eng = self.engine
@@ -130,30 +132,6 @@ class StepBench:
             ForwardMode.EXTEND, ids, loc, [self.req_idx], [prefix_tokens], [new_tokens],
             self.engine.device,
         )  # fmt: skip
-
-
-def floor_graph(runner, batch) -> Callable[[], object]:
-    """The same forward captured whole, attention inline, at this fixed shape (for a model
-    with ``forward_logits_rows``, that: bounded replay when the model has it on)."""
-    from breakgraph.forward_batch import ForwardContext, forward_context
-    from breakgraph.graph import BreakableGraph
-
-    ctx = ForwardContext(batch=batch, kv_pool=runner.kv_pool, req_to_token=runner.req_to_token)
-    model = runner.model
-    rows_only = getattr(model, "forward_logits_rows", None)
-
-    def fwd():
-        with forward_context(ctx):
-            if rows_only is not None:
-                return model.compute_logits(rows_only(batch.input_ids, batch.positions))
-            hidden = model(batch.input_ids, batch.positions)
-        return model.compute_logits(hidden[batch.logits_rows])
-
-    with torch.inference_mode():
-        fwd()
-        graph = BreakableGraph(split_at_breaks=False)
-        graph.capture(fwd)
-    return graph.replay
 
 
 class HFArms:
@@ -259,7 +237,7 @@ def bench_point(
         else:
             add("breakgraph graphs" + tag, None, "no bucket")
         if sb.engine.device.type == "cuda":
-            add("floor" + tag, floor_graph(runner, batch))
+            add("floor" + tag, runner.capture_whole(batch))
     if hf is not None:
         try:
             add("HF eager", hf.eager_fn(n, p))
@@ -301,7 +279,7 @@ def run_step_bench(args) -> list[PointResult]:
     for model in args.models:
         shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
         t0 = time.perf_counter()
-        sb = StepBench(*shape)
+        sb = StepBench(*shape, tp_size=args.tp_size)
         # engine start (weights, KV pool, graph capture) is long for big models: say where we are
         print(f"{model}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         benches = {"": sb}
@@ -319,6 +297,8 @@ def run_step_bench(args) -> list[PointResult]:
                 pt = bench_point(benches, hf, n, p, args.reps, do_compile)
                 points.append(pt)
                 print(format_table([pt]), flush=True)
+        for b in benches.values():
+            b.engine.shutdown()  # TP workers, if any
         del sb, benches, hf
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -85,10 +86,17 @@ class ModelRunner:
                 self.step_counts[f"{batch.mode.value}_graph"] += 1
                 return logits
         self.step_counts[f"{batch.mode.value}_eager"] += 1
-        return self.forward_eager(batch)
+        return self._forward_eager(batch)
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step without graphs (every TP rank likewise)."""
+        if self.tp is not None:
+            with self.tp.step(batch, kind="eager"):
+                return self._forward_eager(batch)
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         logits_rows_only = getattr(self.model, "forward_logits_rows", None)
         with forward_context(ctx):
@@ -121,6 +129,41 @@ class ModelRunner:
             hidden[rows], targets, self.model.compute_logits, self.vocab_size, top_k
         )
         return logits, lp, top_v, top_i
+
+    @torch.inference_mode()
+    def capture_whole(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
+        """The step captured whole as one CUDA graph at its fixed shape, attention inline (the
+        floor a breakable bank is measured against) -> its replay. Under TP every rank
+        captures it and every replay runs on every rank. CUDA only."""
+        if self.tp is not None:
+            with self.tp.step(batch, kind="capture_whole"):
+                replay = self._capture_whole(batch)
+            tp = self.tp
+
+            def replay_all() -> torch.Tensor:
+                tp.replay_whole()
+                return replay()
+
+            return replay_all
+        return self._capture_whole(batch)
+
+    def _capture_whole(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
+        from breakgraph.graph import BreakableGraph
+
+        ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
+        rows_only = getattr(self.model, "forward_logits_rows", None)
+
+        def fwd() -> torch.Tensor:
+            with forward_context(ctx):
+                if rows_only is not None:
+                    return self.model.compute_logits(rows_only(batch.input_ids, batch.positions))
+                hidden = self.model(batch.input_ids, batch.positions)
+            return self.model.compute_logits(hidden[batch.logits_rows])
+
+        fwd()  # warm: allocations and Triton compiles happen outside the capture
+        graph = BreakableGraph(split_at_breaks=False)
+        graph.capture(fwd)
+        return graph.replay
 
     @property
     def vocab_size(self) -> int:

@@ -48,6 +48,14 @@ class StepMessage:
     table_writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (rows, cols, slots)
     prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
     top_k: int = 0
+    # forward (graphs when they fit), eager, or capture_whole (the step as one CUDA graph,
+    # kept until the next capture: benches replay it with ReplayWhole)
+    kind: str = "forward"
+
+
+@dataclass
+class ReplayWhole:
+    """Replay the step last captured whole (every rank at once: its all-reduces pair up)."""
 
 
 @dataclass
@@ -118,7 +126,9 @@ class TPDriver:
         self._send(setup)
 
     @contextlib.contextmanager
-    def step(self, batch: ForwardBatch, rows=None, targets=None, top_k: int = 0):
+    def step(
+        self, batch: ForwardBatch, rows=None, targets=None, top_k: int = 0, kind: str = "forward"
+    ):
         """Send the step to the workers and broadcast its tensors; the body runs rank 0's
         forward. A collective failing because a worker died raises a RuntimeError naming it."""
         self.check_workers()
@@ -131,6 +141,7 @@ class TPDriver:
             table_writes=self.req_pool.drain_writes(),
             prompt_rows=-1 if rows is None else rows.shape[0],
             top_k=top_k,
+            kind=kind,
         )
         self._send(msg)
         try:
@@ -139,6 +150,11 @@ class TPDriver:
         except Exception as e:
             self._raise_dead(e, wait_s=2.0)
             raise RuntimeError(f"tensor-parallel step failed: {e}") from e
+
+    def replay_whole(self) -> None:
+        """Have every worker replay its whole-step graph (see ``StepMessage.kind``)."""
+        self.check_workers()
+        self._send(ReplayWhole())
 
     def check_workers(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -261,12 +277,17 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     runner = ModelRunner(model, kv_pool, req_pool.table)
     if device.type == "cuda":
         capture_graphs(args, runner, req_pool, setup.max_running_requests, setup.context_len)
+    whole = None  # the replay of the step last captured whole
     while (msg := _recv(conn, parent_pid)) is not None:
-        _run_step(msg, runner, req_pool, group, device)
+        if isinstance(msg, ReplayWhole):
+            whole()
+        else:
+            whole = _run_step(msg, runner, req_pool, group, device) or whole
     return group
 
 
-def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device) -> None:
+def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device):
+    """Run rank 0's step here; for ``capture_whole``, return the captured step's replay."""
     if msg.table_writes is not None:
         req_pool.apply_writes(*msg.table_writes)
     n = len(msg.out_cache_loc)
@@ -282,9 +303,12 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device) -> Non
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
     if msg.prompt_rows < 0:
         _broadcast_inputs(group, batch.input_ids)
-        runner.forward(batch)
-        return
+        if msg.kind == "capture_whole":
+            return runner.capture_whole(batch)
+        (runner.forward_eager if msg.kind == "eager" else runner.forward)(batch)
+        return None
     rows = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
     targets = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
     _broadcast_inputs(group, batch.input_ids, rows, targets)
     runner.forward_prompt(batch, rows, targets, msg.top_k)
+    return None
