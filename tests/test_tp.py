@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): TP2 logits equal TP1's in float32, whole,
-ragged, over a cached prefix and chunked; greedy tokens equal; dummy weights equal; a dead
-worker fails the next step with a clear error; shutdown leaves no process behind."""
+ragged, over a cached prefix and chunked (dense families and Qwen3-MoE); greedy tokens equal;
+dummy weights equal; a dead worker fails the next step with a clear error; shutdown leaves no
+process behind."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs, add_engine_args
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
+from breakgraph.models.config import ModelConfig
+from breakgraph.models.loader import load_model
+from breakgraph.models.registry import check_tp_support
+from breakgraph.models.sources import CONFIG_DIR
 from tests.conftest import LogitsTap, make_hf_model
 
 ATOL = 1e-5
@@ -68,7 +74,7 @@ def assert_same_steps(a: LogitsTap, b: LogitsTap) -> None:
         torch.testing.assert_close(y, x, atol=ATOL, rtol=0, msg=lambda m, i=i: f"step {i}: {m}")
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", [*DENSE, "qwen3_moe"])
 def test_tp2_logits_equal_tp1(checkpoints, family):
     """One whole prompt, a ragged batch, a request over a cached prefix, greedy decode."""
     with tp1_and_tp2(checkpoints[family]) as (tp1, tp2, tap1, tap2):
@@ -90,7 +96,7 @@ def test_tp2_logits_equal_tp1(checkpoints, family):
         assert_same_steps(tap1, tap2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_tp2_chunked_prefill_equals_tp1(checkpoints, family):
     with tp1_and_tp2(checkpoints[family], chunked_prefill_size=16) as (tp1, tp2, tap1, tap2):
         ps = prompts([50, 9], seed=5)
@@ -185,14 +191,52 @@ def test_workers_exit_when_rank0_dies(checkpoints, tmp_path):
     assert _gone(pid), f"TP worker {pid} outlived rank 0"
 
 
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_moe_expert_shards_are_slices_of_tp1(checkpoints, load_format):
+    """Each rank's experts hold its intermediate slice of TP1's (gate and up rows each sliced,
+    down's columns), from per-expert checkpoint tensors read lazily or from dummy weights; the
+    router is whole on every rank. Model level: no process group needed to load."""
+    path = str(checkpoints["qwen3_moe"])
+    kw = dict(load_format=load_format, dtype="float32", device="cpu")
+    whole = dict(load_model(path, **kw).model.named_parameters())
+    shards = [
+        dict(load_model(path, tp_group=TPGroup(r, 2), **kw).model.named_parameters())
+        for r in range(2)
+    ]
+    mlp = "model.layers.0.mlp"
+    gate_up, down = whole[f"{mlp}.experts.gate_up_proj"], whole[f"{mlp}.experts.down_proj"]
+    gate, up = gate_up.chunk(2, dim=1)
+    assert gate.shape[1] == 48
+    for r, shard in enumerate(shards):
+        rows = slice(24 * r, 24 * (r + 1))
+        want = torch.cat([gate[:, rows], up[:, rows]], dim=1)
+        torch.testing.assert_close(shard[f"{mlp}.experts.gate_up_proj"], want, atol=0, rtol=0)
+        torch.testing.assert_close(
+            shard[f"{mlp}.experts.down_proj"], down[:, :, rows], atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            shard[f"{mlp}.gate.weight"], whole[f"{mlp}.gate.weight"], atol=0, rtol=0
+        )
+
+
 def test_unconverted_family_or_bad_size_fails_at_startup(checkpoints):
     start = time.monotonic()
-    with pytest.raises(NotImplementedError, match="Qwen3MoeForCausalLM"):
-        Engine(make_args(checkpoints["qwen3_moe"], tp_size=2))
+    with pytest.raises(NotImplementedError, match="Gemma4ForCausalLM"):
+        Engine(make_args("gemma-4-e2b", load_format="dummy", tp_size=2))
     with pytest.raises(ValueError, match="attention heads"):
         Engine(make_args(checkpoints["llama"], tp_size=3))  # 4 heads
     assert time.monotonic() - start < 5  # refused before any worker is spawned
     assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
+
+
+def test_moe_intermediate_size_must_divide_by_tp():
+    config = ModelConfig.from_file(CONFIG_DIR / "qwen3-30b-a3b.json")
+    check_tp_support(config, 8)  # 768 / 8 per rank
+    config.raw["moe_intermediate_size"] = 100
+    with pytest.raises(ValueError, match="MoE intermediate size 100"):
+        check_tp_support(config, 8)
+    config.raw["mlp_only_layers"] = list(range(config.num_hidden_layers))
+    check_tp_support(config, 8)  # no MoE layer left
 
 
 def test_tp_flag_and_alias():

@@ -5,9 +5,14 @@ gate rows first, ``down_proj`` [E, H, I]) and runs them through ``ops.fused_expe
 per-expert loop on the CPU, the fused Triton kernels on CUDA (capturable, no host sync).
 Routers differ by model and stay in the model files; they end in ``ops.moe_route``.
 
+Tensor parallel (built under ``tp_group_scope``), as SGLang's and vLLM's: the experts are
+split by intermediate size, every rank runs the routing it was given over its slices, and one
+all-reduce sums the ranks' outputs.
+
 Checkpoints hold either HF's per-expert tensors (``experts.{i}.gate_proj.weight`` ..., what
 ``save_pretrained`` writes for Qwen3-MoE) or the stacked tensors under the module's own
-names; :class:`ExpertWeights` copies the former into their rows.
+names; :class:`ExpertWeights` copies the former into their rows through the parameters'
+``weight_loader`` (this rank's slice, read lazily from a safetensors slice under TP).
 """
 
 from __future__ import annotations
@@ -18,38 +23,72 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from breakgraph.distributed import get_tp_group
 from breakgraph.kernels import ops
+from breakgraph.layers.linear import narrow
 
 
 class FusedMoE(nn.Module):
+    """E experts over the TP group current when built: each rank holds every expert's slice
+    of the intermediate dim (gate rows and up rows each sliced, down's columns) and its
+    output is all-reduced once, as a row-parallel layer's. TP1: the full experts."""
+
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
     ):
         super().__init__()
+        self.tp = tp = get_tp_group()
+        if intermediate_size % tp.size:
+            raise ValueError(
+                f"MoE intermediate size ({intermediate_size}) is not divisible by the TP size "
+                f"({tp.size})"
+            )
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.inter_per_rank = n = intermediate_size // tp.size
         self.activation = activation
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        self.gate_up_proj = self._param(
+            (num_experts, 2 * n, hidden_size), (num_experts, 2 * intermediate_size, hidden_size)
         )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj = self._param(
+            (num_experts, hidden_size, n), (num_experts, hidden_size, intermediate_size)
+        )
+
+    def _param(self, shape: tuple[int, ...], full_shape: tuple[int, ...]) -> nn.Parameter:
+        p = nn.Parameter(torch.empty(shape))
+        p.weight_loader = self.weight_loader
+        p.full_shape = full_shape  # dummy weights draw the whole tensor and keep their slice
+        return p
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded, shard_id: str | None = None, expert: int | None = None
+    ) -> None:
+        """This rank's slice of a stacked tensor (``shard_id`` None: [E, 2I, H] or [E, H, I])
+        or of one expert's HF tensor (``shard_id`` "gate", "up" or "down" and ``expert``).
+        ``loaded``: a tensor or a lazy safetensors slice."""
+        n, start = self.inter_per_rank, self.tp.rank * self.inter_per_rank
+        if shard_id is None:
+            if param is self.down_proj:
+                param.data.copy_(narrow(loaded, 2, start, n))
+            else:
+                i = self.intermediate_size
+                param.data[:, :n].copy_(narrow(loaded, 1, start, n))
+                param.data[:, n:].copy_(narrow(loaded, 1, i + start, n))
+            return
+        if shard_id == "down":
+            param.data[expert].copy_(narrow(loaded, 1, start, n))
+        else:
+            at = 0 if shard_id == "gate" else n
+            param.data[expert, at : at + n].copy_(narrow(loaded, 0, start, n))
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H] and its routing [T, K] -> sum_k weight_k * expert_k(x) [T, H]."""
-        return ops.fused_experts(
+        out = ops.fused_experts(
             x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation
         )
-
-    def expert_rows(self, proj: str) -> tuple[str, slice]:
-        """The parameter and its rows (of one expert's slice) holding HF's ``{proj}_proj``."""
-        i = self.intermediate_size
-        return {
-            "gate": ("gate_up_proj", slice(0, i)),
-            "up": ("gate_up_proj", slice(i, 2 * i)),
-            "down": ("down_proj", slice(None)),
-        }[proj]
+        return self.tp.all_reduce(out)
 
 
 _PER_EXPERT = re.compile(
@@ -76,8 +115,9 @@ class ExpertWeights:
             raise KeyError(
                 f"checkpoint tensor {name!r}: the layer has {module.num_experts} experts"
             )
-        param, rows = module.expert_rows(proj)
-        getattr(module, param).data[expert, rows].copy_(tensor)
+        param = "down_proj" if proj == "down" else "gate_up_proj"
+        weight = getattr(module, param)
+        weight.weight_loader(weight, tensor, proj, expert)
         self._shards[f"{m['module']}.{param}"].add((expert, proj))
         return True
 

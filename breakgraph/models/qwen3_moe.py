@@ -8,6 +8,9 @@ softmax, top-k, renormalized if ``norm_topk_prob``; experts ``mlp.experts`` stac
 Weights load from HF's per-expert tensors (``mlp.experts.{e}.gate_proj.weight`` ..., what
 transformers 5 writes with ``save_pretrained`` and the released checkpoints hold) or from
 the stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` (HF 5's in-memory layout).
+
+Tensor parallel: Qwen3's attention and the dense MLPs as Llama's; the experts split by
+intermediate size (``FusedMoE``, one all-reduce per MoE block); the router replicated.
 """
 
 from __future__ import annotations

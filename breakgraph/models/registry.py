@@ -8,7 +8,7 @@ from breakgraph.models.gemma4 import Gemma4ForCausalLM
 from breakgraph.models.llama import LlamaForCausalLM
 from breakgraph.models.qwen2 import Qwen2ForCausalLM
 from breakgraph.models.qwen3 import Qwen3ForCausalLM
-from breakgraph.models.qwen3_moe import Qwen3MoeForCausalLM
+from breakgraph.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
@@ -21,9 +21,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-# architectures whose model code shards over a TP group (breakgraph.layers.linear)
+# architectures whose model code shards over a TP group (breakgraph.layers.linear, .moe)
 TP_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
 )
 
 
@@ -45,7 +51,15 @@ def check_tp_support(config, tp_size: int) -> None:
         raise ValueError(
             f"--tp-size {tp_size} neither divides the {kv_heads} KV heads nor is a multiple of them"
         )
-    if config.intermediate_size % tp_size:
+    moe_layers = 0
+    if config.architecture == "Qwen3MoeForCausalLM":
+        moe_layers = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+        moe_inter = config.raw["moe_intermediate_size"]
+        if moe_layers and moe_inter % tp_size:
+            raise ValueError(
+                f"--tp-size {tp_size} does not divide the MoE intermediate size {moe_inter}"
+            )
+    if moe_layers < config.num_hidden_layers and config.intermediate_size % tp_size:
         raise ValueError(
             f"--tp-size {tp_size} does not divide the intermediate size {config.intermediate_size}"
         )
