@@ -292,3 +292,32 @@ def test_serve_tp2_answers_as_tp1_and_sigterm_leaves_no_process(checkpoints, tmp
     while not all(_gone(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_gone(p) for p in [engine_pid, *workers])
+
+
+def test_serve_tp2_worker_death_is_503_and_exit(checkpoints, tmp_path):
+    """A TP worker that dies under `serve --tp 2`: the next request is answered 503, the
+    server exits 1 and its log names the rank; no process is left behind."""
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    srv = ServerProcess(
+        ["--model-path", str(checkpoints["llama"]), "--tp", "2", "--dtype", "float32"],
+        tmp_path / "tp-death.log",
+    ).wait_ready()
+    engine_pid = srv.engine_pid()
+    (worker,) = [p for p in _children(engine_pid) if "resource_tracker" not in _cmdline(p)]
+    os.kill(worker, signal.SIGKILL)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    try:
+        r = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+    except httpx.TransportError:
+        pass  # the server may already be gone when the answer would go out
+    assert srv.proc.wait(30) == 1, srv.log()
+    srv.stop()
+    assert "TP worker rank 1 exited" in srv.log()
+    deadline = time.monotonic() + 10
+    while not (_gone(engine_pid) and _gone(worker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(engine_pid) and _gone(worker)
