@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,9 @@ def init_tp_group(
             "a TP process group already exists in this process: shut its engine down first"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "gloo" and sys.platform == "linux":
+        # every rank is on this host: gloo's default (the hostname's address) may not resolve
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         backend,
