@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): TP2 logits equal TP1's in float32, whole,
-ragged, over a cached prefix and chunked (dense families and Qwen3-MoE); greedy tokens equal;
-dummy weights equal; a dead worker fails the next step with a clear error; shutdown leaves no
+ragged, over a cached prefix and chunked (dense families, Qwen3-MoE, Gemma 4 text and MoE with
+KV-shared layers, bounded replay on and off); greedy tokens equal; dummy weights equal; a dead worker fails the next step with a clear error; shutdown leaves no
 process behind."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs, add_engine_args
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
+from breakgraph.layers.linear import default_weight_loader
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.loader import load_model
 from breakgraph.models.registry import check_tp_support
@@ -38,6 +39,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     for family in [*DENSE, "qwen3_moe"]:
         out[family] = tmp_path_factory.mktemp(f"tp-{family}")
         make_hf_model(family).save_pretrained(out[family])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma4_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Gemma 4: ``text`` (4 heads, 1 KV head replicated per rank, KV-shared layers, PLE,
+    double-wide MLP) and ``moe`` (k is v on full layers with 2 KV heads split, experts)."""
+    pytest.importorskip("transformers.models.gemma4")
+    from tests.test_gemma4 import make_hf_gemma4
+
+    out = {}
+    for kind in ("text", "moe"):
+        out[kind] = tmp_path_factory.mktemp(f"tp-gemma4-{kind}")
+        make_hf_gemma4(kind).save_pretrained(out[kind])
     return out
 
 
@@ -219,10 +234,102 @@ def test_moe_expert_shards_are_slices_of_tp1(checkpoints, load_format):
         )
 
 
-def test_unconverted_family_or_bad_size_fails_at_startup(checkpoints):
+def test_gemma4_tp2_logits_equal_tp1(gemma4_checkpoints):
+    """Bounded replay on (the default): prompts longer than the 8-token window, a ragged
+    batch, a cached prefix, greedy decode; then prompt logprobs, whose steps run every layer
+    on every row (the computation of kv_sharing_fast_prefill off) on every rank."""
+    with tp1_and_tp2(gemma4_checkpoints["text"]) as (tp1, tp2, tap1, tap2):
+        (base,) = prompts([30], seed=2)
+        batches = [
+            (prompts([5, 33, 1, 21], seed=3), greedy(1)),
+            ([base], greedy(1)),
+            ([base + [7, 8, 9]], greedy(1)),  # the whole base is cached
+            (prompts([20, 14], seed=4), greedy(4)),
+        ]
+        cached = []
+        for ps, sp in batches:
+            r1, r2 = tp1.generate(ps, sp), tp2.generate(ps, sp)
+            assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+            cached.append(r2[0].cached_tokens)
+        assert cached[2] == len(base)
+        assert_same_steps(tap1, tap2)
+
+        ps = prompts([12, 19], seed=6)
+        kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+        r1, r2 = tp1.generate(ps, greedy(2), **kw), tp2.generate(ps, greedy(2), **kw)
+        for a, b in zip(r1, r2, strict=True):
+            assert b.output_ids == a.output_ids
+            torch.testing.assert_close(
+                torch.tensor(b.input_logprobs[1:]),
+                torch.tensor(a.input_logprobs[1:]),
+                atol=ATOL,
+                rtol=0,
+            )
+
+
+def test_gemma4_moe_tp2_logits_equal_tp1(gemma4_checkpoints):
+    """The MoE block (dense MLP and experts, each all-reduced before its norm), k is v on the
+    full layers: a ragged batch with prompts past the window, bounded replay, greedy decode
+    (few steps: the CPU runs the experts one by one)."""
+    with tp1_and_tp2(gemma4_checkpoints["moe"]) as (tp1, tp2, tap1, tap2):
+        ps = prompts([3, 21], seed=3)
+        r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert_same_steps(tap1, tap2)
+
+
+def test_gemma4_tp2_chunked_prefill_equals_tp1(gemma4_checkpoints):
+    with tp1_and_tp2(gemma4_checkpoints["text"], chunked_prefill_size=16) as (tp1, tp2, t1, t2):
+        ps = prompts([40, 9], seed=5)
+        r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
+        assert len(t2.steps) >= 4  # 49 prompt tokens in 16-token steps, then decode
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert_same_steps(t1, t2)
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_gemma4_shards_are_slices_of_tp1(gemma4_checkpoints, load_format):
+    """Every parameter of each rank is its loader's slice of TP1's (k-is-v q/k, split and
+    replicated KV heads, PLE table, experts), read lazily or drawn as dummy weights; the KV
+    pool of a rank holds its KV heads. Model level: no process group needed to load."""
+    path = str(gemma4_checkpoints["moe"])
+    kw = dict(load_format=load_format, dtype="float32", device="cpu")
+    whole = load_model(path, **kw).model
+    params = dict(whole.named_parameters())
+    for r in range(2):
+        shard = load_model(path, tp_group=TPGroup(r, 2), **kw).model
+        for name, p in shard.named_parameters():
+            got = p.detach().clone()
+            getattr(p, "weight_loader", default_weight_loader)(p, params[name])  # the slice
+            torch.testing.assert_close(got, p.detach(), atol=0, rtol=0, msg=name)
+        # layers 0, 1, 3: sliding (1 KV head, replicated); 2: full (2 KV heads, k is v)
+        assert shard.kv_cache_shapes() == [(1, 16), (1, 16), (1, 32), (1, 16)]
+        attn = shard.model.layers[2].self_attn
+        assert (attn.num_heads, attn.qkv_proj.weight.shape[0]) == (2, 3 * 32)
+    assert whole.kv_cache_shapes() == [(1, 16), (1, 16), (2, 32), (1, 16)]
+
+
+def test_gemma4_tp2_without_fast_prefill_equals_tp1(gemma4_checkpoints):
+    """--no-kv-sharing-fast-prefill reaches every rank (the shared layers on all rows on
+    both, or their all-reduces would not pair up)."""
+    path = gemma4_checkpoints["text"]
+    with tp1_and_tp2(path, kv_sharing_fast_prefill=False) as (tp1, tp2, tap1, tap2):
+        assert not tp2.model.kv_sharing_fast_prefill
+        ps = prompts([5, 33, 21], seed=8)
+        r1, r2 = tp1.generate(ps, greedy(2)), tp2.generate(ps, greedy(2))
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert_same_steps(tap1, tap2)
+
+
+def test_gemma4_builtin_configs_pass_tp_checks():
+    for name in ("gemma-4-e2b", "gemma-4-e4b", "gemma-4-26b-a4b"):
+        check_tp_support(ModelConfig.from_file(CONFIG_DIR / f"{name}.json"), 8)
+
+
+def test_unsupported_size_fails_at_startup(checkpoints):
     start = time.monotonic()
-    with pytest.raises(NotImplementedError, match="Gemma4ForCausalLM"):
-        Engine(make_args("gemma-4-e2b", load_format="dummy", tp_size=2))
+    with pytest.raises(ValueError, match="attention heads"):
+        Engine(make_args("gemma-4-e2b", load_format="dummy", tp_size=3))  # 8 heads
     with pytest.raises(ValueError, match="attention heads"):
         Engine(make_args(checkpoints["llama"], tp_size=3))  # 4 heads
     assert time.monotonic() - start < 5  # refused before any worker is spawned

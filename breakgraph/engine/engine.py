@@ -76,6 +76,13 @@ def capture_graphs(
     )  # fmt: skip
 
 
+def configure_model(model, args: EngineArgs):
+    """The engine flags a model reads at run time (every TP rank applies the same)."""
+    if args.kv_sharing_fast_prefill is not None and hasattr(model, "kv_sharing_fast_prefill"):
+        model.kv_sharing_fast_prefill = args.kv_sharing_fast_prefill
+    return model
+
+
 def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.device) -> int:
     """KV slots this rank's pool holds: ``--max-total-tokens``, else from free device memory."""
     per_slot = KVPool.slot_bytes(model.kv_cache_shapes(), dtype)
@@ -149,11 +156,7 @@ class Engine:
             args.context_length,
             tp_group=self.tp_group,
         )
-        self.model = loaded.model
-        if args.kv_sharing_fast_prefill is not None and hasattr(
-            self.model, "kv_sharing_fast_prefill"
-        ):
-            self.model.kv_sharing_fast_prefill = args.kv_sharing_fast_prefill
+        self.model = configure_model(loaded.model, args)
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source

@@ -251,7 +251,7 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
 def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     from breakgraph.cache.kv_pool import KVPool
     from breakgraph.cache.req_to_token import ReqToTokenPool
-    from breakgraph.engine.engine import capture_graphs, num_kv_slots
+    from breakgraph.engine.engine import capture_graphs, configure_model, num_kv_slots
     from breakgraph.engine.model_runner import ModelRunner
     from breakgraph.models.loader import load_model, resolve_dtype
 
@@ -269,6 +269,7 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
         args.context_length,
         tp_group=group,
     ).model
+    configure_model(model, args)
     dtype = resolve_dtype(args.dtype, device)
     slots = group.min_int(num_kv_slots(args, model, dtype, device))
     setup: WorkerSetup = _recv(conn, parent_pid)

@@ -93,30 +93,41 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data[at : at + n].copy_(narrow(loaded, 0, self.tp.rank * n, n))
 
 
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads a rank holds: its share, or one replica when fewer KV heads than ranks."""
+    if num_kv_heads >= tp_size:
+        return _divide(num_kv_heads, tp_size, "KV heads")
+    if tp_size % num_kv_heads:
+        raise ValueError(f"TP size {tp_size} is not a multiple of the KV heads ({num_kv_heads})")
+    return 1
+
+
 class QKVParallelLinear(nn.Module):
     """q, k, v stacked: q heads split across ranks; KV heads split, or one replicated per
     rank (head ``rank * num_kv_heads // tp``) when there are fewer KV heads than ranks.
-    shard_id: "q", "k" or "v"."""
+    shard_id: "q", "k" or "v". ``with_v=False``: q and k only (a model whose v is k)."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        with_v: bool = True,
     ):
         super().__init__()
         self.tp = tp = get_tp_group()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        self.num_kv_heads = local_kv_heads(num_kv_heads, tp.size)
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = _divide(num_kv_heads, tp.size, "KV heads")
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
-            if tp.size % num_kv_heads:
-                raise ValueError(
-                    f"TP size {tp.size} is not a multiple of the KV heads ({num_kv_heads})"
-                )
-            self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
-        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        parts = 2 if with_v else 1
+        self.full_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * parts
+        local = (self.num_heads + parts * self.num_kv_heads) * head_dim
         self.out_per_rank = local
         self.weight = _param(
             (local, hidden_size), self.weight_loader, (sum(self.full_sizes), hidden_size)
@@ -127,11 +138,13 @@ class QKVParallelLinear(nn.Module):
         d = self.head_dim
         if shard_id is None:  # the stacked full tensor (dummy weights)
             start = 0
-            for sid, size in zip("qkv", self.full_sizes, strict=True):
+            for sid, size in zip("qkv", self.full_sizes, strict=False):
                 self.weight_loader(param, narrow(loaded, 0, start, size), sid)
                 start += size
             return
         q, kv = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "v" and len(self.full_sizes) == 2:
+            raise ValueError("this q/k projection has no v shard (v is k)")
         if shard_id == "q":
             dst, src = param.data[:q], narrow(loaded, 0, self.tp.rank * q, q)
         else:

@@ -21,6 +21,13 @@ only matter for the rows whose hidden states feed the LM head, so ``forward_logi
 the layers before the first shared one on all rows and the shared layers on each request's
 last row only, over the metadata of ``ForwardBatch.tail()``. ``forward`` is HF's computation:
 every layer on every row.
+
+Tensor parallel (built under ``tp_group_scope``), as SGLang's and vLLM's: q/k/v (q/k when k
+is v) column-parallel by heads, each layer's KV heads split or replicated per rank (the pool
+holds each rank's KV heads of the KV layers, so a shared layer finds its source's), o and
+MLP down row-parallel, gate/up column-parallel, the experts split by intermediate size (router
+replicated), vocab-parallel embedding, PLE table and tied LM head (softcapping after the
+gather). The small per-layer (PLE) projections and every norm stay replicated.
 """
 
 from __future__ import annotations
@@ -37,6 +44,17 @@ from torch.nn import functional as F
 from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
 from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
+from breakgraph.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    full,
+    local_kv_heads,
+)
 from breakgraph.layers.moe import ExpertWeights, FusedMoE
 from breakgraph.layers.norm import GemmaRMSNorm
 from breakgraph.layers.rotary import rope_inv_freq
@@ -92,8 +110,11 @@ class Gemma4MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # a rank holds [gate slice; up slice]: chunk(2) splits it as the full one
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -122,30 +143,33 @@ class Gemma4Router(nn.Module):
 
 class Gemma4Attention(nn.Module):
     """q/k/v stacked into ``qkv_proj`` (q and k only when k is v); a KV-shared layer has only
-    ``q_proj`` and reads its source layer's KV."""
+    ``q_proj`` and reads its source layer's KV. Head counts and sizes are this rank's."""
 
     def __init__(self, config: ModelConfig, layer: Gemma4Layer, layer_id: int):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = layer.num_kv_heads
+        eps, h = config.rms_norm_eps, config.hidden_size
+        heads = config.num_attention_heads
         self.head_dim = d = layer.head_dim
         self.shares_kv = layer.shares_kv
         self.k_eq_v = layer.k_eq_v
-        self.q_size = self.num_heads * d
-        self.kv_size = self.num_kv_heads * d
         bias = config.attention_bias
         if self.shares_kv:
-            self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=bias)
+            self.q_proj = ColumnParallelLinear(h, heads * d, bias=bias)
+            self.num_heads = self.q_proj.out_per_rank // d
+            # the KV heads its source layer stores on this rank (same split as its qkv_proj)
+            self.num_kv_heads = local_kv_heads(layer.num_kv_heads, self.q_proj.tp.size)
         else:
-            num_kv = 1 if self.k_eq_v else 2
-            self.qkv_proj = nn.Linear(
-                config.hidden_size, self.q_size + num_kv * self.kv_size, bias=bias
+            self.qkv_proj = QKVParallelLinear(
+                h, d, heads, layer.num_kv_heads, bias, with_v=not self.k_eq_v
             )
+            self.num_heads = self.qkv_proj.num_heads
+            self.num_kv_heads = self.qkv_proj.num_kv_heads
             self.k_norm = GemmaRMSNorm(d, eps)
             self.v_norm = GemmaRMSNorm(d, eps, with_scale=False)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         self.q_norm = GemmaRMSNorm(d, eps)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * d, h, bias=bias)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
@@ -155,11 +179,6 @@ class Gemma4Attention(nn.Module):
             sliding_window=layer.sliding_window,
             kv_layer_id=layer.kv_layer,
         )
-
-    def shard_rows(self, shard: str) -> slice:
-        """Rows of ``qkv_proj`` that hold HF's ``{shard}_proj``."""
-        q, kv = self.q_size, self.kv_size
-        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         t = hidden_states.shape[0]
@@ -192,6 +211,9 @@ class Gemma4DecoderLayer(nn.Module):
         if self.enable_moe_block:
             raw = config.raw
             self.router = Gemma4Router(config)
+            # experts split by intermediate size, one all-reduce of their own: the dense
+            # MLP's output is summed (down_proj) before post_feedforward_layernorm_1 and the
+            # experts' before post_feedforward_layernorm_2, so the two cannot share one
             self.experts = FusedMoE(
                 raw["num_experts"], h, raw["moe_intermediate_size"], "gelu_tanh"
             )
@@ -200,6 +222,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         self.hidden_size_per_layer_input = p = config.raw.get("hidden_size_per_layer_input") or 0
         if p:
+            # small (hidden x P): replicated under TP, every rank computes the whole branch
             self.per_layer_input_gate = nn.Linear(h, p, bias=False)
             self.per_layer_projection = nn.Linear(p, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
@@ -239,7 +262,7 @@ class Gemma4TextModel(nn.Module):
         raw = config.raw
         self.layer_specs = gemma4_layers(config)
         n = config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # HF keeps the scales as float32 tensors and casts them to the weights' dtype
         self.register_buffer(
             "embed_scale",
@@ -258,13 +281,15 @@ class Gemma4TextModel(nn.Module):
         self.hidden_size_per_layer_input = p = raw.get("hidden_size_per_layer_input") or 0
         if p:
             vocab_ple = raw.get("vocab_size_per_layer_input") or config.vocab_size
-            self.embed_tokens_per_layer = nn.Embedding(vocab_ple, n * p)
+            # huge (262144 x layers * P): vocab-parallel, as the token embedding
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_ple, n * p)
             self.register_buffer(
                 "embed_per_layer_scale",
                 torch.tensor(p**0.5, dtype=torch.float32),
                 persistent=False,
             )
             self.per_layer_input_scale = 2.0**-0.5
+            # hidden x layers * P, small: replicated under TP (as its norm)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
             self.per_layer_model_projection_scale = config.hidden_size**-0.5
             self.per_layer_projection_norm = GemmaRMSNorm(p, config.rms_norm_eps)
@@ -336,11 +361,14 @@ class Gemma4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma4TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # vocab-parallel, logits all-gathered: compute_logits softcaps the whole row
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = config.raw.get("final_logit_softcapping")
-        # bounded replay (eager): shared layers on the LM head's rows only in extend steps
+        # bounded replay (eager): shared layers on the LM head's rows only in extend steps;
+        # under TP every rank must choose the same (their all-reduces pair up): the engine
+        # applies --[no-]kv-sharing-fast-prefill on every rank (``configure_model``)
         self.kv_sharing_fast_prefill = self.model.num_kv_shared_layers > 0
 
     # ---- KV layout: only the layers before the first KV-shared one store KV
@@ -353,9 +381,10 @@ class Gemma4ForCausalLM(nn.Module):
         return self.model.layer_specs[layer_id].kv_layer
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        """(num_kv_heads, head_dim) of each KV layer, for ``KVPool.from_shapes``."""
-        specs = self.model.layer_specs[: self.num_kv_layers]
-        return [(s.num_kv_heads, s.head_dim) for s in specs]
+        """(num_kv_heads, head_dim) of each KV layer (this rank's KV heads), for
+        ``KVPool.from_shapes``."""
+        layers = self.model.layers[: self.num_kv_layers]
+        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in layers]
 
     # ---- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -421,8 +450,9 @@ class Gemma4ForCausalLM(nn.Module):
 
     # ---- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors (``model.*`` or ``model.language_model.*``) into the
-        parameters and ``layer_scalar`` buffers; returns the names loaded."""
+        """Copy HF-named tensors (``model.*`` or ``model.language_model.*``; tensors or lazy
+        safetensors slices) into the parameters, each through its ``weight_loader`` (this
+        rank's slice), and the ``layer_scalar`` buffers; returns the names loaded."""
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
         experts = ExpertWeights(self)
         loaded: set[str] = set()
@@ -441,30 +471,32 @@ class Gemma4ForCausalLM(nn.Module):
             shared = _SHARED_LAYER_KV.match(name)
             if shared and self.model.layer_specs[int(shared[1])].shares_kv:
                 continue  # HF ignores them too: a shared layer uses its source's k/v
-            target, rows = self._target(name)
+            target, shard = self._target(name)
             if target not in targets:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no parameter in the model")
-            dst = targets[target].data
-            (dst if rows is None else dst[rows]).copy_(tensor)
+            param = targets[target]
+            if isinstance(param, nn.Parameter):
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+            else:  # a buffer (layer_scalar)
+                param.copy_(full(tensor))
             loaded.add(target)
         if skipped:
             logger.info("skipped %d vision/audio tensors (text model only)", skipped)
         return loaded | experts.loaded()
 
-    def _target(self, name: str) -> tuple[str, slice | None]:
-        """Our parameter for an HF name, and the rows of it the tensor fills (stacked ones)."""
+    def _target(self, name: str) -> tuple[str, str | int | None]:
+        """Our parameter for an HF name, and the shard of it the tensor fills (stacked ones:
+        "q"/"k"/"v" of ``qkv_proj``, 0/1 (gate/up) of ``gate_up_proj``)."""
         m = _PROJ.fullmatch(name)
         if m is None:
             return name, None
         layer_id, module, shard, kind = int(m[1]), m[2], m[3], m[4]
         prefix = f"model.layers.{layer_id}.{module}"
         if module == "mlp":
-            inter = self.model.layers[layer_id].mlp.intermediate_size
-            i = 0 if shard == "gate" else 1
-            return f"{prefix}.gate_up_proj.{kind}", slice(i * inter, (i + 1) * inter)
+            return f"{prefix}.gate_up_proj.{kind}", 0 if shard == "gate" else 1
         attn = self.model.layers[layer_id].self_attn
         if attn.shares_kv:
             return name, None
         if shard == "v" and attn.k_eq_v:
             return name, None  # no such parameter: reported as unknown
-        return f"{prefix}.qkv_proj.{kind}", attn.shard_rows(shard)
+        return f"{prefix}.qkv_proj.{kind}", shard

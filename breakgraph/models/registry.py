@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from breakgraph.models.gemma4 import Gemma4ForCausalLM
+from breakgraph.models.gemma4_config import gemma4_layers
 from breakgraph.models.llama import LlamaForCausalLM
 from breakgraph.models.qwen2 import Qwen2ForCausalLM
 from breakgraph.models.qwen3 import Qwen3ForCausalLM
@@ -24,6 +25,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 # architectures whose model code shards over a TP group (breakgraph.layers.linear, .moe)
 TP_ARCHITECTURES = frozenset(
     {
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -44,25 +47,35 @@ def check_tp_support(config, tp_size: int) -> None:
             f"tensor parallelism (--tp-size {tp_size}) is not implemented for "
             f"{config.architecture} yet (supported: {', '.join(sorted(TP_ARCHITECTURES))})"
         )
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads
     if heads % tp_size:
         raise ValueError(f"--tp-size {tp_size} does not divide the {heads} attention heads")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(
-            f"--tp-size {tp_size} neither divides the {kv_heads} KV heads nor is a multiple of them"
-        )
-    moe_layers = 0
-    if config.architecture == "Qwen3MoeForCausalLM":
-        moe_layers = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
-        moe_inter = config.raw["moe_intermediate_size"]
-        if moe_layers and moe_inter % tp_size:
+    if config.architecture.startswith("Gemma4"):
+        # per layer type: KV heads and (double-wide on shared layers) MLP widths differ
+        layers = gemma4_layers(config)
+        kv_heads = sorted({layer.num_kv_heads for layer in layers})
+        inters = sorted({layer.intermediate_size for layer in layers})
+        moe_layers = config.num_hidden_layers if config.raw.get("enable_moe_block") else 0
+    else:
+        kv_heads, inters = [config.num_key_value_heads], [config.intermediate_size]
+        moe_layers = 0
+        if config.architecture == "Qwen3MoeForCausalLM":
+            moe_layers = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+            if moe_layers == config.num_hidden_layers:
+                inters = []  # no dense MLP
+    for kv in kv_heads:
+        if kv % tp_size and tp_size % kv:
             raise ValueError(
-                f"--tp-size {tp_size} does not divide the MoE intermediate size {moe_inter}"
+                f"--tp-size {tp_size} neither divides the {kv} KV heads nor is a multiple of them"
             )
-    if moe_layers < config.num_hidden_layers and config.intermediate_size % tp_size:
+    moe_inter = config.raw.get("moe_intermediate_size")
+    if moe_layers and moe_inter % tp_size:
         raise ValueError(
-            f"--tp-size {tp_size} does not divide the intermediate size {config.intermediate_size}"
+            f"--tp-size {tp_size} does not divide the MoE intermediate size {moe_inter}"
         )
+    for inter in inters:
+        if inter % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide the intermediate size {inter}")
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
