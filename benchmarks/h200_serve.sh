@@ -2,13 +2,7 @@
 # Server benches on one H200 (Qwen3-0.6B shape, dummy weights): prefill cold/hit with and
 # without prefill graphs, and the first 8K requests after ready with and without warm-up on a
 # cold Triton cache. Stages: warmup, prefill (default both). Results under ${OUT:-results}.
-set -uo pipefail
-OUT=${OUT:-results}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift

@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
 # GPU suite + in-process benches (step, decode) on one H200; results under ${OUT:-results}.
-set -uo pipefail
-OUT=${OUT:-results}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs -k "${GPU_TESTS:-}" 2>&1 | tee "$OUT/gpu_suite.log" | tail -15
 bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
 bg step --models qwen3-0.6b llama-3.1-8b -N 256 1024 8192 -P 0 32768 --reps 5 --no-compile \

@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallelism on nvidia-h200-x2 (issue 17): TP GPU tests, then TP1 vs TP2 in-process
 # benches (step: eager, graphs, floor; decode: eager, graph). Results under ${OUT:-results}.
-set -uo pipefail
-OUT=${OUT:-results}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_tp_gpu.py 2>&1 | tail -15 | tee "$OUT/tp.log"
 bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
 for tp in 1 2; do

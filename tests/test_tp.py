@@ -121,20 +121,20 @@ def test_tp2_chunked_prefill_equals_tp1(checkpoints, family):
         assert_same_steps(tap1, tap2)
 
 
+def assert_prompt_logprobs_equal(tp1: Engine, tp2: Engine, ps, top_k: int) -> None:
+    """Prompt logprobs (steps through ``forward_prompt`` on every rank) of TP2 equal TP1's."""
+    kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=top_k)
+    r1, r2 = tp1.generate(ps, greedy(2), **kw), tp2.generate(ps, greedy(2), **kw)
+    for a, b in zip(r1, r2, strict=True):
+        assert b.output_ids == a.output_ids
+        got, want = torch.tensor(b.input_logprobs[1:]), torch.tensor(a.input_logprobs[1:])
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
 def test_tp2_prompt_logprobs_equal_tp1(checkpoints):
     """Steps with prompt logprobs go through forward_prompt on every rank."""
     with tp1_and_tp2(checkpoints["qwen3"]) as (tp1, tp2, _, _):
-        ps = prompts([12, 30], seed=6)
-        kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
-        r1, r2 = tp1.generate(ps, greedy(2), **kw), tp2.generate(ps, greedy(2), **kw)
-        for a, b in zip(r1, r2, strict=True):
-            assert b.output_ids == a.output_ids
-            torch.testing.assert_close(
-                torch.tensor(b.input_logprobs[1:]),
-                torch.tensor(a.input_logprobs[1:]),
-                atol=ATOL,
-                rtol=0,
-            )
+        assert_prompt_logprobs_equal(tp1, tp2, prompts([12, 30], seed=6), top_k=3)
 
 
 def test_dummy_weights_equal_and_dead_worker_fails_cleanly(checkpoints):
@@ -254,17 +254,7 @@ def test_gemma4_tp2_logits_equal_tp1(gemma4_checkpoints):
         assert cached[2] == len(base)
         assert_same_steps(tap1, tap2)
 
-        ps = prompts([12, 19], seed=6)
-        kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
-        r1, r2 = tp1.generate(ps, greedy(2), **kw), tp2.generate(ps, greedy(2), **kw)
-        for a, b in zip(r1, r2, strict=True):
-            assert b.output_ids == a.output_ids
-            torch.testing.assert_close(
-                torch.tensor(b.input_logprobs[1:]),
-                torch.tensor(a.input_logprobs[1:]),
-                atol=ATOL,
-                rtol=0,
-            )
+        assert_prompt_logprobs_equal(tp1, tp2, prompts([12, 19], seed=6), top_k=2)
 
 
 def test_gemma4_moe_tp2_logits_equal_tp1(gemma4_checkpoints):
