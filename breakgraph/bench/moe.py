@@ -11,7 +11,10 @@ logits: about uniform over the experts): routing + experts (what ``ops`` runs) a
   x 2) at the measured device copy bandwidth: the goal at decode sizes (M = 1..64).
 
 Each timed call routes new logits (a cycle of 16), so small steps read experts that are not
-all in L2. ``--sweep`` times launch configs per token count (BLOCK_M, then each GEMM's
+all in L2. "moe ms" launches the kernels from Python, as an eager step does: at decode sizes
+that is paced by the host. "graph ms" replays the layer captured in a CUDA graph, as the
+decode and prefill graphs run it (plus one copy of the next routing logits): the GPU's time,
+which the floor ratio uses. ``--sweep`` times launch configs per token count (BLOCK_M, then each GEMM's
 BLOCK_N/BLOCK_K/warps/stages) and prints the best as rows for ``fused_moe._CONFIGS``.
 """
 
@@ -84,6 +87,32 @@ class Layer:
         return sum(hit) / len(hit) * 3 * h * i * 2
 
 
+def graphed(layer: Layer):
+    """The layer as a graph step runs it: routing + experts captured once over a static
+    logits buffer that each call refills from the cycle, then one replay."""
+    static = layer.logits[0].clone()
+
+    def body() -> torch.Tensor:
+        w, ids = ops.moe_route(static, layer.s["top_k"])
+        return ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, layer.s["activation"])
+
+    side = torch.cuda.Stream()  # warm up (compiles, allocations) off the capture, as torch asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    turn = itertools.cycle(layer.logits)
+
+    def replay() -> None:
+        static.copy_(next(turn))
+        graph.replay()
+
+    return replay
+
+
 def dense_reference(m: int, s: dict):
     """cuBLAS bf16 GEMMs of the experts' active FLOPs."""
     rows, h, i = m * s["top_k"], s["hidden"], s["inter"]
@@ -148,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     s = expert_shapes(args.model)
     bw = _copy_bytes_per_ms()
     print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e9:.0f} GB/s")
-    print("M      moe ms   dense ms  moe/dense  floor ms  moe/floor  |moe - twin|/|twin|")
+    print(
+        "M      moe ms  graph ms   dense ms  graph/dense  floor ms  graph/floor  |moe - twin|/|twin|"
+    )
     rows = []
     for m in args.tokens:
         layer = Layer(m, s)
@@ -157,10 +188,11 @@ def main(argv: list[str] | None = None) -> None:
         twin = fm.fused_experts_torch(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
         rel = ((got.float() - twin.float()).abs().max() / twin.float().abs().max()).item()
         moe = _bench_ms(layer)
+        graph = _bench_ms(graphed(layer))
         dense = _bench_ms(dense_reference(m, s))
         floor = layer.touched_bytes() / bw
-        print(f"{m:<6} {moe:8.3f} {dense:9.3f} {moe / dense:9.2f}x {floor:9.3f} "
-              f"{moe / floor:9.2f}x  {rel:.1e}", flush=True)  # fmt: skip
+        print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
+              f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip
         if args.sweep:
             cfg, ms = sweep(layer)
             mean_rows = m * s["top_k"] / s["experts"]
