@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from breakgraph.cache.kv_pool import KVPool
-from breakgraph.engine.request import SamplingParams
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.gemma4_config import gemma4_layers
 from breakgraph.models.loader import build_model
 from breakgraph.models.sources import CONFIG_DIR
-from tests.test_models_hf import ATOL, LogitsTap, make_engine, one_token, prompts
+from tests.test_models_hf import (
+    ATOL,
+    LogitsTap,
+    assert_greedy_equals_hf,
+    make_engine,
+    one_token,
+    prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 gemma4 = pytest.importorskip("transformers.models.gemma4")
@@ -208,18 +214,7 @@ def test_greedy_decode_matches_hf_generate(gemma4_text_dir, mixed):
     engine = make_engine(gemma4_text_dir, chunked_prefill_size=32, enable_mixed_chunk=mixed)
     ps = prompts(3, [20, 45, 6], seed=5)
     ps[2] = ps[0][:12] + ps[2]  # shares a prefix (longer than the window) with the first
-    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    results = engine.generate(ps, sp)
-    for p, res in zip(ps, results, strict=True):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        assert res.output_ids == out[0, len(p) :].tolist()
+    assert_greedy_equals_hf(engine, hf, ps, 12)
 
 
 def test_kv_pool_holds_only_the_layers_that_store_kv(gemma4_text_dir):

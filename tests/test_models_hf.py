@@ -13,6 +13,18 @@ from tests.conftest import LogitsTap
 ATOL = 2e-4
 
 
+def assert_greedy_equals_hf(engine, hf, ps: list[list[int]], n: int) -> None:
+    """The engine's greedy tokens for ``ps`` (one batch) equal HF ``generate``'s, one by one."""
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    for p, res in zip(ps, engine.generate(ps, sp), strict=True):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+        assert res.output_ids == out[0, len(p) :].tolist()
+
+
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -98,15 +110,4 @@ def test_greedy_decode_matches_hf_generate(tiny_llama_dir, disable_radix, mixed)
     )
     ps = prompts(3, [20, 45, 20], seed=5)
     ps[2] = ps[0][:12] + ps[2][:8]  # shares a prefix with the first
-    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    results = engine.generate(ps, sp)
-    for p, res in zip(ps, results, strict=True):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        assert res.output_ids == out[0, len(p) :].tolist()
+    assert_greedy_equals_hf(engine, hf, ps, 12)
