@@ -25,17 +25,17 @@ from breakgraph.kernels.attention_meta import AttentionMeta
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
 
 
-def _bench_ms(fn, rep: int = 200) -> float:
+def bench_ms(fn, rep: int = 200) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def _copy_bandwidth_bytes_per_ms(nbytes: int = 1 << 30) -> float:
+def copy_bandwidth_bytes_per_ms(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy: each byte is read once and written once."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * nbytes / _bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / bench_ms(lambda: dst.copy_(src))
 
 
 def _paged_kv(num_tokens_per_req: list[int], shuffle: bool, device="cuda"):
@@ -127,19 +127,19 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
     args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
-    triton_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *args))
+    triton_ms = bench_ms(lambda: ext.extend_attention_triton(q, o, *args))
     k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
     shape = f"1 x {n} new, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     refs = []
     varlen = _varlen_reference(q, k, v, n)
     if varlen is not None:
-        refs.append(("varlen_attn (flash)", _bench_ms(varlen)))
-    refs.append(("SDPA flash", _bench_ms(_sdpa_flash_reference(q, k, v))))
+        refs.append(("varlen_attn (flash)", bench_ms(varlen)))
+    refs.append(("SDPA flash", bench_ms(_sdpa_flash_reference(q, k, v))))
     for name, ref_ms in refs:
         rows.append(("extend attention", shape, triton_ms, name, ref_ms))
     k_shuf, v_shuf, meta_shuf = _paged_kv([n], shuffle=True)
     shuffled = (k_shuf, v_shuf, _one_request_extend(meta_shuf, n), HEAD_DIM**-0.5)
-    shuffled_ms = _bench_ms(lambda: ext.extend_attention_triton(q, o, *shuffled))
+    shuffled_ms = bench_ms(lambda: ext.extend_attention_triton(q, o, *shuffled))
     rows.append(("extend, shuffled slots", shape, shuffled_ms, refs[0][0], refs[0][1]))
     if sweep:
         for cfg in [
@@ -153,7 +153,7 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
             (64, 128, 8, 3),
         ]:
             fn = lambda cfg=cfg: _extend_at(q, o, *args, cfg)  # noqa: E731
-            rows.append(("  extend sweep", f"BM,BN,warps,stages={cfg}", _bench_ms(fn), "", None))
+            rows.append(("  extend sweep", f"BM,BN,warps,stages={cfg}", bench_ms(fn), "", None))
     return rows
 
 
@@ -231,13 +231,13 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
     except Exception as e:
         print(f"SDPA flash lower-right unavailable: {type(e).__name__}: {str(e)[:200]}")
     shape = f"1 x {n} new + {prefix} prefix, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
-    after_ms, before_ms = _bench_ms(after), _bench_ms(before)
+    after_ms, before_ms = bench_ms(after), bench_ms(before)
     rows = [(f"extend long prefix ({splits} splits)", shape, after_ms, "", None)]
     rows.append(("  one pass (before)", shape, before_ms, "split-KV (after)", after_ms))
     for name, fn in refs:
         # exact only if the reference's causal mask is bottom-right aligned, as flash's is
         print(f"  {name}: |reference - triton| max {_max_diff(fn(), o):.2e}")
-        rows.append(("  split-KV vs reference", shape, after_ms, name, _bench_ms(fn)))
+        rows.append(("  split-KV vs reference", shape, after_ms, name, bench_ms(fn)))
     if sweep:
         for cfg_ in LONG_SPLIT_CONFIGS:
             for s in (1, 2, 4, 8, 16) if n <= 256 else (1, 2, 4, 8):
@@ -252,7 +252,7 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
 def _sweep_row(kind: str, label: str, fn) -> list[tuple]:
     """One timed sweep point, printed at once (a config may not compile: reported)."""
     try:
-        ms = _bench_ms(fn, rep=60)
+        ms = bench_ms(fn, rep=60)
     except Exception as e:
         print(f"{kind.strip()} {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         return []
@@ -266,10 +266,10 @@ def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
     o = torch.empty_like(q)
     args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    floor_ms = kv_bytes / _copy_bandwidth_bytes_per_ms()
+    floor_ms = kv_bytes / copy_bandwidth_bytes_per_ms()
     shape = f"{batch} x {context} ctx, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     splits = dec.default_num_kv_splits(batch, KV_HEADS, q.device)
-    ms = _bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
+    ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
     rows = [("decode attention", f"{shape}, {splits} splits", ms, "bandwidth floor", floor_ms)]
     if sweep:
         ws = dec.DecodeWorkspace()
@@ -279,7 +279,7 @@ def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
                     q, o, *args, s, ws, b, w, st
                 )
                 cfg = f"splits={s} BN={block_n} warps={warps} stages={stages}"
-                rows.append(("  decode sweep", cfg, _bench_ms(fn), "bandwidth floor", floor_ms))
+                rows.append(("  decode sweep", cfg, bench_ms(fn), "bandwidth floor", floor_ms))
     return rows
 
 
@@ -317,8 +317,8 @@ def bench_fused(n: int) -> list[tuple]:
     ]
     rows = []
     for name, shape, tri, twin, args in cases:
-        ms = _bench_ms(lambda tri=tri, args=args: tri(*args))
-        ref_ms = _bench_ms(lambda twin=twin, args=args: twin(*args))
+        ms = bench_ms(lambda tri=tri, args=args: tri(*args))
+        ref_ms = bench_ms(lambda twin=twin, args=args: twin(*args))
         rows.append((name, shape, ms, "torch twin (eager)", ref_ms))
     return rows
 

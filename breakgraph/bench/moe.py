@@ -25,9 +25,11 @@ import itertools
 
 import torch
 
+from breakgraph.bench.kernels import bench_ms, copy_bandwidth_bytes_per_ms
 from breakgraph.kernels import fused_moe as fm
 from breakgraph.kernels import ops
 from breakgraph.models.config import ModelConfig
+from breakgraph.models.qwen3_moe import num_experts
 from breakgraph.models.sources import CONFIG_DIR
 
 GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]  # fmt: skip
@@ -39,24 +41,12 @@ def expert_shapes(model: str) -> dict:
     raw = config.raw
     gemma = "Gemma4" in config.architecture
     return {
-        "experts": raw.get("num_experts") or raw["num_local_experts"],
+        "experts": num_experts(config),
         "top_k": raw["top_k_experts"] if gemma else raw["num_experts_per_tok"],
         "hidden": config.hidden_size,
         "inter": raw["moe_intermediate_size"],
         "activation": "gelu_tanh" if gemma else "silu",
     }
-
-
-def _bench_ms(fn, rep: int = 100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def _copy_bytes_per_ms(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _bench_ms(lambda: dst.copy_(src))
 
 
 class Layer:
@@ -144,11 +134,11 @@ def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
     also a plain GEMM then SiLU-and-mul) the best gate/up GEMM with the default down GEMM,
     then the best down GEMM; a candidate that fails to compile is skipped."""
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
-    best, best_ms = default, with_config(default, lambda: _bench_ms(layer))
+    best, best_ms = default, with_config(default, lambda: bench_ms(layer))
 
     def timed(cfg: fm.MoEConfig) -> float:
         try:
-            return with_config(cfg, lambda: _bench_ms(layer, rep=50))
+            return with_config(cfg, lambda: bench_ms(layer, rep=50))
         except Exception as e:  # noqa: BLE001 - report and go on: a config may not fit
             print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             return float("inf")
@@ -175,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         print("breakgraph.bench.moe needs a CUDA device; nothing to measure here.")
         return
     s = expert_shapes(args.model)
-    bw = _copy_bytes_per_ms()
+    bw = copy_bandwidth_bytes_per_ms()
     print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e9:.0f} GB/s")
     print(
         "M      moe ms  graph ms   dense ms  graph/dense  floor ms  graph/floor  |moe - twin|/|twin|"
@@ -187,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         got = ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
         twin = fm.fused_experts_torch(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
         rel = ((got.float() - twin.float()).abs().max() / twin.float().abs().max()).item()
-        moe = _bench_ms(layer)
-        graph = _bench_ms(graphed(layer))
-        dense = _bench_ms(dense_reference(m, s))
+        moe = bench_ms(layer)
+        graph = bench_ms(graphed(layer))
+        dense = bench_ms(dense_reference(m, s))
         floor = layer.touched_bytes() / bw
         print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
               f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip

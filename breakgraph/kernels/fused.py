@@ -50,16 +50,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_rotary_pos_emb`` on x [T, H, D] with cos/sin [T, D], in x's dtype (cos/sin
+    cast to it); a new tensor."""
+    c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    return x * c + _rotate_half(x) * s
+
+
 def rope_torch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF ``apply_rotary_pos_emb`` on q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D].
-
-    Computed in each input's dtype (cos/sin cast to it); returns new tensors.
-    """
-    cq, sq = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
-    ck, sk = cos.to(k.dtype)[:, None, :], sin.to(k.dtype)[:, None, :]
-    return q * cq + _rotate_half(q) * sq, k * ck + _rotate_half(k) * sk
+    """:func:`apply_rope_torch` on q [T, H, D] and k [T, Hkv, D]; new tensors."""
+    return apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
 
 
 def qk_norm_rope_torch(

@@ -191,6 +191,8 @@ def _moe_route_kernel(
         best = tl.max(p, 1)
         # the lowest index among equal maxima
         idx = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), 1)
+        # a NaN row matches nothing: keep its ids in range (the align kernels index by them)
+        idx = tl.minimum(idx, num_experts - 1)
         w = tl.where(kcols[None, :] == k, best[:, None], w)
         ids = tl.where(kcols[None, :] == k, idx[:, None], ids)
         p = tl.where(cols[None, :] == idx[:, None], -2.0, p)
@@ -329,7 +331,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
     flat = topk_ids.reshape(-1)
     block = 1024
-    _moe_count_kernel[(triton.cdiv(max(num_rows, padded), block),)](
+    _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
         flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, num_warps=4
     )
     block_e = triton.next_power_of_2(num_experts)
@@ -523,10 +525,10 @@ def fused_experts_triton(
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
+    x = x.contiguous()  # before out: the sum kernel writes rows of contiguous hidden
     out = torch.empty_like(x)
     if m == 0:
         return out
-    x = x.contiguous()
     topk_weights = topk_weights.float().contiguous()
     cfg = moe_config(m, top_k, num_experts)
     block_m, group_m = cfg.block_m, cfg.group_m

@@ -36,13 +36,13 @@ def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     param.data.copy_(full(loaded))
 
 
-def _divide(n: int, d: int, what: str) -> int:
+def divide_for_tp(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by the TP size ({d})")
     return n // d
 
 
-def _param(shape: tuple[int, ...], loader, full_shape_: tuple[int, ...]) -> nn.Parameter:
+def sharded_param(shape: tuple[int, ...], loader, full_shape_: tuple[int, ...]) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.weight_loader = loader
     # the unsharded shape: dummy weights draw the full tensor and load their slice of it
@@ -56,12 +56,14 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
-        self.out_per_rank = _divide(out_features, self.tp.size, "output features")
-        self.weight = _param(
+        self.out_per_rank = divide_for_tp(out_features, self.tp.size, "output features")
+        self.weight = sharded_param(
             (self.out_per_rank, in_features), self.weight_loader, (out_features, in_features)
         )
         self.bias = (
-            _param((self.out_per_rank,), self.weight_loader, (out_features,)) if bias else None
+            sharded_param((self.out_per_rank,), self.weight_loader, (out_features,))
+            if bias
+            else None
         )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -79,7 +81,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         super().__init__(in_features, sum(out_sizes), bias)
         self.out_sizes = out_sizes
-        self.part_per_rank = [_divide(s, self.tp.size, "output features") for s in out_sizes]
+        self.part_per_rank = [divide_for_tp(s, self.tp.size, "output features") for s in out_sizes]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id is None:  # the stacked full tensor (dummy weights)
@@ -96,7 +98,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
     """KV heads a rank holds: its share, or one replica when fewer KV heads than ranks."""
     if num_kv_heads >= tp_size:
-        return _divide(num_kv_heads, tp_size, "KV heads")
+        return divide_for_tp(num_kv_heads, tp_size, "KV heads")
     if tp_size % num_kv_heads:
         raise ValueError(f"TP size {tp_size} is not a multiple of the KV heads ({num_kv_heads})")
     return 1
@@ -119,7 +121,7 @@ class QKVParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp = get_tp_group()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        self.num_heads = divide_for_tp(num_heads, tp.size, "attention heads")
         self.num_kv_heads = local_kv_heads(num_kv_heads, tp.size)
         if num_kv_heads >= tp.size:
             self.kv_head_start = tp.rank * self.num_kv_heads
@@ -129,10 +131,12 @@ class QKVParallelLinear(nn.Module):
         self.full_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * parts
         local = (self.num_heads + parts * self.num_kv_heads) * head_dim
         self.out_per_rank = local
-        self.weight = _param(
+        self.weight = sharded_param(
             (local, hidden_size), self.weight_loader, (sum(self.full_sizes), hidden_size)
         )
-        self.bias = _param((local,), self.weight_loader, (sum(self.full_sizes),)) if bias else None
+        self.bias = (
+            sharded_param((local,), self.weight_loader, (sum(self.full_sizes),)) if bias else None
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         d = self.head_dim
@@ -163,12 +167,12 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
-        self.in_per_rank = _divide(in_features, self.tp.size, "input features")
-        self.weight = _param(
+        self.in_per_rank = divide_for_tp(in_features, self.tp.size, "input features")
+        self.weight = sharded_param(
             (out_features, self.in_per_rank), self.weight_loader, (out_features, in_features)
         )
         self.bias = (
-            _param((out_features,), default_weight_loader, (out_features,)) if bias else None
+            sharded_param((out_features,), default_weight_loader, (out_features,)) if bias else None
         )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -192,7 +196,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.per_rank = -(-num_embeddings // self.tp.size)
         self.vocab_start = self.tp.rank * self.per_rank
-        self.weight = _param(
+        self.weight = sharded_param(
             (self.per_rank, embedding_dim), self.weight_loader, (num_embeddings, embedding_dim)
         )
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from breakgraph.distributed import get_tp_group
 from breakgraph.kernels import ops
-from breakgraph.layers.linear import narrow
+from breakgraph.layers.linear import divide_for_tp, narrow, sharded_param
 
 
 class FusedMoE(nn.Module):
@@ -37,28 +37,23 @@ class FusedMoE(nn.Module):
         self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
     ):
         super().__init__()
-        self.tp = tp = get_tp_group()
-        if intermediate_size % tp.size:
-            raise ValueError(
-                f"MoE intermediate size ({intermediate_size}) is not divisible by the TP size "
-                f"({tp.size})"
-            )
+        self.tp = get_tp_group()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.inter_per_rank = n = intermediate_size // tp.size
+        self.inter_per_rank = n = divide_for_tp(
+            intermediate_size, self.tp.size, "MoE intermediate size"
+        )
         self.activation = activation
-        self.gate_up_proj = self._param(
-            (num_experts, 2 * n, hidden_size), (num_experts, 2 * intermediate_size, hidden_size)
+        self.gate_up_proj = sharded_param(
+            (num_experts, 2 * n, hidden_size),
+            self.weight_loader,
+            (num_experts, 2 * intermediate_size, hidden_size),
         )
-        self.down_proj = self._param(
-            (num_experts, hidden_size, n), (num_experts, hidden_size, intermediate_size)
+        self.down_proj = sharded_param(
+            (num_experts, hidden_size, n),
+            self.weight_loader,
+            (num_experts, hidden_size, intermediate_size),
         )
-
-    def _param(self, shape: tuple[int, ...], full_shape: tuple[int, ...]) -> nn.Parameter:
-        p = nn.Parameter(torch.empty(shape))
-        p.weight_loader = self.weight_loader
-        p.full_shape = full_shape  # dummy weights draw the whole tensor and keep their slice
-        return p
 
     def weight_loader(
         self, param: nn.Parameter, loaded, shard_id: str | None = None, expert: int | None = None

@@ -43,6 +43,7 @@ from torch.nn import functional as F
 
 from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
 from breakgraph.kernels import ops
+from breakgraph.kernels.fused import apply_rope_torch
 from breakgraph.layers.attention import Attention
 from breakgraph.layers.linear import (
     ColumnParallelLinear,
@@ -67,16 +68,6 @@ logger = logging.getLogger(__name__)
 _NON_TEXT_MODULES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
 _PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)")
 _SHARED_LAYER_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF ``apply_rotary_pos_emb`` on x [T, H, D]; cos/sin [T, D] in x's dtype."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
 class Gemma4RotaryEmbedding(nn.Module):
@@ -184,13 +175,13 @@ class Gemma4Attention(nn.Module):
         t = hidden_states.shape[0]
         if self.shares_kv:
             q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
-            return self.o_proj(self.attn(_rope(self.q_norm(q), cos, sin)))
+            return self.o_proj(self.attn(apply_rope_torch(self.q_norm(q), cos, sin)))
         qkv = self.qkv_proj(hidden_states)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].view(k.shape)
-        q = _rope(self.q_norm(q), cos, sin)
-        k = _rope(self.k_norm(k), cos, sin)
+        q = apply_rope_torch(self.q_norm(q), cos, sin)
+        k = apply_rope_torch(self.k_norm(k), cos, sin)
         return self.o_proj(self.attn(q, k, self.v_norm(v)))
 
 
@@ -263,12 +254,10 @@ class Gemma4TextModel(nn.Module):
         self.layer_specs = gemma4_layers(config)
         n = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # HF keeps the scales as float32 tensors and casts them to the weights' dtype
-        self.register_buffer(
-            "embed_scale",
-            torch.tensor(config.hidden_size**0.5, dtype=torch.float32),
-            persistent=False,
-        )
+        # HF keeps the scales as float32 tensors and casts them to the weights' dtype at each
+        # forward: built in the model's dtype (the default while it is built), the cast in
+        # ``embed`` is a no-op, not a kernel per step
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.layers = nn.ModuleList(
             [Gemma4DecoderLayer(config, spec, i) for i, spec in enumerate(self.layer_specs)]
         )
@@ -283,11 +272,7 @@ class Gemma4TextModel(nn.Module):
             vocab_ple = raw.get("vocab_size_per_layer_input") or config.vocab_size
             # huge (262144 x layers * P): vocab-parallel, as the token embedding
             self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_ple, n * p)
-            self.register_buffer(
-                "embed_per_layer_scale",
-                torch.tensor(p**0.5, dtype=torch.float32),
-                persistent=False,
-            )
+            self.register_buffer("embed_per_layer_scale", torch.tensor(p**0.5), persistent=False)
             self.per_layer_input_scale = 2.0**-0.5
             # hidden x layers * P, small: replicated under TP (as its norm)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
