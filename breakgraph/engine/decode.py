@@ -70,7 +70,8 @@ class DecodeManager:
         holds KV (``others_hold_kv`` False), taken out of ``running`` to be finished.
         """
         retracted: list[Req] = []
-        while self.cache.available < len(self.stepping()):
+        # called with no step in flight: every running request steps
+        while self.cache.available < len(self.running):
             if len(self.running) == 1 and not others_hold_kv:
                 req = self.running.pop()
                 logger.warning("KV pool exhausted by one request %s; finishing it", req.rid)
@@ -89,12 +90,11 @@ class DecodeManager:
         logger.info("KV pool short: retracted %s (%d tokens)", req.rid, req.fill_len)
         return req
 
-    def schedule_batch(self) -> tuple[list[Req], ForwardBatch] | None:
+    def schedule_batch(self, reqs: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
         """One token for every running request that needs one; call ``make_room`` first.
 
         A token still on the device goes in as a placeholder id (``Req.next_input_id``) that
-        the launch resolves from the previous step's sampled ids."""
-        reqs = self.stepping()
+        the launch resolves from the previous step's sampled ids. ``reqs``: ``stepping()``."""
         if not reqs:
             return None
         slots = self.cache.alloc(len(reqs))

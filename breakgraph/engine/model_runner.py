@@ -150,15 +150,8 @@ class ModelRunner:
     def _capture_whole(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
         from breakgraph.graph import BreakableGraph
 
-        ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
-        rows_only = getattr(self.model, "forward_logits_rows", None)
-
         def fwd() -> torch.Tensor:
-            with forward_context(ctx):
-                if rows_only is not None:
-                    return self.model.compute_logits(rows_only(batch.input_ids, batch.positions))
-                hidden = self.model(batch.input_ids, batch.positions)
-            return self.model.compute_logits(hidden[batch.logits_rows])
+            return self._forward_eager(batch)
 
         fwd()  # warm: allocations and Triton compiles happen outside the capture
         graph = BreakableGraph(split_at_breaks=False)

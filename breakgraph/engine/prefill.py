@@ -89,6 +89,8 @@ class PrefillManager:
         ``finished``. With ``--enable-mixed-chunk`` the running requests decode one token
         each inside the batch, after the prefill rows.
         """
+        if not self.has_work:
+            return None
         cfg, running = self.cfg, self.decode.stepping()
         mixed = cfg.enable_mixed_chunk and bool(running)
         # a mixed step keeps one row per running request inside the chunk (and its bucket)

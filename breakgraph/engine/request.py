@@ -31,7 +31,6 @@ class Req:
     top_logprobs_num: int = 0  # top-k logprobs per position (with return_logprob)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[list]] = field(default_factory=list)  # [[lp, id], ...] per token
     input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len
     input_top_logprobs: list[list[list] | None] = field(default_factory=list)
     penalty_row: int | None = None  # its row of the PenaltyPool (None: no penalties)
@@ -63,7 +62,7 @@ class Req:
         """First prompt row whose logits the request still needs (None: none).
 
         Row q's logits give the logprob of prompt token q + 1; position 0 has none."""
-        if not self.return_logprob or self.logprob_start_len < 0 or self.output_ids:
+        if not self.return_logprob or self.logprob_start_len < 0 or self.num_generated:
             return None
         return max(self.logprob_start_len - 1, 0)
 

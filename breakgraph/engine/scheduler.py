@@ -207,7 +207,10 @@ class Scheduler:
             outputs.append(self._finish(req, {"type": "length", "length": 0}))
         if scheduled is not None or not self.decode.running:
             return scheduled
-        if self.in_flight is not None and self.cache.available < len(self.decode.stepping()):
+        stepping = self.decode.stepping()
+        if self.cache.available >= len(stepping):
+            return self.decode.schedule_batch(stepping)
+        if self.in_flight is not None:
             # retraction must see every sampled token: read the step in flight back first
             outputs.extend(self.drain())
             return self.schedule(outputs)
@@ -222,7 +225,7 @@ class Scheduler:
                 self._finish(exhausted, {"type": "length", "length": len(exhausted.output_ids)})
             )
             return None
-        return self.decode.schedule_batch()
+        return self.decode.schedule_batch(self.decode.stepping())
 
     def launch(self, reqs: list[Req], batch: ForwardBatch) -> Launched:
         """Forward and sample on the device, queueing what the host reads back (no sync).
@@ -303,6 +306,8 @@ class Scheduler:
 
     def _prompt_rows(self, reqs: list[Req], batch: ForwardBatch) -> list[PromptRows]:
         """The prompt rows this step computes that requests want logprobs of."""
+        if batch.mode is ForwardMode.DECODE:  # prompt rows are only ever in extend steps
+            return []
         out, start = [], 0
         for req, pre, ext in zip(reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
             first = req.prompt_rows_from
@@ -359,7 +364,6 @@ class Scheduler:
             out, reason = self.output.append_token(req, tok, lp)
             if lp is not None and req.top_logprobs_num > 0 and tops is not None:
                 top = tops[b][: req.top_logprobs_num]
-                req.output_top_logprobs.append(top)
                 out.top_logprobs = [top]
             if first:
                 self._attach_prompt(out, req)
