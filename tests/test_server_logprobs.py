@@ -183,6 +183,9 @@ def test_new_fields_bad_values_are_400_and_leak_nothing(server):
         ],
         ("/v1/completions", {**comp, "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {**comp, "logit_bias": {"1": "a"}}, "logit_bias"),
+        ("/generate", {**gen, "return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
+        ("/v1/completions", {**comp, "presence_penalty": -3}, "presence_penalty"),
+        ("/v1/completions", {**comp, "repetition_penalty": 0}, "repetition_penalty"),
     ]
     for path, body, word in cases:
         r = post(server, path, body)

@@ -359,14 +359,14 @@ class EngineClient:
         if entry is None:
             return
         m, n = self.metrics, len(out.token_ids)
-        if out.timeline is not None:
+        if out.timeline is not None:  # once, with its first output (tokens or not)
             m.observe_timeline(entry.received_at, entry.sent_at, out.timeline)
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.cached_tokens.inc(out.cached_tokens)
         if n:
             m.generation_tokens.inc(n)
             if entry.last_token_at is None:
                 m.ttft.observe(now - entry.submitted_at)
-                m.prompt_tokens.inc(out.prompt_tokens)
-                m.cached_tokens.inc(out.cached_tokens)
             else:
                 gap = (now - entry.last_token_at) / n
                 for _ in range(n):

@@ -36,6 +36,14 @@ class GenerationRequest:
     validated_at: float | None = None
 
 
+def stamp_received(gen_reqs: list[GenerationRequest], received_at: float, received_perf: float):
+    """The API process's stamps of a route's requests: received (taken by the route before it
+    read the body) and validated (now: parsed, checked and tokenized)."""
+    validated_at = time.time()
+    for r in gen_reqs:
+        r.received_at, r.received_perf, r.validated_at = received_at, received_perf, validated_at
+
+
 # a request's timeline, in order: (stage, the stamp that ends it); each stage lasts from the
 # previous present stamp to its own, so the stages add up to the end-to-end latency
 TIMELINE_STAGES = (

@@ -23,6 +23,7 @@ from breakgraph.server.generation import (
     GenerationState,
     merge_streams,
     run_to_completion,
+    stamp_received,
     stream_generation,
 )
 from breakgraph.server.openai_api import router as openai_router
@@ -105,9 +106,8 @@ async def generate(request: Request) -> Response:
     s = server_state(request)
     raw = await read_body(request, s.max_request_bytes)
     req, gen_reqs, is_batch = await off_loop_if_large(raw, _prepare_generate, raw, s)
-    validated_at = time.time()
+    stamp_received(gen_reqs, received_at, received_perf)
     for r in gen_reqs:
-        r.received_at, r.received_perf, r.validated_at = received_at, received_perf, validated_at
         r.return_timeline = req.return_timeline
     s.require_alive()
     text = None

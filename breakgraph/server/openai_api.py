@@ -15,6 +15,7 @@ from breakgraph.server.generation import (
     GenerationState,
     merge_streams,
     run_to_completion,
+    stamp_received,
     stream_generation,
 )
 from breakgraph.server.messages import ModelInfo
@@ -207,9 +208,11 @@ def _echo_logprobs(tokenizer, st: GenerationState, k: int, ids, lps, tops, offse
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
+    received_at, received_perf = time.time(), time.perf_counter()
     s = server_state(request)
     raw = await read_body(request, s.max_request_bytes)
     req, prompts, gen_reqs = await off_loop_if_large(raw, _prepare_completion, raw, s)
+    stamp_received(gen_reqs, received_at, received_perf)
     want_logprobs = req.logprobs is not None
     cid = gen_reqs[0].rid.rsplit("-", 1)[0]
     created = int(time.time())
@@ -265,12 +268,13 @@ async def _completion_events(
     final: dict[int, GenerationState] = {}
     echoed: set[int] = set()
     k = req.logprobs or 0
+    prompt_chars: dict[int, int] = {}  # echo: each choice's prompt text length, decoded once
     async for i, st in _streams(s, gen_reqs):
         first = req.echo and i not in echoed
         prefix = _prompt_text(s.tokenizer, st.input_ids) if first else ""
-        offset = sent.chars[i] + (len(_prompt_text(s.tokenizer, st.input_ids)) if req.echo else 0)
         if first:
-            offset = 0
+            prompt_chars[i] = len(prefix)
+        offset = 0 if first else sent.chars[i] + prompt_chars.get(i, 0)
         start = sent.tokens[i]
         delta, ids, lps = sent.take(i, st)
         if not delta and not st.finished and not first:
@@ -318,9 +322,11 @@ def _chat_logprobs(
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
+    received_at, received_perf = time.time(), time.perf_counter()
     s = server_state(request)
     raw = await read_body(request, s.max_request_bytes)
     req, prompts, gen_reqs = await off_loop_if_large(raw, _prepare_chat, raw, s)
+    stamp_received(gen_reqs, received_at, received_perf)
     cid = gen_reqs[0].rid.rsplit("-", 1)[0]
     created = int(time.time())
 
