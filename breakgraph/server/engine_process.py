@@ -7,6 +7,7 @@ message or when the API process that spawned it is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -227,19 +228,10 @@ class EngineLoop:
             self._errors.append(RequestError(msg.rid, str(e)))
 
 
+_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(TokenDelta))
+
+
 def token_delta(out: StepOutput) -> TokenDelta:
-    """The wire form of an engine output, field by field (the engine may add fields of its own)."""
-    return TokenDelta(
-        rid=out.rid,
-        token_ids=out.token_ids,
-        logprobs=out.logprobs,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-        top_logprobs=out.top_logprobs,
-        input_logprobs=out.input_logprobs,
-        input_top_logprobs=out.input_top_logprobs,
-        timeline=out.timeline,
-    )
+    """The wire form of an engine output: TokenDelta's fields taken from it by name (the
+    engine may add fields of its own; one it lacks fails here, not on the wire)."""
+    return TokenDelta(**{name: getattr(out, name) for name in _DELTA_FIELDS})
