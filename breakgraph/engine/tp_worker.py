@@ -15,11 +15,13 @@ not run yet: only the CPU (gloo) path is tested.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -185,11 +187,28 @@ class TPDriver:
                 raise RuntimeError(f"TP worker rank {rank} is unreachable: {e}") from e
 
     def shutdown(self) -> None:
-        """Stop the workers (they exit at the next message) and leave the TP group."""
+        """Stop the workers and leave the TP group. Every rank tears the group down at once
+        (NCCL's teardown waits for its peers): the workers at the stop message, rank 0 right
+        after sending it, then rank 0 reaps them (terminating one that does not exit)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        group, self.group = self.group, None
+        paired = all(p.exitcode is None for p in self.procs)  # else no peer to pair with
+        if group is not None and paired:
+            _leave_group(group, _JOIN_S)
         self._finalizer()
-        if self.group is not None:
-            destroy_tp_group(self.group)
-            self.group = None
+        if group is not None and not paired:
+            _leave_group(group, _JOIN_S)
+
+
+def _leave_group(group: TPGroup, timeout_s: float) -> None:
+    """Destroy the group, giving up (with a warning) if a peer never joins the teardown."""
+    t = threading.Thread(target=destroy_tp_group, args=(group,), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("TP group teardown did not finish in %.0f s: a worker is stuck", timeout_s)
 
 
 def _stop_workers(procs, conns) -> None:
@@ -234,6 +253,8 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
     logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group: rank 0 stops the workers (or they see it gone)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a stuck rank: `kill -USR1 <pid>` prints every thread's stack to its stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     group = None
     try:
         group = _serve(args, rank, size, init_method, conn, parent_pid)
