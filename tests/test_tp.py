@@ -176,7 +176,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_workers_exit_when_rank0_dies(checkpoints, tmp_path):
-    script = textwrap.dedent(
+    out = _run_script(
+        tmp_path,
         f"""
         import os, sys
         from breakgraph.engine.args import EngineArgs
@@ -186,17 +187,7 @@ def test_workers_exit_when_rank0_dies(checkpoints, tmp_path):
                                   dtype="float32", max_total_tokens=512, tp_size=2))
             print(e.tp_driver.procs[0].pid, flush=True)
             os._exit(0)  # no shutdown: the worker must notice by itself
-        """
-    )
-    (tmp_path / "rank0.py").write_text(script)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
-        [sys.executable, str(tmp_path / "rank0.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
+        """,
     )
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])
@@ -204,6 +195,38 @@ def test_workers_exit_when_rank0_dies(checkpoints, tmp_path):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _gone(pid), f"TP worker {pid} outlived rank 0"
+
+
+def _run_script(tmp_path, body: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    (tmp_path / "rank0.py").write_text(textwrap.dedent(body))
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "rank0.py")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_worker_dying_at_startup_fails_the_engine_at_once(checkpoints, tmp_path):
+    """A worker that cannot start (here the script has no ``__main__`` guard, so the spawned
+    worker's import of it fails) makes Engine() raise naming it, instead of rank 0 waiting in
+    the group's rendezvous until it times out (300 s)."""
+    start = time.monotonic()
+    out = _run_script(
+        tmp_path,
+        f"""
+        from breakgraph.engine.args import EngineArgs
+        from breakgraph.engine.engine import Engine
+        Engine(EngineArgs(model_path={str(checkpoints["llama"])!r}, device="cpu",
+                          dtype="float32", max_total_tokens=512, tp_size=2))
+        """,
+    )
+    assert out.returncode != 0
+    assert "RuntimeError: TP worker rank 1 exited (exit code 1) during startup" in out.stderr
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])

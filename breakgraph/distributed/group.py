@@ -57,14 +57,6 @@ class TPGroup:
             dist.broadcast(x, src)
         return x
 
-    def min_int(self, value: int) -> int:
-        """The minimum of an int over ranks (startup only: a host round trip)."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
 
 _SINGLE = TPGroup()
 _CURRENT: TPGroup = _SINGLE

@@ -166,7 +166,9 @@ class Engine:
         )
 
         # each rank sizes its own pool; the engine holds what the smallest one holds
-        num_slots = self.tp_group.min_int(self._num_kv_slots())
+        num_slots = self._num_kv_slots()
+        if self.tp_driver is not None:
+            num_slots = self.tp_driver.agree_num_slots(num_slots)
         # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
         self.kv_pool = KVPool.from_shapes(
             num_slots + 1, self.model.kv_cache_shapes(), self.dtype, self.device
@@ -177,7 +179,7 @@ class Engine:
         self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
         if self.tp_driver is not None:
             self.tp_driver.setup(
-                self.req_pool, WorkerSetup(self.max_running_requests, self.context_len)
+                self.req_pool, WorkerSetup(self.max_running_requests, self.context_len, num_slots)
             )
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table, tp=self.tp_driver)

@@ -4,12 +4,16 @@ Rank 0 runs the scheduler. Before each forward its ModelRunner sends every worke
 message (``StepMessage``: the step's lengths, slots, table rows and the request-table writes
 made since the last step), broadcasts the step's input ids over the TP group (they may be a
 device tensor from overlap scheduling: never read on the host), and every rank runs the same
-forward on its shard; only rank 0 samples. A worker exits when rank 0 says so, closes its
-pipe or dies; rank 0 raises a RuntimeError naming a dead worker at its next step, and
-collectives time out rather than hang (``breakgraph.distributed.DEFAULT_TIMEOUT_S``).
+forward on its shard; only rank 0 samples.
 
-CUDA (NCCL, ``cuda:{rank}``, graphs capturing the all-reduce) is written the same way but has
-not run yet: only the CPU (gloo) path is tested.
+Startup goes over the pipes, not collectives: each worker reports that it is up, then its KV
+capacity (rank 0 waits for both watching the worker's process, so a worker that dies while
+starting fails the engine at once, naming its error). A worker exits when rank 0 says so,
+closes its pipe or dies; rank 0 raises a RuntimeError naming a dead worker (and its last
+error) at its next step, and collectives time out rather than hang
+(``breakgraph.distributed.DEFAULT_TIMEOUT_S``). On CUDA (NCCL, ``cuda:{rank}``, graphs
+capturing the all-reduce) every rank tears the group down at once at shutdown: NCCL's
+teardown waits for its peers.
 """
 
 from __future__ import annotations
@@ -66,6 +70,28 @@ class WorkerSetup:
 
     max_running_requests: int
     context_len: int
+    num_slots: int  # KV slots of every rank's pool: the smallest any rank can hold
+
+
+# what a worker tells rank 0 at startup, over its pipe (rank 0 waits for these watching the
+# worker's process, so a worker that dies while starting fails the engine at once, by name)
+@dataclass
+class WorkerUp:
+    """The worker runs (imports done, arguments read) and joins the group now."""
+
+
+@dataclass
+class WorkerSlots:
+    """The KV slots this worker's device has room for, its shard loaded."""
+
+    num_slots: int
+
+
+@dataclass
+class WorkerFailed:
+    """The worker's last word before it exits on an error."""
+
+    error: str
 
 
 def _i32(values) -> np.ndarray:
@@ -114,12 +140,48 @@ class TPDriver:
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
 
     def join_group(self, device: torch.device) -> TPGroup:
+        """Join the workers' group once each of them is up (a worker that dies while starting
+        raises here instead of leaving rank 0 in the rendezvous until it times out)."""
+        self._await_all(WorkerUp, "startup")
         try:
             self.group = init_tp_group(0, self.size, self.init_method, device)
         except Exception as e:
             self._raise_dead(e, wait_s=2.0)
             raise
         return self.group
+
+    def agree_num_slots(self, num_slots: int) -> int:
+        """The KV slots of every rank's pool: the fewest that any rank's free memory allows."""
+        reports = self._await_all(WorkerSlots, "model load")
+        return min([num_slots, *(r.num_slots for r in reports)])
+
+    def _await_all(self, kind: type, stage: str) -> list:
+        return [
+            self._await(rank, proc, conn, kind, stage)
+            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1)
+        ]
+
+    @staticmethod
+    def _await(rank: int, proc, conn, kind: type, stage: str):
+        """The next message of worker ``rank``, which must be a ``kind``; raise naming the
+        worker (and its error, if it sent one) if it fails or exits first."""
+        while not conn.poll(0.05):
+            if proc.exitcode is not None and not conn.poll(0):
+                raise RuntimeError(
+                    f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}"
+                )
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            proc.join(2.0)
+            raise RuntimeError(
+                f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}"
+            ) from None
+        if isinstance(msg, WorkerFailed):
+            raise RuntimeError(f"TP worker rank {rank} failed during {stage}: {msg.error}")
+        if not isinstance(msg, kind):
+            raise RuntimeError(f"TP worker rank {rank} sent {msg!r} during {stage}")
+        return msg
 
     def setup(self, req_pool, setup: WorkerSetup) -> None:
         """Send the workers the engine's sizes; log ``req_pool``'s writes from now on."""
@@ -159,11 +221,11 @@ class TPDriver:
         self._send(ReplayWhole())
 
     def check_workers(self) -> None:
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
             if proc.exitcode is not None:
                 raise RuntimeError(
-                    f"TP worker rank {rank} exited (exit code {proc.exitcode}): the engine "
-                    "cannot run further steps; restart it"
+                    f"TP worker rank {rank} exited (exit code {proc.exitcode})"
+                    f"{_last_word(conn)}: the engine cannot run further steps; restart it"
                 )
 
     def _raise_dead(self, cause: Exception, wait_s: float) -> None:
@@ -200,6 +262,16 @@ class TPDriver:
         self._finalizer()
         if group is not None and not paired:
             _leave_group(group, _JOIN_S)
+
+
+def _last_word(conn) -> str:
+    """``: <error>`` if the dead worker behind ``conn`` said why it failed, else ''."""
+    with contextlib.suppress(EOFError, OSError):
+        while conn.poll(0):
+            msg = conn.recv()
+            if isinstance(msg, WorkerFailed):
+                return f": {msg.error}"
+    return ""
 
 
 def _leave_group(group: TPGroup, timeout_s: float) -> None:
@@ -260,8 +332,10 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
         group = _serve(args, rank, size, init_method, conn, parent_pid)
     except (EOFError, _ParentGone, ConnectionError):
         logger.warning("TP worker rank %d: rank 0 is gone, exiting", rank)
-    except Exception:
+    except Exception as e:
         logger.exception("TP worker rank %d failed", rank)
+        with contextlib.suppress(Exception):
+            conn.send(WorkerFailed(f"{type(e).__name__}: {e}"))
         os._exit(1)  # no teardown that could block on the group
     finally:
         if group is not None:
@@ -280,6 +354,7 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
+    conn.send(WorkerUp())
     group = init_tp_group(rank, size, init_method, device)
     model = load_model(
         args.model_path,
@@ -292,9 +367,9 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     ).model
     configure_model(model, args)
     dtype = resolve_dtype(args.dtype, device)
-    slots = group.min_int(num_kv_slots(args, model, dtype, device))
+    conn.send(WorkerSlots(num_kv_slots(args, model, dtype, device)))
     setup: WorkerSetup = _recv(conn, parent_pid)
-    kv_pool = KVPool.from_shapes(slots + 1, model.kv_cache_shapes(), dtype, device)
+    kv_pool = KVPool.from_shapes(setup.num_slots + 1, model.kv_cache_shapes(), dtype, device)
     req_pool = ReqToTokenPool(setup.max_running_requests + 1, setup.context_len, device)
     runner = ModelRunner(model, kv_pool, req_pool.table)
     if device.type == "cuda":
