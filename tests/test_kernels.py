@@ -396,6 +396,65 @@ def test_rope_and_qk_norm_rope_match_twins(dtype, head_dim):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+def test_gelu_tanh_and_mul_matches_twin(dtype):
+    gate_up = (2 * torch.randn(41, 2 * 1000, device="cuda")).to(dtype)
+    out, ref = fused.gelu_tanh_and_mul_triton(gate_up), fused.gelu_tanh_and_mul_torch(gate_up)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    # the kernel's tanh (via exp) differs from torch's in the last fp32 bits
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=2 * torch.finfo(dtype).eps)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+def test_gemma_rms_norm_matches_twin(dtype):
+    """With and without weight, with the residual add, on 2D rows and on strided head views
+    of a fused qkv output (as Gemma 4's v norm sees them)."""
+    eps = 1e-6
+    x = torch.randn(37, 1536, device="cuda").to(dtype)
+    res = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(1536, device="cuda")).to(dtype)
+
+    def check(t, weight, residual=None):
+        out = fused.gemma_rms_norm_triton(t, weight, eps, residual)
+        assert_close_norm(out, fused.gemma_rms_norm_torch(t, weight, eps, residual))
+
+    check(x, w)
+    check(x, None)
+    check(x, w, res)
+    qkv = torch.randn(9, (8 + 2) * 256, device="cuda").to(dtype)
+    check(qkv[:, 9 * 256 :].view(9, 1, 256), None)  # v: a strided head view, no weight
+    check(qkv[:, : 8 * 256].view(9, 8, 256), (1 + 0.1 * torch.randn(256, device="cuda")).to(dtype))
+
+
+def assert_close_norm(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one rounding step: the kernel's 1/sqrt and torch's pow(-0.5) may differ in the
+    last fp32 bit, so a 16-bit result may round the other way now and then."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    eps = torch.finfo(ref.dtype).eps
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=2 * eps)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_gemma_qk_norm_rope_matches_twin(dtype, head_dim):
+    qkv = torch.randn(21, (8 + 2) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, : 8 * head_dim].view(21, 8, head_dim)  # strided views, as the model's
+    k = qkv[:, 8 * head_dim : 9 * head_dim].view(21, 1, head_dim)
+    cos, sin = (t.to(dtype) for t in rotary_cos_sin(21, head_dim, "cuda"))
+    qw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    kw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    outs = fused.gemma_qk_norm_rope_triton(q, k, qw, kw, 1e-6, cos, sin)
+    refs = fused.gemma_qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_close_norm(out, ref)
+    q_only, none = fused.gemma_qk_norm_rope_triton(q, None, qw, None, 1e-6, cos, sin)
+    assert none is None
+    assert torch.equal(q_only, outs[0])
+
+
+@gpu
 def test_ops_dispatches_to_triton_on_cuda():
     """The CUDA path of ``ops`` is the Triton kernel (same result as calling it directly)."""
     x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
@@ -427,6 +486,14 @@ def test_ops_on_cpu_equal_the_twins():
     qw, kw = torch.randn(32), torch.randn(32)
     outs = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
     refs = fused.qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    for a, b in zip(outs, refs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ops.gelu_tanh_and_mul(gu), fused.gelu_tanh_and_mul_torch(gu))
+    assert torch.equal(
+        ops.gemma_rms_norm(x, None, 1e-6, res), fused.gemma_rms_norm_torch(x, None, 1e-6, res)
+    )
+    outs = ops.gemma_qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    refs = fused.gemma_qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
     for a, b in zip(outs, refs, strict=True):
         assert torch.equal(a, b)
 

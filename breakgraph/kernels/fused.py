@@ -1,4 +1,8 @@
-"""Fused elementwise kernels (RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE) and their twins.
+"""Fused elementwise kernels (RMSNorm, residual add + RMSNorm, SiLU/GELU-and-mul, RoPE) and their twins.
+
+Two RMSNorm flavours: Llama's (normalize in fp32, round, then scale by the weight) and Gemma's
+(normalize and scale in fp32, round once; optionally no weight, and optionally added to a
+residual afterwards: Gemma's norms sit after their sublayer).
 
 The twins follow HF transformers' arithmetic step by step, including where it rounds to
 the activation dtype; the Triton kernels round at the same points (FMA contraction off),
@@ -45,6 +49,30 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: ``gelu_tanh(gate) * up`` in the input dtype (Gemma's GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def gemma_rms_norm_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HF Gemma4RMSNorm over the last dim (normalized and scaled in fp32, cast back once; no
+    scale without a weight); with ``residual``, ``residual + norm(x)`` (a sublayer's
+    post-norm and the residual add after it)."""
+    h = x.float()
+    # torch.pow, not rsqrt: HF's choice, kept for bit-equality
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        h = h * weight.float()
+    h = h.type_as(x)
+    return h if residual is None else residual + h
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -75,6 +103,22 @@ def qk_norm_rope_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3: per-head RMSNorm of q and k (weights [D]), then RoPE; returns new tensors."""
     return rope_torch(rms_norm_torch(q, q_weight, eps), rms_norm_torch(k, k_weight, eps), cos, sin)
+
+
+def gemma_qk_norm_rope_torch(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gemma 4: per-head Gemma RMSNorm of q (and k, None on a KV-shared layer), then RoPE."""
+    q = apply_rope_torch(gemma_rms_norm_torch(q, q_weight, eps), cos, sin)
+    if k is None:
+        return q, None
+    return q, apply_rope_torch(gemma_rms_norm_torch(k, k_weight, eps), cos, sin)
 
 
 # ---------------------------------------------------------------------------- Triton
@@ -165,20 +209,113 @@ def fused_add_rms_norm_triton(
 
 
 @_jit
-def _silu_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, BLOCK: tl.constexpr):
+def _gemma_rms_norm_kernel(
+    x,
+    weight,
+    residual,
+    out,
+    inner,  # rows of x are (outer, inner) pairs: x [outer, inner, n_cols] with its strides
+    stride_x0,
+    stride_x1,
+    stride_r0,
+    stride_r1,
+    n_cols,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i0 = pid // inner
+    i1 = pid % inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    xv = tl.load(x + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
+    h = xv.to(tl.float32)
+    variance = tl.sum(h * h, 0) / n_cols
+    y = h * (1.0 / tl.sqrt(variance + eps))
+    if HAS_WEIGHT:
+        y = y * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(xv.dtype)  # type_as(x): the norm's one rounding
+    if HAS_RESIDUAL:  # residual + norm(x), rounded once as torch's add
+        r = tl.load(residual + i0 * stride_r0 + i1 * stride_r1 + offs, mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(r.dtype)
+    tl.store(out + pid * n_cols + offs, y, mask=mask)
+
+
+def _outer_inner(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """x [..., D] as (outer, inner) rows with strides, without a copy where x is a strided
+    view of rank <= 3 (a head slice of a fused qkv output)."""
+    if x.dim() == 1:
+        return 1, 1, 0, 0
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    raise ValueError("gemma_rms_norm takes tensors of at most 3 dims")
+
+
+def gemma_rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`gemma_rms_norm_torch`: one launch, the residual add included."""
+    n_cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    outer, inner, sx0, sx1 = _outer_inner(x)
+    if out.numel() == 0:
+        return out
+    assert x.stride(-1) == 1
+    if weight is not None:
+        assert weight.is_contiguous() and weight.shape[-1] == n_cols
+    r = x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.stride(-1) == 1
+        r = residual
+    _, _, sr0, sr1 = _outer_inner(r)
+    block = triton.next_power_of_2(n_cols)
+    _gemma_rms_norm_kernel[(outer * inner,)](
+        x, x if weight is None else weight, r, out, inner, sx0, sx1, sr0, sr1, n_cols, eps,
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=_row_warps(block), enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+@_jit
+def _act_and_mul_kernel(
+    gate_up, out, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, GELU: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     gate = tl.load(gate_up + row * stride_in + offs, mask=mask, other=0.0)
     up = tl.load(gate_up + row * stride_in + n_cols + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # torch's silu, rounded to the dtype
+    if GELU:  # tanh-approximate GELU, tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype)  # torch's activation, rounded to the dtype before the product
     y = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out + row * stride_out + offs, y.to(out.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton twin of :func:`silu_and_mul_torch`."""
+    return _launch_act_and_mul(gate_up, gelu=False)
+
+
+def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton twin of :func:`gelu_tanh_and_mul_torch`."""
+    return _launch_act_and_mul(gate_up, gelu=True)
+
+
+def _launch_act_and_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     shape = gate_up.shape
     n_cols = shape[-1] // 2
     x = gate_up.reshape(-1, shape[-1])
@@ -188,9 +325,10 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     assert x.stride(-1) == 1
     block = min(1024, triton.next_power_of_2(n_cols))
     grid = (x.shape[0], triton.cdiv(n_cols, block))
-    _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4, enable_fp_fusion=False
-    )
+    _act_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), n_cols,
+        BLOCK=block, GELU=gelu, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
     return out.view(*shape[:-1], n_cols)
 
 
@@ -210,8 +348,10 @@ def _norm_rope_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
 ):
-    """Norm (optional) and rotate_half RoPE of heads head0 .. head0 + BLOCK_H of one token."""
+    """Norm (optional: Llama's, or Gemma's with GEMMA_NORM) and rotate_half RoPE of heads
+    head0 .. head0 + BLOCK_H of one token."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -225,11 +365,16 @@ def _norm_rope_heads(
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         variance = (tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM
-        rstd = tl.rsqrt(variance + eps)[:, None]
         w1 = tl.load(weight + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(weight + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(odt)
-        x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(odt)
+        if GEMMA_NORM:  # normalized and scaled in fp32, one rounding
+            rstd = (1.0 / tl.sqrt(variance + eps))[:, None]
+            x1 = (f1 * rstd * w1).to(odt)
+            x2 = (f2 * rstd * w2).to(odt)
+        else:
+            rstd = tl.rsqrt(variance + eps)[:, None]
+            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(odt)
+            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(odt)
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     c1 = tl.load(cos + offs_d, mask=mask_d, other=0.0).to(odt).to(tl.float32)[None, :]
@@ -272,6 +417,7 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head blocks: q's first, then k's
@@ -282,27 +428,34 @@ def _qk_norm_rope_kernel(
         _norm_rope_heads(
             q + t * stride_q_t, q_out + t * stride_qo_t, q_weight, cos_t, sin_t,
             stride_q_h, stride_qo_h, hb * BLOCK_H, num_q_heads, eps,
-            HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM,
+            HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM, GEMMA_NORM,
         )  # fmt: skip
     else:
         _norm_rope_heads(
             k + t * stride_k_t, k_out + t * stride_ko_t, k_weight, cos_t, sin_t,
             stride_k_h, stride_ko_h, (hb - q_blocks) * BLOCK_H, num_k_heads, eps,
-            HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM,
+            HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM, GEMMA_NORM,
         )  # fmt: skip
 
 
-def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin):
+def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False):
+    """q [T, H, D] and k [T, Hkv, D] (None: q only) normed (with weights) and rotated."""
     num_tokens, num_q_heads, head_dim = q.shape
+    no_k = k is None
+    if no_k:  # q only (a KV-shared layer): zero k heads, q stands in for k's pointers
+        k, k_weight = q[:, :0], q_weight
     num_k_heads = k.shape[1]
     assert head_dim % 2 == 0 and k.shape[2] == head_dim and cos.shape[-1] == head_dim
     has_norm = q_weight is not None
-    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if has_norm else q.dtype
-    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if has_norm else k.dtype
+    if has_norm and not gemma:  # Llama's norm scales in the weight's dtype: it promotes
+        q_dtype = torch.promote_types(q_weight.dtype, q.dtype)
+        k_dtype = torch.promote_types(k_weight.dtype, k.dtype)
+    else:  # Gemma's norm casts back to the input's dtype
+        q_dtype, k_dtype = q.dtype, k.dtype
     q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out, None if no_k else k_out
     for t in (q, k, cos, sin):
         assert t.stride(-1) == 1
     block_half = triton.next_power_of_2(head_dim // 2)
@@ -334,12 +487,13 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin):
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
+        GEMMA_NORM=gemma,
         num_warps=4,
         # Without this, LLVM contracts x*cos - rotate_half(x)*sin into one bf16 FMA and
         # skips the rounding of a product that HF (and the twin) performs.
         enable_fp_fusion=False,
     )
-    return q_out, k_out
+    return q_out, None if no_k else k_out
 
 
 def rope_triton(
@@ -361,3 +515,17 @@ def qk_norm_rope_triton(
     """Triton twin of :func:`qk_norm_rope_torch`: one launch for q and k."""
     assert q_weight.is_contiguous() and k_weight.is_contiguous()
     return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+def gemma_qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`gemma_qk_norm_rope_torch`: one launch for q and k."""
+    assert q_weight.is_contiguous() and (k_weight is None or k_weight.is_contiguous())
+    return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=True)

@@ -27,6 +27,9 @@ __all__ = [
     "moe_route",
     "plan_extend_attention",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
+    "gemma_qk_norm_rope",
+    "gemma_rms_norm",
     "qk_norm_rope",
     "rms_norm",
     "rope",
@@ -143,6 +146,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> [..., I]: ``silu(gate) * up``, gate the first half."""
     fn = _fused.silu_and_mul_triton if _use_triton(gate_up) else _fused.silu_and_mul_torch
     return fn(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: ``gelu_tanh(gate) * up``, gate the first half (GeGLU)."""
+    fn = _fused.gelu_tanh_and_mul_triton if _use_triton(gate_up) else _fused.gelu_tanh_and_mul_torch
+    return fn(gate_up)
+
+
+def gemma_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim (fp32 scale, one rounding; no weight: no scale);
+    with ``residual``, ``residual + norm(x)`` in the same launch. A new tensor."""
+    fn = _fused.gemma_rms_norm_triton if _use_triton(x) else _fused.gemma_rms_norm_torch
+    return fn(x, weight, eps, residual)
+
+
+def gemma_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gemma 4's per-head RMSNorm of q and k (k None: q only), then RoPE; new tensors."""
+    fn = _fused.gemma_qk_norm_rope_triton if _use_triton(q) else _fused.gemma_qk_norm_rope_torch
+    return fn(q, k, q_weight, k_weight, eps, cos, sin)
 
 
 def rope(

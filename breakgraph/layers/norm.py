@@ -33,9 +33,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        # torch.pow, not rsqrt: HF's choice, kept for bit-equality
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+        return ops.gemma_rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` in one kernel: Gemma's norms follow their sublayer, and the
+        residual add follows the norm."""
+        return ops.gemma_rms_norm(x, self.weight, self.eps, residual)

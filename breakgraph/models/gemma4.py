@@ -43,7 +43,6 @@ from torch.nn import functional as F
 
 from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
 from breakgraph.kernels import ops
-from breakgraph.kernels.fused import apply_rope_torch
 from breakgraph.layers.attention import Attention
 from breakgraph.layers.linear import (
     ColumnParallelLinear,
@@ -108,8 +107,7 @@ class Gemma4MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma4Router(nn.Module):
@@ -173,15 +171,19 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         t = hidden_states.shape[0]
+        eps = self.q_norm.eps
         if self.shares_kv:
             q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
-            return self.o_proj(self.attn(apply_rope_torch(self.q_norm(q), cos, sin)))
+            q, _ = ops.gemma_qk_norm_rope(q, None, self.q_norm.weight, None, eps, cos, sin)
+            return self.o_proj(self.attn(q))
         qkv = self.qkv_proj(hidden_states)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].view(k.shape)
-        q = apply_rope_torch(self.q_norm(q), cos, sin)
-        k = apply_rope_torch(self.k_norm(k), cos, sin)
+        # q/k norms and RoPE in one kernel (HF: q_norm, k_norm, then apply_rotary_pos_emb)
+        q, k = ops.gemma_qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, eps, cos, sin
+        )  # fmt: skip
         return self.o_proj(self.attn(q, k, self.v_norm(v)))
 
 
@@ -228,7 +230,8 @@ class Gemma4DecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states = self.self_attn(hidden_states, cos, sin)
-        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+        # residual + post-norm: one kernel each (HF: residual + norm(hidden_states))
+        hidden_states = self.post_attention_layernorm.forward_add(hidden_states, residual)
 
         residual = hidden_states
         hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
@@ -236,14 +239,14 @@ class Gemma4DecoderLayer(nn.Module):
             dense = self.post_feedforward_layernorm_1(hidden_states)
             routing = self.router(residual)
             sparse = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
-            hidden_states = dense + self.post_feedforward_layernorm_2(sparse)
-        hidden_states = residual + self.post_feedforward_layernorm(hidden_states)
+            hidden_states = self.post_feedforward_layernorm_2.forward_add(sparse, dense)
+        hidden_states = self.post_feedforward_layernorm.forward_add(hidden_states, residual)
 
         if self.hidden_size_per_layer_input:
             residual = hidden_states
             gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate="tanh")
             branch = self.per_layer_projection(gate * per_layer_input)
-            hidden_states = residual + self.post_per_layer_input_norm(branch)
+            hidden_states = self.post_per_layer_input_norm.forward_add(branch, residual)
         return hidden_states * self.layer_scalar
 
 
