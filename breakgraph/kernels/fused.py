@@ -51,7 +51,11 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: ``gelu_tanh(gate) * up`` in the input dtype (Gemma's GeGLU)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    return gelu_tanh_mul_torch(*gate_up.chunk(2, dim=-1))
+
+
+def gelu_tanh_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of two [T, I] tensors, in their dtype."""
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
@@ -60,17 +64,21 @@ def gemma_rms_norm_torch(
     weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF Gemma4RMSNorm over the last dim (normalized and scaled in fp32, cast back once; no
     scale without a weight); with ``residual``, ``residual + norm(x)`` (a sublayer's
-    post-norm and the residual add after it)."""
+    post-norm and the residual add after it), then times ``scale`` (one element) if given
+    (a Gemma 4 layer's ``layer_scalar``)."""
     h = x.float()
     # torch.pow, not rsqrt: HF's choice, kept for bit-equality
     h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
         h = h * weight.float()
     h = h.type_as(x)
-    return h if residual is None else residual + h
+    if residual is not None:
+        h = residual + h
+    return h if scale is None else h * scale
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +221,7 @@ def _gemma_rms_norm_kernel(
     x,
     weight,
     residual,
+    scale,
     out,
     inner,  # rows of x are (outer, inner) pairs: x [outer, inner, n_cols] with its strides
     stride_x0,
@@ -223,6 +232,7 @@ def _gemma_rms_norm_kernel(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -240,6 +250,8 @@ def _gemma_rms_norm_kernel(
     if HAS_RESIDUAL:  # residual + norm(x), rounded once as torch's add
         r = tl.load(residual + i0 * stride_r0 + i1 * stride_r1 + offs, mask=mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(r.dtype)
+    if HAS_SCALE:  # times a one-element tensor of the same dtype, rounded once
+        y = (y.to(tl.float32) * tl.load(scale).to(tl.float32)).to(xv.dtype)
     tl.store(out + pid * n_cols + offs, y, mask=mask)
 
 
@@ -260,8 +272,10 @@ def gemma_rms_norm_triton(
     weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`gemma_rms_norm_torch`: one launch, the residual add included."""
+    """Triton twin of :func:`gemma_rms_norm_torch`: one launch, residual add and scale
+    included."""
     n_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outer, inner, sx0, sx1 = _outer_inner(x)
@@ -276,10 +290,14 @@ def gemma_rms_norm_triton(
         assert residual.stride(-1) == 1
         r = residual
     _, _, sr0, sr1 = _outer_inner(r)
+    if scale is not None:
+        assert scale.numel() == 1 and scale.dtype == x.dtype
     block = triton.next_power_of_2(n_cols)
     _gemma_rms_norm_kernel[(outer * inner,)](
-        x, x if weight is None else weight, r, out, inner, sx0, sx1, sr0, sr1, n_cols, eps,
-        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        x, x if weight is None else weight, r, x if scale is None else scale, out,
+        inner, sx0, sx1, sr0, sr1, n_cols, eps,
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+        HAS_SCALE=scale is not None, BLOCK=block,
         num_warps=_row_warps(block), enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -287,13 +305,21 @@ def gemma_rms_norm_triton(
 
 @_jit
 def _act_and_mul_kernel(
-    gate_up, out, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, GELU: tl.constexpr
+    gate_ptr,
+    up_ptr,
+    out,
+    stride_gate,
+    stride_up,
+    stride_out,
+    n_cols,
+    BLOCK: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(gate_up + row * stride_in + offs, mask=mask, other=0.0)
-    up = tl.load(gate_up + row * stride_in + n_cols + offs, mask=mask, other=0.0)
+    gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     if GELU:  # tanh-approximate GELU, tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
@@ -307,29 +333,42 @@ def _act_and_mul_kernel(
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton twin of :func:`silu_and_mul_torch`."""
-    return _launch_act_and_mul(gate_up, gelu=False)
+    return _launch_gated(gate_up, gelu=False)
 
 
 def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton twin of :func:`gelu_tanh_and_mul_torch`."""
-    return _launch_act_and_mul(gate_up, gelu=True)
+    return _launch_gated(gate_up, gelu=True)
 
 
-def _launch_act_and_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton twin of :func:`gelu_tanh_mul_torch` (2D, rows may be strided views)."""
+    assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype
+    return _launch_act_and_mul(gate, up, gelu=True)
+
+
+def _launch_gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """[..., 2I] (gate first) -> [..., I]."""
     shape = gate_up.shape
     n_cols = shape[-1] // 2
     x = gate_up.reshape(-1, shape[-1])
-    out = torch.empty((x.shape[0], n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    if x.shape[0] == 0:
-        return out.view(*shape[:-1], n_cols)
-    assert x.stride(-1) == 1
+    out = _launch_act_and_mul(x[:, :n_cols], x[:, n_cols:], gelu)
+    return out.view(*shape[:-1], n_cols)
+
+
+def _launch_act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    rows, n_cols = gate.shape
+    out = torch.empty((rows, n_cols), dtype=gate.dtype, device=gate.device)
+    if rows == 0:
+        return out
+    assert gate.stride(-1) == 1 and up.stride(-1) == 1
     block = min(1024, triton.next_power_of_2(n_cols))
-    grid = (x.shape[0], triton.cdiv(n_cols, block))
+    grid = (rows, triton.cdiv(n_cols, block))
     _act_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), n_cols,
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_cols,
         BLOCK=block, GELU=gelu, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
-    return out.view(*shape[:-1], n_cols)
+    return out
 
 
 @_jit

@@ -28,6 +28,7 @@ __all__ = [
     "plan_extend_attention",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "gelu_tanh_mul",
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
     "qk_norm_rope",
@@ -154,16 +155,24 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return fn(gate_up)
 
 
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of two [T, I] tensors (Gemma 4's per-layer input gate)."""
+    fn = _fused.gelu_tanh_mul_triton if _use_triton(gate) else _fused.gelu_tanh_mul_torch
+    return fn(gate, up)
+
+
 def gemma_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gemma's RMSNorm over the last dim (fp32 scale, one rounding; no weight: no scale);
-    with ``residual``, ``residual + norm(x)`` in the same launch. A new tensor."""
+    with ``residual``, ``residual + norm(x)``, then times the one-element ``scale`` if given,
+    all in the same launch. A new tensor."""
     fn = _fused.gemma_rms_norm_triton if _use_triton(x) else _fused.gemma_rms_norm_torch
-    return fn(x, weight, eps, residual)
+    return fn(x, weight, eps, residual, scale)
 
 
 def gemma_qk_norm_rope(

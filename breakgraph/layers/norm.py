@@ -35,7 +35,9 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.gemma_rms_norm(x, self.weight, self.eps)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)`` in one kernel: Gemma's norms follow their sublayer, and the
-        residual add follows the norm."""
-        return ops.gemma_rms_norm(x, self.weight, self.eps, residual)
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``residual + self(x)`` (times the one-element ``scale`` if given) in one kernel:
+        Gemma's norms follow their sublayer, and the residual add follows the norm."""
+        return ops.gemma_rms_norm(x, self.weight, self.eps, residual, scale)

@@ -39,7 +39,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
 from breakgraph.kernels import ops
@@ -240,14 +239,17 @@ class Gemma4DecoderLayer(nn.Module):
             routing = self.router(residual)
             sparse = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
             hidden_states = self.post_feedforward_layernorm_2.forward_add(sparse, dense)
+        # the layer's last norm + residual add also applies layer_scalar (HF: hidden_states *=
+        # layer_scalar at the end), in the same kernel
+        if not self.hidden_size_per_layer_input:
+            return self.post_feedforward_layernorm.forward_add(
+                hidden_states, residual, self.layer_scalar
+            )
         hidden_states = self.post_feedforward_layernorm.forward_add(hidden_states, residual)
-
-        if self.hidden_size_per_layer_input:
-            residual = hidden_states
-            gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate="tanh")
-            branch = self.per_layer_projection(gate * per_layer_input)
-            hidden_states = self.post_per_layer_input_norm.forward_add(branch, residual)
-        return hidden_states * self.layer_scalar
+        residual = hidden_states
+        gate = self.per_layer_input_gate(hidden_states)
+        branch = self.per_layer_projection(ops.gelu_tanh_mul(gate, per_layer_input))
+        return self.post_per_layer_input_norm.forward_add(branch, residual, self.layer_scalar)
 
 
 class Gemma4TextModel(nn.Module):
