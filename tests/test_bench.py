@@ -280,3 +280,21 @@ def test_step_and_decode_benches_under_tensor_parallelism(tmp_path):
     assert next(a for a in step["arms"] if a["arm"] == "breakgraph eager")["ms"] > 0
     decode = json.loads((tmp_path / "decode.json").read_text())
     assert [p["batch_size"] for p in decode] == [1, 2] and all(p["eager_ms"] > 0 for p in decode)
+
+
+def test_decode_floor_counts_the_bytes_a_step_reads():
+    """Weights once (the tied embedding only as the LM head), MoE experts only as many as
+    batch x top_k can touch, plus every request's KV."""
+    from breakgraph.bench.decode import step_read_bytes
+    from breakgraph.layers.moe import FusedMoE
+    from breakgraph.models.loader import load_model
+
+    model = load_model("qwen3-moe-tiny", "dummy", "float32", "cpu", 0, None).model
+    every = sum(p.numel() * 4 for p in model.parameters())  # parameters() yields a tied one once
+    experts = sum(
+        p.numel() * 4 for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters()
+    )
+    assert experts > 0
+    # 16 experts, top-4: batch 4 touches all of them; batch 1 at most a quarter
+    assert step_read_bytes(model, 4, 100, 10, top_k=4) == every + 4 * 100 * 10
+    assert step_read_bytes(model, 1, 0, 10, top_k=4) == every - experts + experts // 4

@@ -459,6 +459,42 @@ def test_gemma_qk_norm_rope_matches_twin(dtype, head_dim):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["rope", "qk_norm", "gemma"])
+def test_rope_with_kv_store_equals_rope_then_store(dtype, kind):
+    """The fused store (k rotated straight into its slot, v copied beside it) writes what the
+    unfused kernels write; a cache of another dtype falls back to rope, then store."""
+    t, heads, kv_heads, head_dim = 45, 8, 2, 128
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(t, kv_heads, head_dim)
+    cos, sin = rotary_cos_sin(t, head_dim, "cuda")
+    if kind == "gemma":
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    qw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    kw = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    fn, norm = {
+        "rope": (fused.rope_triton, ()),
+        "qk_norm": (fused.qk_norm_rope_triton, (qw, kw, 1e-6)),
+        "gemma": (fused.gemma_qk_norm_rope_triton, (qw, kw, 1e-6)),
+    }[kind]
+    slots = torch.randperm(500, device="cuda")[:t] + 1
+    slots[-5:] = 0  # padding rows
+    q_ref, k_ref = fn(q, k, *norm, cos, sin)
+    for cache_dtype in (dtype, torch.float16):
+        caches = [
+            torch.zeros(600, kv_heads, head_dim, device="cuda", dtype=cache_dtype) for _ in "kvkv"
+        ]
+        q_out, none = fn(q, k, *norm, cos, sin, ops.KVWrite(v, caches[0], caches[1], slots))
+        assert none is None and torch.equal(q_out, q_ref)
+        kv_store.store_kv_triton(caches[2], caches[3], slots, k_ref, v)
+        assert torch.equal(caches[0][1:], caches[2][1:]) and torch.equal(
+            caches[1][1:], caches[3][1:]
+        )
+
+
+@gpu
 def test_ops_dispatches_to_triton_on_cuda():
     """The CUDA path of ``ops`` is the Triton kernel (same result as calling it directly)."""
     x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
@@ -500,6 +536,14 @@ def test_ops_on_cpu_equal_the_twins():
     refs = fused.gemma_qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
     for a, b in zip(outs, refs, strict=True):
         assert torch.equal(a, b)
+    # with a KV store: q returned, k/v in their slots (slot 0: padding)
+    caches = [torch.zeros(8, 2, 32) for _ in "kv"]
+    slots, v2 = torch.tensor([3, 0, 5, 1, 7]), k * 2
+    q_out, none = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, ops.KVWrite(v2, *caches, slots))
+    q_ref, k_ref = fused.qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    assert none is None and torch.equal(q_out, q_ref)
+    assert torch.equal(caches[0][slots[slots > 0]], k_ref[slots > 0])
+    assert torch.equal(caches[1][slots[slots > 0]], v2[slots > 0])
 
     kc, vc, meta, rows = paged_batch([(3, 4), (0, 2)], 2, 32, torch.float32, "cpu")
     q = torch.randn(rows, 4, 32)

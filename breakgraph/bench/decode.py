@@ -1,5 +1,13 @@
 """``breakgraph bench decode``: one decode step per batch size, decode CUDA graph vs eager,
-each request over a context of C tokens (dummy weights, in-process)."""
+each request over a context of C tokens (dummy weights, in-process).
+
+Each row also gives the kernels one step launches (counted on the eager step, which runs the
+kernels the graph captures) per step and per layer, and on CUDA the step's bandwidth floor:
+the bytes a step must read (this rank's weights, where an embedding table counts only as the
+LM head and a MoE layer only the experts ``batch x top_k`` can touch, plus every request's
+KV, sliding layers at full context: an upper bound) over the device-copy bandwidth measured
+in the same process.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +27,39 @@ class DecodePoint:
     graph_ms: float | None
     eager_launches: int | None
     graph_launches: int | None
+    kernels_per_layer: float | None = None
+    floor_ms: float | None = None  # bytes read per step / measured copy bandwidth
+
+
+def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, top_k: int) -> int:
+    """Bytes one decode step reads at least: weights (embedding tables only as the LM head;
+    MoE experts only as many as ``batch_size * top_k`` can touch) plus the KV of context."""
+    from breakgraph.layers.linear import ParallelLMHead, VocabParallelEmbedding
+    from breakgraph.layers.moe import FusedMoE
+
+    lm_heads = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    scale: dict[int, float] = {}
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding) and id(m.weight) not in lm_heads:
+            scale[id(m.weight)] = 0.0  # a gather of batch_size rows
+        elif isinstance(m, FusedMoE):
+            touched = min(1.0, batch_size * max(top_k, 1) / m.num_experts)
+            for p in m.parameters(recurse=False):
+                scale[id(p)] = touched
+    seen, total = set(), 0.0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size() * scale.get(id(p), 1.0)
+    return int(total) + batch_size * context * kv_slot_bytes
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (reads + writes), median of 10."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    return 2 * nbytes / (ms / 1e3)
 
 
 def run_decode_bench(args) -> list[DecodePoint]:
@@ -35,6 +76,9 @@ def run_decode_bench(args) -> list[DecodePoint]:
     )
     max_bs = max(args.batch_sizes)
     points = []
+    bandwidth = copy_bandwidth(torch.device(device)) if device == "cuda" else None
+    if bandwidth:
+        print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for model in args.models:
         eng = Engine(
             EngineArgs(
@@ -54,6 +98,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
         for r, s in zip(rows, slots, strict=True):
             eng.req_pool.write(r, 0, s)
         runner = eng.runner
+        num_layers = eng.model_config.num_hidden_layers
+        raw = eng.model_config.raw
+        top_k = raw.get("num_experts_per_tok") or raw.get("top_k_experts") or 0
+        slot_bytes = eng.kv_pool.slot_bytes(eng.model.kv_cache_shapes(), eng.dtype)
         for bs in args.batch_sizes:
             batch = ForwardBatch.build(
                 ForwardMode.DECODE,
@@ -76,16 +124,28 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 count_launches(eager),
                 count_launches(graph) if has_graph else None,
             )
+            if pt.eager_launches is not None:
+                pt.kernels_per_layer = round(pt.eager_launches / num_layers, 1)
+            if bandwidth:
+                read = step_read_bytes(eng.model, bs, args.context, slot_bytes, top_k)
+                pt.floor_ms = read / bandwidth * 1e3
             points.append(pt)
-            g = f"{pt.graph_ms:8.3f}" if pt.graph_ms is not None else f"{'-':>8}"
-            ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else ""
-            print(
-                f"{model:<14} bs={bs:<4} C={args.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}",
-                flush=True,
-            )
+            print(format_decode_point(pt), flush=True)
         eng.shutdown()  # TP workers, if any
         del eng, runner, rows, slots
         if device == "cuda":
             torch.cuda.empty_cache()
     save_results(points, args.json, args.plot, "plot_decode")
     return points
+
+
+def format_decode_point(pt: DecodePoint) -> str:
+    g = f"{pt.graph_ms:8.3f}" if pt.graph_ms is not None else f"{'-':>8}"
+    ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else f"{'':7}"
+    line = f"{pt.model:<14} bs={pt.batch_size:<4} C={pt.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}"
+    if pt.eager_launches is not None:
+        line += f"  kernels {pt.eager_launches} ({pt.kernels_per_layer}/layer)"
+    if pt.floor_ms:
+        best = pt.graph_ms if pt.graph_ms is not None else pt.eager_ms
+        line += f"  floor {pt.floor_ms:.3f} ms ({best / pt.floor_ms:.2f}x)"
+    return line

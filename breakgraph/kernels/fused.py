@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from breakgraph.kernels.kv_store import KVWrite, store_kv_torch, store_kv_triton
+
 try:  # Triton is optional: the CPU-only install runs the torch twins
     import triton
     import triton.language as tl
@@ -94,10 +96,22 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def rope_torch(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`apply_rope_torch` on q [T, H, D] and k [T, Hkv, D]; new tensors."""
-    return apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`apply_rope_torch` on q [T, H, D] and k [T, Hkv, D]; new tensors. With
+    ``store``, k and ``store.v`` go to the KV cache and k is not returned (None)."""
+    return _stored(apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin), store)
+
+
+def _stored(q: torch.Tensor, k: torch.Tensor | None, store: KVWrite | None):
+    if store is None or k is None:
+        return q, k
+    store_kv_torch(store.k_cache, store.v_cache, store.slots, k, store.v)
+    return q, None
 
 
 def qk_norm_rope_torch(
@@ -108,9 +122,12 @@ def qk_norm_rope_torch(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3: per-head RMSNorm of q and k (weights [D]), then RoPE; returns new tensors."""
-    return rope_torch(rms_norm_torch(q, q_weight, eps), rms_norm_torch(k, k_weight, eps), cos, sin)
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Qwen3: per-head RMSNorm of q and k (weights [D]), then RoPE; returns new tensors
+    (k stored instead with ``store``, as :func:`rope_torch`)."""
+    q, k = rms_norm_torch(q, q_weight, eps), rms_norm_torch(k, k_weight, eps)
+    return rope_torch(q, k, cos, sin, store)
 
 
 def gemma_qk_norm_rope_torch(
@@ -121,12 +138,14 @@ def gemma_qk_norm_rope_torch(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    store: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gemma 4: per-head Gemma RMSNorm of q (and k, None on a KV-shared layer), then RoPE."""
+    """Gemma 4: per-head Gemma RMSNorm of q (and k, None on a KV-shared layer), then RoPE
+    (k stored instead with ``store``, as :func:`rope_torch`)."""
     q = apply_rope_torch(gemma_rms_norm_torch(q, q_weight, eps), cos, sin)
     if k is None:
         return q, None
-    return q, apply_rope_torch(gemma_rms_norm_torch(k, k_weight, eps), cos, sin)
+    return _stored(q, apply_rope_torch(gemma_rms_norm_torch(k, k_weight, eps), cos, sin), store)
 
 
 # ---------------------------------------------------------------------------- Triton
@@ -434,11 +453,14 @@ def _qk_norm_rope_kernel(
     q,
     k,
     q_out,
-    k_out,
+    k_out,  # with STORE_KV: the k cache, rows are slots
     q_weight,
     k_weight,
     cos,
     sin,
+    v,  # STORE_KV only: v rows copied to v_cache at the same slots
+    v_cache,
+    slots,
     stride_q_t,
     stride_q_h,
     stride_k_t,
@@ -449,6 +471,10 @@ def _qk_norm_rope_kernel(
     stride_ko_h,
     stride_cos,
     stride_sin,
+    stride_v_t,
+    stride_v_h,
+    stride_vc_s,
+    stride_vc_h,
     num_q_heads,
     num_k_heads,
     eps,
@@ -457,6 +483,7 @@ def _qk_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head blocks: q's first, then k's
@@ -470,15 +497,41 @@ def _qk_norm_rope_kernel(
             HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM, GEMMA_NORM,
         )  # fmt: skip
     else:
+        head0 = (hb - q_blocks) * BLOCK_H
+        out_row = t
+        if STORE_KV:  # k (rotated) and v straight into their cache slot
+            out_row = tl.load(slots + t).to(tl.int64)
+            _copy_heads(
+                v + t * stride_v_t, v_cache + out_row * stride_vc_s, stride_v_h, stride_vc_h,
+                head0, num_k_heads, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+            )  # fmt: skip
         _norm_rope_heads(
-            k + t * stride_k_t, k_out + t * stride_ko_t, k_weight, cos_t, sin_t,
-            stride_k_h, stride_ko_h, (hb - q_blocks) * BLOCK_H, num_k_heads, eps,
+            k + t * stride_k_t, k_out + out_row * stride_ko_t, k_weight, cos_t, sin_t,
+            stride_k_h, stride_ko_h, head0, num_k_heads, eps,
             HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM, GEMMA_NORM,
         )  # fmt: skip
 
 
-def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False):
-    """q [T, H, D] and k [T, Hkv, D] (None: q only) normed (with weights) and rotated."""
+@_jit
+def _copy_heads(
+    x, out, stride_h, stride_oh, head0, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Heads head0 .. head0 + BLOCK_H of one token, cast to out's dtype."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_h = head0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < HALF)[None, :]
+    src = x + offs_h[:, None] * stride_h + offs_d[None, :]
+    dst = out + offs_h[:, None] * stride_oh + offs_d[None, :]
+    odt = out.dtype.element_ty
+    tl.store(dst, tl.load(src, mask=mask).to(odt), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(odt), mask=mask)
+
+
+def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=False, store=None):
+    """q [T, H, D] and k [T, Hkv, D] (None: q only) normed (with weights) and rotated; with
+    ``store`` (a KVWrite), k and v written to the cache in the same launch, k not returned."""
     num_tokens, num_q_heads, head_dim = q.shape
     no_k = k is None
     if no_k:  # q only (a KV-shared layer): zero k heads, q stands in for k's pointers
@@ -491,11 +544,14 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False
         k_dtype = torch.promote_types(k_weight.dtype, k.dtype)
     else:  # Gemma's norm casts back to the input's dtype
         q_dtype, k_dtype = q.dtype, k.dtype
+    # stored in the same launch when the cache holds k's dtype (else rounded twice: store after)
+    fuse_store = store is not None and not no_k and store.k_cache.dtype == k_dtype
     q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
+    k_out = store.k_cache if fuse_store else torch.empty(k.shape, dtype=k_dtype, device=k.device)
+    v, v_cache, slots = (store.v, store.v_cache, store.slots) if fuse_store else (q, q, q)
     if num_tokens == 0:
-        return q_out, None if no_k else k_out
-    for t in (q, k, cos, sin):
+        return q_out, None if no_k or store is not None else k_out
+    for t in (q, k, cos, sin, v, k_out, v_cache):
         assert t.stride(-1) == 1
     block_half = triton.next_power_of_2(head_dim // 2)
     block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 4096 // block_half))
@@ -509,6 +565,9 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False
         k_weight if has_norm else k,
         cos,
         sin,
+        v,
+        v_cache,
+        slots,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -519,6 +578,10 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False
         k_out.stride(1),
         cos.stride(0),
         sin.stride(0),
+        v.stride(0),
+        v.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         num_q_heads,
         num_k_heads,
         eps,
@@ -527,19 +590,26 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma: bool = False
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
         GEMMA_NORM=gemma,
+        STORE_KV=fuse_store,
         num_warps=4,
         # Without this, LLVM contracts x*cos - rotate_half(x)*sin into one bf16 FMA and
         # skips the rounding of a product that HF (and the twin) performs.
         enable_fp_fusion=False,
     )
-    return q_out, None if no_k else k_out
+    if store is not None and not no_k and not fuse_store:
+        store_kv_triton(store.k_cache, store.v_cache, store.slots, k_out, store.v)
+    return q_out, None if no_k or store is not None else k_out
 
 
 def rope_triton(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`rope_torch`: one launch for q and k."""
-    return _launch_qk_rope(q, k, None, None, 0.0, cos, sin)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`rope_torch`: one launch for q and k (and the KV store)."""
+    return _launch_qk_rope(q, k, None, None, 0.0, cos, sin, store=store)
 
 
 def qk_norm_rope_triton(
@@ -550,10 +620,11 @@ def qk_norm_rope_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`qk_norm_rope_torch`: one launch for q and k."""
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`qk_norm_rope_torch`: one launch for q and k (and the KV store)."""
     assert q_weight.is_contiguous() and k_weight.is_contiguous()
-    return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, store=store)
 
 
 def gemma_qk_norm_rope_triton(
@@ -564,7 +635,9 @@ def gemma_qk_norm_rope_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    store: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of :func:`gemma_qk_norm_rope_torch`: one launch for q and k."""
+    """Triton twin of :func:`gemma_qk_norm_rope_torch`: one launch for q and k (and the KV
+    store)."""
     assert q_weight.is_contiguous() and (k_weight is None or k_weight.is_contiguous())
-    return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=True)
+    return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=True, store=store)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
@@ -11,6 +13,16 @@ except ImportError:
     triton = None
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+class KVWrite(NamedTuple):
+    """Where a kernel that produces a layer's new k rows also stores them: k into
+    ``k_cache[slots]``, ``v`` [T, Hkv, D] into ``v_cache[slots]`` (the fused RoPE kernels)."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
 
 
 def store_kv_torch(

@@ -16,10 +16,12 @@ from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import kv_store as _kv_store
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.decode_attention import DecodeWorkspace
+from breakgraph.kernels.kv_store import KVWrite
 
 __all__ = [
     "AttentionMeta",
     "DecodeWorkspace",
+    "KVWrite",
     "decode_attention",
     "extend_attention",
     "fused_experts",
@@ -183,18 +185,25 @@ def gemma_qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    store: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gemma 4's per-head RMSNorm of q and k (k None: q only), then RoPE; new tensors."""
+    """Gemma 4's per-head RMSNorm of q and k (k None: q only), then RoPE; new tensors (with
+    ``store``, k and v go to the KV cache in the same launch and k comes back None)."""
     fn = _fused.gemma_qk_norm_rope_triton if _use_triton(q) else _fused.gemma_qk_norm_rope_torch
-    return fn(q, k, q_weight, k_weight, eps, cos, sin)
+    return fn(q, k, q_weight, k_weight, eps, cos, sin, store)
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotate_half RoPE of q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D]; new tensors."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rotate_half RoPE of q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D]; new tensors
+    (with ``store``, k and v go to the KV cache in the same launch and k comes back None)."""
     fn = _fused.rope_triton if _use_triton(q) else _fused.rope_torch
-    return fn(q, k, cos, sin)
+    return fn(q, k, cos, sin, store)
 
 
 def qk_norm_rope(
@@ -205,10 +214,11 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm of q and k, then RoPE; new tensors."""
+    store: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Qwen3's per-head RMSNorm of q and k, then RoPE; new tensors (``store``: as rope)."""
     fn = _fused.qk_norm_rope_triton if _use_triton(q) else _fused.qk_norm_rope_torch
-    return fn(q, k, q_weight, k_weight, eps, cos, sin)
+    return fn(q, k, q_weight, k_weight, eps, cos, sin, store)
 
 
 # ---- mixture of experts (kernels/fused_moe.py)

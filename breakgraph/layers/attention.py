@@ -1,9 +1,11 @@
-"""The attention front: reshapes q/k/v and calls the paged-attention function.
+"""The attention front: where a layer's new k/v go, and the paged-attention call.
 
-``paged_attention`` reads the live step's metadata (forward context) and runs extend or
-decode attention over the paged cache, writing into the output tensor it is given: it is
-the eager break of the prefill graphs (decode graphs capture it inline). The KV store
-before it only needs the step's slots, which graphs keep in a static buffer.
+A model stores the step's new k/v rows with the kernel that produces k (the fused RoPE
+kernels take ``Attention.kv_write(v)``): the store only needs the step's slots, which graphs
+keep in a static buffer, so it is part of a captured segment. ``paged_attention`` then reads
+the live step's metadata (forward context) and runs extend or decode attention over the
+paged cache, writing into the output tensor it is given: it is the eager break of the
+prefill graphs (decode graphs capture it inline).
 
 A layer reads and writes the pool's KV layer ``kv_layer_id`` (its own layer id unless the
 model shares KV: then the KV-shared layers store nothing and read their source's KV).
@@ -19,17 +21,17 @@ from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer_id: int) -> None:
-    """Write the new rows' k/v into their KV slots (padding rows carry slot 0).
+def kv_write(v: torch.Tensor, kv_layer_id: int) -> ops.KVWrite:
+    """Where the live step's new k/v rows of ``kv_layer_id`` go (padding rows carry slot 0),
+    for a kernel that stores k as it produces it.
 
     Capturable: inside a prefill graph ``out_cache_loc`` is the bank's static, padded
     buffer, so the store is part of the segment rather than a launch in the break.
     """
     ctx = get_forward_context()
     pool = ctx.kv_pool
-    ops.store_kv(
-        pool.k_buffers[kv_layer_id], pool.v_buffers[kv_layer_id], ctx.batch.out_cache_loc, k, v
-    )
+    k_cache, v_cache = pool.k_buffers[kv_layer_id], pool.v_buffers[kv_layer_id]
+    return ops.KVWrite(v, k_cache, v_cache, ctx.batch.out_cache_loc)
 
 
 @eager_break
@@ -89,16 +91,10 @@ class Attention(nn.Module):
         self.scaling = head_dim**-0.5 if scaling is None else scaling
         self.sliding_window = sliding_window
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D].
-
-        Without k/v the layer stores nothing and attends to the KV already stored in its KV
-        layer (KV sharing: another layer wrote it).
-        """
-        if k is not None:
-            store_kv(k, v, self.kv_layer_id)
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] -> [T, H * D] over the KV stored in this layer's KV layer: the step's
+        own rows stored by the caller (``self.kv_write(v)`` to the kernel producing k), or
+        written by another layer (KV sharing)."""
         o = torch.empty_like(q)
         pad_from = get_forward_context().pad_rows_from
         if pad_from is not None and pad_from < o.shape[0]:
@@ -106,3 +102,7 @@ class Attention(nn.Module):
             o[pad_from:].zero_()
         paged_attention(q, o, self.kv_layer_id, self.scaling, self.sliding_window)
         return o.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def kv_write(self, v: torch.Tensor) -> ops.KVWrite:
+        """This layer's KV destination for the live step, with its new v rows."""
+        return kv_write(v, self.kv_layer_id)

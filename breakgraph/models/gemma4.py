@@ -179,11 +179,13 @@ class Gemma4Attention(nn.Module):
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].view(k.shape)
-        # q/k norms and RoPE in one kernel (HF: q_norm, k_norm, then apply_rotary_pos_emb)
-        q, k = ops.gemma_qk_norm_rope(
-            q, k, self.q_norm.weight, self.k_norm.weight, eps, cos, sin
+        # q/k norms, RoPE and the KV store in one kernel (HF: q_norm, k_norm, then
+        # apply_rotary_pos_emb; the cache update in attention)
+        store = self.attn.kv_write(self.v_norm(v))
+        q, _ = ops.gemma_qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, eps, cos, sin, store
         )  # fmt: skip
-        return self.o_proj(self.attn(q, k, self.v_norm(v)))
+        return self.o_proj(self.attn(q))
 
 
 class Gemma4DecoderLayer(nn.Module):

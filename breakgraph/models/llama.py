@@ -75,13 +75,14 @@ class LlamaAttention(nn.Module):
             v.view(t, self.num_kv_heads, self.head_dim),
         )
 
-    def position_embed(self, q, k, cos, sin):
-        return ops.rope(q, k, cos, sin)
+    def position_embed(self, q, k, cos, sin, store):
+        """RoPE of q and k; k and v go to the KV cache in the same kernel (``store``)."""
+        return ops.rope(q, k, cos, sin, store)[0]
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, k, v = self.split_qkv(hidden_states)
-        q, k = self.position_embed(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v))
+        q = self.position_embed(q, k, cos, sin, self.attn.kv_write(v))
+        return self.o_proj(self.attn(q))  # its k/v are stored
 
 
 class LlamaDecoderLayer(nn.Module):

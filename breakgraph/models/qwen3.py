@@ -19,9 +19,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def position_embed(self, q, k, cos, sin):
+    def position_embed(self, q, k, cos, sin, store):
         eps = self.q_norm.variance_epsilon
-        return ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, eps, cos, sin)
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        return ops.qk_norm_rope(q, k, qw, kw, eps, cos, sin, store)[0]
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
