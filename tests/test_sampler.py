@@ -46,3 +46,17 @@ def test_top_k_top_p_min_p_support():
     # min_p=0.2: keep p >= 0.1 (tokens 0, 1, 2)
     freq = draw(SamplingParams(temperature=1.0, min_p=0.2))
     assert freq[3:].sum() == 0 and freq[2] > 0.1
+
+
+def test_float32_edge_values_stay_in_the_support():
+    """A top_p that rounds to 0 in float32 keeps the most likely token; a temperature past
+    float32's range samples uniformly, never a banned (-inf) token, never NaN."""
+    freq = draw(SamplingParams(temperature=1.0, top_p=1e-46), n=200)
+    assert freq[0] == 1.0
+    logits = LOGITS.clone()
+    logits[0, 0] = float("-inf")  # banned, as min_new_tokens bans EOS
+    n = 400
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    ids, _ = sample(logits.expand(n, -1).contiguous(), [SamplingParams(temperature=1e39)] * n, gens)
+    counts = torch.bincount(ids, minlength=5)
+    assert counts[0] == 0 and (counts[1:] > 50).all()  # uniform over the allowed four

@@ -132,6 +132,42 @@ def test_tiny_temperature_samples_greedily(server):
     assert greedy.status_code == 200
 
 
+def test_float32_edge_values_sample_within_the_vocabulary_or_are_400(server):
+    """Values valid as float64 but at float32's edges: a top_p that rounds to 0 keeps the most
+    likely token (greedy), a temperature past float32's range samples without NaN (no token
+    0 from an argmax over NaN), a tiny repetition penalty or a non-ASCII logit_bias key is a
+    clear 400."""
+    prompt = "The capital of France is"
+    sp0 = {"max_new_tokens": 4, "temperature": 0}
+    greedy = post(server, "/generate", {"text": prompt, "sampling_params": sp0}).json()
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1e-46}
+    out = post(server, "/generate", {"text": prompt, "sampling_params": sp}).json()
+    assert out["output_ids"] == greedy["output_ids"]
+    sp = {"max_new_tokens": 4, "temperature": 1e39, "min_new_tokens": 4, "seed": 1}
+    out = post(server, "/generate", {"text": prompt, "sampling_params": sp}).json()
+    assert 0 not in out["output_ids"] and len(out["output_ids"]) == 4
+    for bad, name in (
+        ({"repetition_penalty": 1e-38}, "repetition_penalty"),
+        ({"logit_bias": {"\uff15": 100}}, "logit_bias key"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias key"),
+    ):
+        body = {"text": "hi", "sampling_params": {**GREEDY, **bad}}
+        assert_clean_4xx(post(server, "/generate", body), name)
+
+
+def test_abort_request_checks_its_fields(server):
+    for body, name in (
+        ({"abort_all": False}, "rid"),
+        ({"abort_all": None}, "abort_all"),
+        ({"abort_all": "no"}, "abort_all"),
+        ({"abort_all": 1}, "abort_all"),
+        ({"rid": 5}, "rid"),
+    ):
+        assert_clean_4xx(post(server, "/abort_request", body), name)
+    ok = post(server, "/abort_request", {"abort_all": False, "rid": "nope"})
+    assert ok.status_code == 200 and ok.json() == {"success": False, "aborted": 0}
+
+
 # ---- item 2: body size, tokenization off the event loop ----
 def test_oversized_body_is_413_before_parsing(server):
     big = b'{"text": "' + b"a" * (2 * MAX_REQUEST_BYTES) + b'"}'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.sampling_params import MAX_EFFECTIVE_TEMPERATURE
 from breakgraph.forward_batch import upload_many
 
 
@@ -34,7 +35,10 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
     device = logits.device
     temps, top_ps, min_ps, top_ks, greedy = upload_many(
         [
-            [p.temperature if p.temperature > 0 else 1.0 for p in params],
+            [
+                min(p.temperature, MAX_EFFECTIVE_TEMPERATURE) if p.temperature > 0 else 1.0
+                for p in params
+            ],
             [p.top_p for p in params],
             [p.min_p for p in params],
             [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params],
@@ -48,8 +52,9 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs.shape[-1], device=device)[None, :]
         drop = ranks >= top_ks[:, None]
-        # drop a token once the mass strictly before it already reaches top_p
-        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
+        # drop a token once the mass strictly before it already reaches top_p; never the most
+        # likely one (a top_p below float32's smallest value rounds to 0 and would drop all)
+        drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]) & (ranks > 0)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
     if any(p.min_p > 0 for p in params):

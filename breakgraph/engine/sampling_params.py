@@ -13,6 +13,11 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TOKEN_ID_LIMIT = (1 << 63) - 1
 # SGLang's _SAMPLING_EPS: a temperature below it samples greedily (logits / 1e-45 overflow)
 GREEDY_TEMPERATURE_EPS = 1e-6
+# above it float32 logits / temperature are uniform to the last bit; larger temperatures are
+# sampled at this one (a temperature past float32's range would turn a banned logit into NaN)
+MAX_EFFECTIVE_TEMPERATURE = 1e6
+# the smallest repetition penalty: logits / penalty stays finite in float32 (SGLang: > 0)
+MIN_REPETITION_PENALTY = 1e-6
 MAX_TOP_LOGPROBS = 20  # top logprobs per position (OpenAI's limit)
 
 
@@ -97,8 +102,11 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2], "
+                f"got {self.repetition_penalty}"
+            )
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise ValueError(
                 f"min_new_tokens must be an integer in [0, {MAX_NEW_TOKENS_LIMIT}], "
@@ -111,7 +119,8 @@ class SamplingParams:
         bias = {}
         for key, value in self.logit_bias.items():
             tok = str(key)
-            if not tok.isdigit() or not 0 <= int(tok) <= TOKEN_ID_LIMIT:
+            # ASCII digits only: str.isdigit() also takes "５" or "²", which int() reads or refuses
+            if not (tok.isascii() and tok.isdigit()) or not 0 <= int(tok) <= TOKEN_ID_LIMIT:
                 raise ValueError(f"logit_bias key {key!r} is not a token id")
             if not _is_number(value) or not -100.0 <= value <= 100.0:
                 raise ValueError(

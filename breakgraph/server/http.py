@@ -256,11 +256,14 @@ async def abort_request(request: Request) -> dict[str, Any]:
     body = parse_json(await read_body(request, s.max_request_bytes))
     if not isinstance(body, dict) or not ({"rid", "abort_all"} & set(body)):
         raise APIError('give {"rid": ...} or {"abort_all": true}')
-    if body.get("abort_all"):
+    abort_all = body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise APIError(f"abort_all must be a boolean, got {abort_all!r}")
+    if abort_all:
         return {"success": True, "aborted": s.client.abort_all()}
-    rid = body["rid"]
+    rid = body.get("rid")
     if not isinstance(rid, str):
-        raise APIError(f"rid must be a string, got {rid!r}")
+        raise APIError(f'rid must be a string (or give "abort_all": true), got {rid!r}')
     found = s.client.abort(rid)
     return {"success": found, "aborted": int(found)}
 
