@@ -155,6 +155,14 @@ def test_float32_edge_values_sample_within_the_vocabulary_or_are_400(server):
         assert_clean_4xx(post(server, "/generate", body), name)
 
 
+def test_unknown_path_and_wrong_method_answer_in_the_error_shape(server):
+    r = httpx.get(f"{server.url}/no/such/path", timeout=10)
+    assert r.status_code == 404 and "/no/such/path" in assert_clean_4xx(r, "Not Found")
+    r = httpx.get(f"{server.url}/generate", timeout=10)
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert_clean_4xx(r, "Method Not Allowed")
+
+
 def test_abort_request_checks_its_fields(server):
     for body, name in (
         ({"abort_all": False}, "rid"),

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import breakgraph
 from breakgraph.engine.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     return app
 
@@ -79,6 +81,13 @@ async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     return await _api_error(request, APIError(f"invalid request: {e.errors()}"))
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Routing errors (404 no such path, 405 wrong method) in the same JSON shape."""
+    message = f"{e.detail}: {request.method} {request.url.path}"
+    body = APIError(message, status=e.status_code).body()
+    return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
 
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
