@@ -368,7 +368,9 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     configure_model(model, args)
     dtype = resolve_dtype(args.dtype, device)
     conn.send(WorkerSlots(num_kv_slots(args, model, dtype, device)))
-    setup: WorkerSetup = _recv(conn, parent_pid)
+    setup: WorkerSetup | None = _recv(conn, parent_pid)
+    if setup is None:  # rank 0 failed to start and stops us
+        return group
     kv_pool = KVPool.from_shapes(setup.num_slots + 1, model.kv_cache_shapes(), dtype, device)
     req_pool = ReqToTokenPool(setup.max_running_requests + 1, setup.context_len, device)
     runner = ModelRunner(model, kv_pool, req_pool.table)
