@@ -47,9 +47,12 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x)
-        return torch.cat(parts, dim=-1)
+        # one collective into one buffer [size, *x.shape], then one copy to rank-major columns
+        flat = x.reshape(-1)
+        out = torch.empty(self.size * flat.numel(), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, flat)
+        out = out.view(self.size, *x.shape).movedim(0, -2)
+        return out.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` of rank ``src`` into ``x`` of every rank, in place (x contiguous)."""
@@ -57,6 +60,9 @@ class TPGroup:
             dist.broadcast(x, src)
         return x
 
+
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _SINGLE = TPGroup()
 _CURRENT: TPGroup = _SINGLE
