@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Server benches on one H200 (Qwen3-0.6B shape, dummy weights): prefill cold/hit with and
-# without prefill graphs, and the first 8K requests after ready with and without warm-up on a
-# cold Triton cache. Stages: warmup, prefill (default both). Results under ${OUT:-results}.
+# Server benches on one H200 (dummy weights): prefill cold/hit with and without prefill graphs
+# (Qwen3-0.6B shape), and the first 8K requests after ready with and without warm-up on a cold
+# Triton cache. Stages: warmup, prefill (default both); gemma: gemma-4-e2b in four arms, graphs
+# on/off x KV-sharing fast prefill on/off (issue 12); moe: qwen3-30b-a3b with and without
+# prefill graphs (issue 13). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift
   local t0=$(date +%s)
-  python3 -m breakgraph.cli serve --model-path qwen3-0.6b --load-format dummy --port $PORT \
+  python3 -m breakgraph.cli serve --model-path "${MODEL:-qwen3-0.6b}" --load-format dummy --port $PORT \
     --mem-fraction-static 0.6 "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 600); do curl -sf $URL/health >/dev/null && break; sleep 0.5; done
@@ -44,6 +46,24 @@ prefill_stage() {  # prefill cold/hit, with prefill graphs and without
   bench cold 8192 8 --json "$OUT/prefill_cold_disabled.json"
   bench hit 65536 1 --json "$OUT/prefill_hit_disabled.json"
   stop
+}
+arms() {  # arms PREFIX "NAME FLAGS" ...: cold 8192 x8 and hit 65536 x1 per server configuration
+  local prefix=$1; shift
+  for arm in "$@"; do
+    set -- $arm; local name=$1; shift
+    serve "${prefix}_$name" --context-length 70000 "$@"
+    bench cold 8192 8 --json "$OUT/prefill_cold_${prefix}_$name.json"
+    bench hit 65536 1 --json "$OUT/prefill_hit_${prefix}_$name.json"
+    stop
+  done
+}
+gemma_stage() {
+  MODEL=gemma-4-e2b arms gemma "graphs_fast" "graphs_all --no-kv-sharing-fast-prefill" \
+    "eager_fast --cuda-graph-backend-prefill disabled" \
+    "eager_all --cuda-graph-backend-prefill disabled --no-kv-sharing-fast-prefill"
+}
+moe_stage() {
+  MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
