@@ -26,14 +26,14 @@ FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma4", "gemma4_moe"]
 ATOL = 1e-5
 
 
-def _h200_host_helpers() -> None:
+def stand_in_h200_host_helpers() -> None:
     torch.cuda.current_device = lambda: 0
     decode_attention._num_sms = lambda index: 132
     extend_attention._num_sms = lambda index: 132
     extend_attention._capability = lambda index: (9, 0)
 
 
-def _checkpoint(family: str) -> str:
+def tiny_checkpoint(family: str) -> str:
     path = tempfile.mkdtemp(prefix=f"interp-{family}-")
     if family.startswith("gemma4"):
         from tests.test_gemma4 import make_hf_gemma4
@@ -62,10 +62,10 @@ def _run(path: str, triton: bool):
 
 def main(families: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
-    _h200_host_helpers()
+    stand_in_h200_host_helpers()
     failed = 0
     for family in families:
-        path = _checkpoint(family)
+        path = tiny_checkpoint(family)
         tokens, steps = _run(path, triton=False)
         tokens_t, steps_t = _run(path, triton=True)
         diff = max((a - b).abs().max().item() for a, b in zip(steps, steps_t, strict=True))
