@@ -180,6 +180,48 @@ def test_no_host_sync_inside_a_step(small_dir):
         eng.generate([[5, 6, 7]] * 3, sp, return_logprob=True)
 
 
+def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir):
+    """Penalties, logit_bias and min_new_tokens (device-side after the graph's logits): no
+    host sync inside a step, and the same greedy tokens with graphs as eager (float32)."""
+    sp = SamplingParams(
+        max_new_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+        frequency_penalty=0.5, presence_penalty=0.3, logit_bias={"7": 5.0, "9": -100.0},
+        min_new_tokens=4, stop_token_ids=[11],
+    )  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9] * 3, [7] * 20, list(range(100, 140))]
+    outs = []
+    for graphs in (True, False):
+        eng = engine(small_dir, graphs=graphs)
+        if graphs:
+            forbid_host_syncs_in_steps(eng)
+        outs.append([r.output_ids for r in eng.generate(prompts, sp)])
+        assert eng.scheduler.penalties.rows_in_use == 0
+    assert outs[0] == outs[1]
+    assert all(9 not in ids for ids in outs[0])
+
+
+def test_prompt_logprobs_with_prefill_graphs_equal_without(small_dir):
+    """Prompt logprobs (every position, top 3) from the graph path's hidden rows equal the
+    eager path's: float32 within 1e-4, bf16 within its rounding."""
+    prompts = [list(range(5, 105)), [3, 4, 5, 6, 7], list(range(200, 330))]  # one chunked
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.1)):
+        res = [
+            engine(small_dir, graphs=g, dtype=dtype).generate(
+                prompts, sp, return_logprob=True, logprob_start_len=0, top_logprobs_num=3
+            )
+            for g in (True, False)
+        ]
+        for a, b in zip(*res, strict=True):
+            assert a.input_logprobs[0] is None and b.input_logprobs[0] is None
+            la, lb = (torch.tensor(r.input_logprobs[1:]) for r in (a, b))
+            assert len(a.input_logprobs) == len(b.input_logprobs) > 1
+            torch.testing.assert_close(la, lb, atol=tol, rtol=0)
+            for ta, tb in zip(a.input_top_logprobs[1:], b.input_top_logprobs[1:], strict=True):
+                values = [torch.tensor([t[0] for t in top]) for top in (ta, tb)]
+                torch.testing.assert_close(*values, atol=tol, rtol=0)
+
+
 def test_overlap_schedule_equals_no_overlap(small_dir):
     """Overlap scheduling (the CUDA default) against reading each step back first: same
     tokens for greedy, seeded sampling and stop ids, graphs on, no host sync in a step."""
