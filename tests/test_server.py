@@ -353,6 +353,25 @@ def test_abort_request_endpoint(server):
     assert wait_idle(server)["kv_tokens_used"] == 0
 
 
+def test_abort_by_the_rid_of_an_n_request_aborts_its_samples(server):
+    long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True, "n": 3}
+    body = {"input_ids": [7, 8, 9], "sampling_params": long, "stream": True, "rid": "grp"}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        one = post(server, "/abort_request", {"rid": "grp-1"}).json()
+        assert one == {"success": True, "aborted": 1}  # one sample by its own rid
+        rest = post(server, "/abort_request", {"rid": "grp"}).json()
+        assert rest["success"] and rest["aborted"] in (1, 2)  # grp-1 may be gone already
+        events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    finished = {e["index"]: e["meta_info"]["finish_reason"]["type"]
+                for e in events[:-1] if e["meta_info"].get("finish_reason")}  # fmt: skip
+    assert finished == {0: "abort", 1: "abort", 2: "abort"}
+    assert wait_idle(server)["kv_tokens_used"] == 0
+    assert post(server, "/abort_request", {"rid": "grp"}).json() == {"success": False, "aborted": 0}
+
+
 def test_200_concurrent_streams(server):
     n, new_tokens = 200, 8
     assert info(server)["max_running_requests"] >= n

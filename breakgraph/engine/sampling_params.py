@@ -18,6 +18,7 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 MAX_EFFECTIVE_TEMPERATURE = 1e6
 # the smallest repetition penalty: logits / penalty stays finite in float32 (SGLang: > 0)
 MIN_REPETITION_PENALTY = 1e-6
+MAX_SAMPLES = 64  # samples of one prompt (``n``; OpenAI's choices)
 MAX_TOP_LOGPROBS = 20  # top logprobs per position (OpenAI's limit)
 
 

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.engine.sampling_params import MAX_SAMPLES, SamplingParams
 from breakgraph.server.ipc import IpcPaths, make_socket
 from breakgraph.server.messages import (
     AbortReq,
@@ -272,6 +272,14 @@ class EngineClient:
             return False
         self._send(AbortReq(rid))
         return True
+
+    def abort_samples(self, rid: str) -> int:
+        """Abort ``rid``, or if no request has that id, the samples of an ``n`` > 1 request
+        sent with it (``rid-0`` .. ``rid-63``); returns how many were asked to abort."""
+        if rid in self._inflight:
+            return int(self.abort(rid))
+        samples = (f"{rid}-{j}" for j in range(MAX_SAMPLES))
+        return sum(self.abort(r) for r in samples if r in self._inflight)
 
     def abort_all(self) -> int:
         rids = list(self._inflight)

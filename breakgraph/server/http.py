@@ -273,8 +273,8 @@ async def abort_request(request: Request) -> dict[str, Any]:
     rid = body.get("rid")
     if not isinstance(rid, str):
         raise APIError(f'rid must be a string (or give "abort_all": true), got {rid!r}')
-    found = s.client.abort(rid)
-    return {"success": found, "aborted": int(found)}
+    aborted = s.client.abort_samples(rid)
+    return {"success": aborted > 0, "aborted": aborted}
 
 
 @router.get("/metrics")

@@ -17,6 +17,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
+from breakgraph.engine.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
 from breakgraph.server.messages import ModelInfo
 from breakgraph.tokenizer import Tokenizer
@@ -37,7 +38,6 @@ _CONTAINERS = frozenset((list, dict))  # the container types orjson produces
 TOKENIZED = "tokenized text"  # how a 400 names a prompt the tokenizer produced
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
 _NEUTRAL_PARAMS = {"spaces_between_special_tokens": True}
-MAX_CHOICES = 64  # samples of one prompt (``n``; OpenAI's choices)
 
 OFF_LOOP_BYTES = 64 << 10
 M = TypeVar("M", bound=BaseModel)
