@@ -54,14 +54,6 @@ def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, to
     return int(total) + batch_size * context * kv_slot_bytes
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (reads + writes), median of 10."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 10)
-    return 2 * nbytes / (ms / 1e3)
-
-
 def run_decode_bench(args) -> list[DecodePoint]:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
@@ -76,7 +68,11 @@ def run_decode_bench(args) -> list[DecodePoint]:
     )
     max_bs = max(args.batch_sizes)
     points = []
-    bandwidth = copy_bandwidth(torch.device(device)) if device == "cuda" else None
+    bandwidth = None
+    if device == "cuda":
+        from breakgraph.bench.kernels import copy_bandwidth_bytes_per_ms
+
+        bandwidth = copy_bandwidth_bytes_per_ms() * 1e3  # bytes/s
     if bandwidth:
         print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for model in args.models:
