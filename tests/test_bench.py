@@ -298,3 +298,20 @@ def test_decode_floor_counts_the_bytes_a_step_reads():
     # 16 experts, top-4: batch 4 touches all of them; batch 1 at most a quarter
     assert step_read_bytes(model, 4, 100, 10, top_k=4) == every + 4 * 100 * 10
     assert step_read_bytes(model, 1, 0, 10, top_k=4) == every - experts + experts // 4
+
+
+def test_decode_profile_kinds_and_line():
+    """--profile sorts kernels by name into GEMM / attention / all-reduce / other and prints
+    their shares and the step's idle GPU time."""
+    from breakgraph.bench.decode import DecodePoint, format_decode_point, kernel_kind
+
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "all-reduce"
+    assert kernel_kind("_decode_split_kernel") == "attention"
+    assert kernel_kind("nvjet_tst_64x8_64x16_4x1_v_bz_coopB_TNT") == "gemm"
+    assert kernel_kind("_moe_gemm_kernel") == "gemm"
+    assert kernel_kind("_rms_norm_kernel") == "other"
+    by = {"gemm": 1.2, "attention": 0.3, "other": 0.2, "total": 1.7}
+    pt = DecodePoint("m", 1, 1024, 5.0, 2.0, 300, 1, 10.0, 1.5, by)
+    line = format_decode_point(pt)
+    assert "kernels 300 (10.0/layer)" in line and "floor 1.500 ms (1.33x)" in line
+    assert "GPU kernels 1.700 ms (idle 0.300 ms): gemm 1.200 ms (71%)" in line

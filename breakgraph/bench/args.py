@@ -28,3 +28,8 @@ def add_decode_args(p) -> None:
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: where a step's GPU time goes (GEMM, attention, all-reduce, other kernels)",
+    )

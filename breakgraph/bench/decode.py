@@ -29,6 +29,44 @@ class DecodePoint:
     graph_launches: int | None
     kernels_per_layer: float | None = None
     floor_ms: float | None = None  # bytes read per step / measured copy bandwidth
+    gpu_ms_by_kind: dict[str, float] | None = None  # --profile: the step's kernel time by kind
+
+
+# kernel names by kind, first match wins (cuBLAS/CUTLASS GEMMs have many names)
+KERNEL_KINDS = (
+    ("all-reduce", ("nccl", "allreduce", "all_reduce")),
+    ("attention", ("_decode_", "_extend_", "attention", "flash")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "sm90_xmma", "splitk", "_moe_")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def gpu_time_by_kind(fn, reps: int = 5) -> dict[str, float]:
+    """ms of GPU kernel time per call of ``fn`` by kind (graph replays included: the profiler
+    sees the kernels inside a CUDA graph), and their sum as "total"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    ms: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = ev.self_device_time_total / 1e3 / reps  # us -> ms, per call
+        if t > 0:
+            kind = kernel_kind(ev.key)
+            ms[kind] = ms.get(kind, 0.0) + t
+    ms["total"] = sum(ms.values())
+    return ms
 
 
 def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, top_k: int) -> int:
@@ -125,6 +163,8 @@ def run_decode_bench(args) -> list[DecodePoint]:
             if bandwidth:
                 read = step_read_bytes(eng.model, bs, args.context, slot_bytes, top_k)
                 pt.floor_ms = read / bandwidth * 1e3
+            if getattr(args, "profile", False) and device == "cuda":
+                pt.gpu_ms_by_kind = gpu_time_by_kind(graph if has_graph else eager)
             points.append(pt)
             print(format_decode_point(pt), flush=True)
         eng.shutdown()  # TP workers, if any
@@ -144,4 +184,13 @@ def format_decode_point(pt: DecodePoint) -> str:
     if pt.floor_ms:
         best = pt.graph_ms if pt.graph_ms is not None else pt.eager_ms
         line += f"  floor {pt.floor_ms:.3f} ms ({best / pt.floor_ms:.2f}x)"
+    if pt.gpu_ms_by_kind:
+        by = pt.gpu_ms_by_kind
+        total = by["total"] or 1.0
+        parts = ", ".join(
+            f"{k} {v:.3f} ms ({100 * v / total:.0f}%)" for k, v in by.items() if k != "total"
+        )
+        best = pt.graph_ms if pt.graph_ms is not None else pt.eager_ms
+        idle = max(0.0, best - by["total"])  # the step's wall time the GPU ran no kernel
+        line += f"\n    GPU kernels {by['total']:.3f} ms (idle {idle:.3f} ms): {parts}"
     return line
