@@ -36,6 +36,22 @@ class PenaltyPool:
         self.counts = torch.zeros(0, vocab_size, device=device)
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.free: list[int] = []
+        # the step's (batch rows, pool rows) on the device: uploaded once, by ``process`` or
+        # ``record``, for the step's request list (the same list object in both)
+        self._step_reqs: list[Req] | None = None
+        self._step_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rows(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows in the batch, rows in the pool) of the requests holding a row; None: none."""
+        if reqs is not self._step_reqs:
+            pen = [i for i, r in enumerate(reqs) if r.penalty_row is not None]
+            self._step_reqs, self._step_rows = reqs, None
+            if pen:
+                rows = upload_many(
+                    [pen, [reqs[i].penalty_row for i in pen]], torch.int64, self.device
+                )
+                self._step_rows = (rows[0], rows[1])
+        return self._step_rows
 
     @property
     def rows_in_use(self) -> int:
@@ -92,9 +108,7 @@ class PenaltyPool:
             return logits
         logits = logits.clone()
         if pen:
-            rows_b, rows_pool = upload_many(
-                [pen, [reqs[i].penalty_row for i in pen]], torch.int64, self.device
-            )
+            rows_b, rows_pool = self._rows(reqs)
             (params,) = upload_many(
                 [
                     [
@@ -123,12 +137,10 @@ class PenaltyPool:
 
     def record(self, reqs: list[Req], ids: torch.Tensor) -> None:
         """Count the sampled ids (device tensor [B]) for the requests with a row; no sync."""
-        pen = [i for i, r in enumerate(reqs) if r.penalty_row is not None]
-        if not pen:
+        rows = self._rows(reqs)
+        if rows is None:
             return
-        rows_b, rows_pool = upload_many(
-            [pen, [reqs[i].penalty_row for i in pen]], torch.int64, self.device
-        )
+        rows_b, rows_pool = rows
         toks = ids[rows_b]
         flat = rows_pool * self.vocab_size + toks
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(toks, dtype=self.counts.dtype))

@@ -165,18 +165,17 @@ class TPDriver:
     def _await(rank: int, proc, conn, kind: type, stage: str):
         """The next message of worker ``rank``, which must be a ``kind``; raise naming the
         worker (and its error, if it sent one) if it fails or exits first."""
-        while not conn.poll(0.05):
-            if proc.exitcode is not None and not conn.poll(0):
-                raise RuntimeError(
-                    f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}"
-                )
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
+        msg = None
+        with contextlib.suppress(EOFError, OSError):  # a closed pipe: the worker is gone
+            while not conn.poll(0.05) and proc.exitcode is None:
+                pass
+            if conn.poll(0):
+                msg = conn.recv()
+        if msg is None:
             proc.join(2.0)
             raise RuntimeError(
                 f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}"
-            ) from None
+            )
         if isinstance(msg, WorkerFailed):
             raise RuntimeError(f"TP worker rank {rank} failed during {stage}: {msg.error}")
         if not isinstance(msg, kind):

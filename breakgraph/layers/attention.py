@@ -21,19 +21,6 @@ from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 
 
-def kv_write(v: torch.Tensor, kv_layer_id: int) -> ops.KVWrite:
-    """Where the live step's new k/v rows of ``kv_layer_id`` go (padding rows carry slot 0),
-    for a kernel that stores k as it produces it.
-
-    Capturable: inside a prefill graph ``out_cache_loc`` is the bank's static, padded
-    buffer, so the store is part of the segment rather than a launch in the break.
-    """
-    ctx = get_forward_context()
-    pool = ctx.kv_pool
-    k_cache, v_cache = pool.k_buffers[kv_layer_id], pool.v_buffers[kv_layer_id]
-    return ops.KVWrite(v, k_cache, v_cache, ctx.batch.out_cache_loc)
-
-
 @eager_break
 def paged_attention(
     q: torch.Tensor,
@@ -104,5 +91,13 @@ class Attention(nn.Module):
         return o.view(q.shape[0], self.num_heads * self.head_dim)
 
     def kv_write(self, v: torch.Tensor) -> ops.KVWrite:
-        """This layer's KV destination for the live step, with its new v rows."""
-        return kv_write(v, self.kv_layer_id)
+        """Where the live step's new k/v rows of this layer go (padding rows carry slot 0),
+        with its new v rows, for the kernel that stores k as it produces it.
+
+        Capturable: inside a prefill graph ``out_cache_loc`` is the bank's static, padded
+        buffer, so the store is part of the segment rather than a launch in the break.
+        """
+        ctx = get_forward_context()
+        pool = ctx.kv_pool
+        k_cache, v_cache = pool.k_buffers[self.kv_layer_id], pool.v_buffers[self.kv_layer_id]
+        return ops.KVWrite(v, k_cache, v_cache, ctx.batch.out_cache_loc)
