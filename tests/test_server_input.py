@@ -153,6 +153,7 @@ def test_float32_edge_values_sample_within_the_vocabulary_or_are_400(server):
     ):
         body = {"text": "hi", "sampling_params": {**GREEDY, **bad}}
         assert_clean_4xx(post(server, "/generate", body), name)
+    assert_no_leak(server)
 
 
 def test_unknown_path_and_wrong_method_answer_in_the_error_shape(server):
@@ -161,6 +162,7 @@ def test_unknown_path_and_wrong_method_answer_in_the_error_shape(server):
     r = httpx.get(f"{server.url}/generate", timeout=10)
     assert r.status_code == 405 and "POST" in r.headers["allow"]
     assert_clean_4xx(r, "Method Not Allowed")
+    assert_no_leak(server)
 
 
 def test_abort_request_checks_its_fields(server):
@@ -174,6 +176,7 @@ def test_abort_request_checks_its_fields(server):
         assert_clean_4xx(post(server, "/abort_request", body), name)
     ok = post(server, "/abort_request", {"abort_all": False, "rid": "nope"})
     assert ok.status_code == 200 and ok.json() == {"success": False, "aborted": 0}
+    assert_no_leak(server)
 
 
 # ---- item 2: body size, tokenization off the event loop ----
