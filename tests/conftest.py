@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -57,6 +59,17 @@ FAMILIES = {
         ),
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """After each test, give its dead engines' GPU memory back to the device: an engine sizes
+    its KV cache from the memory free on the device, so one test's cached blocks (or a
+    subprocess test's, seeing them as used) must not shrink the next test's engine."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 class LogitsTap:

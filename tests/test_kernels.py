@@ -452,7 +452,13 @@ def test_gemma_qk_norm_rope_matches_twin(dtype, head_dim):
     outs = fused.gemma_qk_norm_rope_triton(q, k, qw, kw, 1e-6, cos, sin)
     refs = fused.gemma_qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
     for out, ref in zip(outs, refs, strict=True):
-        assert_close_norm(out, ref)
+        # a last-bit difference of the fp32 variance (tl.sum vs torch's mean) may flip one
+        # rounding of a normed value; RoPE's difference of products then carries one ulp of
+        # the larger (O(1)) operand into a smaller result: one dtype eps absolute (and fp32's
+        # rsqrt is approximate in Triton, a few ulp from torch's)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out, ref, atol=max(eps, 1e-5), rtol=2 * eps)
     q_only, none = fused.gemma_qk_norm_rope_triton(q, None, qw, None, 1e-6, cos, sin)
     assert none is None
     assert torch.equal(q_only, outs[0])

@@ -73,7 +73,7 @@ def gemma_rms_norm_torch(
     post-norm and the residual add after it), then times ``scale`` (one element) if given
     (a Gemma 4 layer's ``layer_scalar``)."""
     h = x.float()
-    # torch.pow, not rsqrt: HF's choice, kept for bit-equality
+    # torch.pow as HF writes it (ATen computes pow(x, -0.5) as rsqrt, as the kernels do)
     h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
         h = h * weight.float()
@@ -262,7 +262,7 @@ def _gemma_rms_norm_kernel(
     xv = tl.load(x + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
     h = xv.to(tl.float32)
     variance = tl.sum(h * h, 0) / n_cols
-    y = h * (1.0 / tl.sqrt(variance + eps))
+    y = h * tl.rsqrt(variance + eps)  # torch's pow(x, -0.5) on CUDA is rsqrt
     if HAS_WEIGHT:
         y = y * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     y = y.to(xv.dtype)  # type_as(x): the norm's one rounding
@@ -425,12 +425,11 @@ def _norm_rope_heads(
         variance = (tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM
         w1 = tl.load(weight + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(weight + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        rstd = tl.rsqrt(variance + eps)[:, None]
         if GEMMA_NORM:  # normalized and scaled in fp32, one rounding
-            rstd = (1.0 / tl.sqrt(variance + eps))[:, None]
             x1 = (f1 * rstd * w1).to(odt)
             x2 = (f2 * rstd * w2).to(odt)
         else:
-            rstd = tl.rsqrt(variance + eps)[:, None]
             x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(odt)
             x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(odt)
     a1 = x1.to(tl.float32)
