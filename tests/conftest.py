@@ -62,12 +62,18 @@ FAMILIES = {
 
 
 @pytest.fixture(autouse=True)
-def _release_cuda_memory():
-    """After each test, give its dead engines' GPU memory back to the device: an engine sizes
-    its KV cache from the memory free on the device, so one test's cached blocks (or a
-    subprocess test's, seeing them as used) must not shrink the next test's engine."""
+def _leave_the_device_idle():
+    """After each test: wait for its GPU work, then give its dead engines' memory back.
+
+    The wait makes a test that leaves work running on the device (a runaway kernel, a step
+    launched and never read) hang in its own teardown, where faulthandler names it, rather
+    than in whichever test next queues enough launches to fill the queue. The memory goes
+    back because an engine sizes its KV cache from the memory free on the device: one
+    test's cached blocks (or a subprocess test's, seeing them as used) must not shrink the
+    next test's engine."""
     yield
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
 
