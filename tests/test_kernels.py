@@ -271,17 +271,26 @@ def test_decode_attention_matches_twin(group, head_dim, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("merge_in_split", [True, False])
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
-def test_decode_attention_any_split_count(num_kv_splits):
-    """One split, a count that divides nothing, and more splits than short sequences fill."""
+def test_decode_attention_any_split_count(num_kv_splits, merge_in_split):
+    """One split, a count that divides nothing, and more splits than short sequences fill;
+    the merge by each kv head's last split (one launch) as the merge kernel (two), and its
+    arrival counters back at zero after the launch."""
     kc, vc, meta, _ = paged_batch(
         [(s - 1, 1) for s in DECODE_SEQ_LENS], 2, 128, torch.bfloat16, "cuda"
     )
     q = torch.randn(len(DECODE_SEQ_LENS), 4, 128, device="cuda").to(torch.bfloat16)
     o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
+    ws = dec.DecodeWorkspace()
     dec.decode_attention_torch(q, o_ref, kc, vc, meta, 128**-0.5)
-    dec.decode_attention_triton(q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits)
+    dec.decode_attention_triton(
+        q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits, workspace=ws,
+        merge_in_split=merge_in_split,
+    )  # fmt: skip
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    if merge_in_split:
+        assert not ws.counters(len(DECODE_SEQ_LENS) * 2, q.device).any()
 
 
 @gpu
@@ -306,6 +315,7 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
         o_ref = torch.zeros_like(q)
         dec.decode_attention_torch(q, o_ref, *args)
         torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+        assert not workspace.counters(4 * 2, q.device).any()  # every arrival counted back
 
 
 @gpu

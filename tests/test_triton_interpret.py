@@ -19,12 +19,21 @@ pytestmark = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_family_on_the_triton_path_equals_the_twins():
+def interpret(module: str, expected: int) -> None:
+    """Run ``python -m module`` under the interpreter: ``expected`` lines, each "ok"."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, "-m", "tests.interpret_models"],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
+        [sys.executable, "-m", module], capture_output=True, text=True, timeout=900, env=env,
+        cwd=ROOT,
     )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
-    assert out.returncode == 0 and len(lines) == 6, out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0 and len(lines) == expected, out.stdout + out.stderr[-3000:]
+
+
+def test_every_family_on_the_triton_path_equals_the_twins():
+    interpret("tests.interpret_models", 6)
+
+
+def test_decode_attention_merges_in_its_last_split():
+    interpret("tests.interpret_kernels", 8)

@@ -46,6 +46,7 @@ class DecodeWorkspace:
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._counters: dict[torch.device, torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
 
     def get(
@@ -64,10 +65,21 @@ class DecodeWorkspace:
         part_lse = buf[rows * head_dim : need].view(batch, num_heads, num_splits)
         return part_o, part_lse
 
+    def counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` int32 arrival counters, all zero between launches (the kernel that counts to
+        the end resets its own), grown like the partials."""
+        buf = self._counters.get(device)
+        if buf is None or buf.numel() < n:
+            if buf is not None:
+                self._retired.append(buf)
+            buf = torch.zeros(n, dtype=torch.int32, device=device)
+            self._counters[device] = buf
+        return buf[:n]
+
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer a captured decode graph may write by address (for address guards);
         growing appends: the buffers listed before keep their places."""
-        return [*self._retired, *self._buffers.values()]
+        return [*self._retired, *self._buffers.values(), *self._counters.values()]
 
 
 _DEFAULT_WORKSPACE = DecodeWorkspace()
@@ -102,6 +114,8 @@ def _decode_split_kernel(
     seq_lens,
     part_o,
     part_lse,
+    o,  # MERGE only: the output [B, H, D], written by each group's last split to finish
+    counters,  # MERGE only: [B * kv_heads] int32 arrivals, zero between launches
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     group,  # query heads per kv head
     stride_q_b,
@@ -110,6 +124,8 @@ def _decode_split_kernel(
     stride_k_h,
     stride_v_s,
     stride_v_h,
+    stride_o_b,
+    stride_o_h,
     stride_req,
     window,  # sliding window W (with SLIDING): only the last W keys are attended
     HEAD_DIM: tl.constexpr,
@@ -119,8 +135,13 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
-    """Stage 1: one (request, kv head, split); all query heads of the kv head at once."""
+    """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
+
+    With MERGE, stage 2 happens here: each program counts itself in once its partials are
+    stored, and the group's last to arrive merges every split's partials into ``o``.
+    """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,19 +150,21 @@ def _decode_split_kernel(
     if SLIDING:
         start = tl.maximum(seq_len - window, 0)
     # Splits are whole key blocks of the attended keys [start, seq_len); trailing splits of
-    # a short sequence are empty and write nothing (stage 2 skips them by the same
+    # a short sequence are empty and write nothing (the merge skips them by the same
     # arithmetic).
     split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < group
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * group + offs_h
+    # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous: split 0's rows
+    rows0 = (b.to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS
     if lo < hi:
         req = tl.load(req_pool_indices + b).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
-        mask_h = offs_h < group
-        mask_d = offs_d < HEAD_DIM
-        heads = kv_head * group + offs_h
         q_ptrs = q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
         q_tile = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
 
@@ -160,11 +183,56 @@ def _decode_split_kernel(
                 mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
             )  # fmt: skip
 
-        # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous
-        rows = (b.to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS + split
+        rows = rows0 + split
         o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
         tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
+    if MERGE:
+        # Every thread's partial stores happen before the arrival (barrier), and the arrival
+        # releases them at GPU scope; the last arrival's acquire makes every split's
+        # partials visible to its loads, which bypass L1 (.cg). An empty split arrives too.
+        tl.debug_barrier()
+        counter = counters + b * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            tl.store(counter, 0)  # zero again for the next launch (every split has counted)
+            _merge_splits(
+                part_o, part_lse, o, rows0, b, heads, mask_h, offs_d, mask_d,
+                seq_len - start, stride_o_b, stride_o_h, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+                NUM_SPLITS,
+            )  # fmt: skip
+
+
+@_jit
+def _merge_splits(
+    part_o, part_lse, o, rows0, b, heads, mask_h, offs_d, mask_d, num_keys, stride_o_b,
+    stride_o_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One kv head's query heads: the non-empty splits' partials merged by log-sum-exp (base
+    2), as :func:`_decode_reduce_kernel` does per head."""
+    split_len = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    mask = mask_h[:, None] & mask_d[None, :]
+    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        if split * split_len < num_keys:
+            rows = rows0 + split
+            lse = tl.load(part_lse + rows, mask=mask_h, other=-1.0e30, cache_modifier=".cg")
+            part = tl.load(
+                part_o + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                cache_modifier=".cg",
+            )  # fmt: skip
+            m_new = tl.maximum(m, lse)
+            alpha = tl.math.exp2(m - m_new)
+            w = tl.math.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            total = total * alpha + w
+            m = m_new
+    out = acc / tl.maximum(total, 1.0e-30)[:, None]  # an empty sequence gives zeros
+    o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -220,8 +288,11 @@ def decode_attention_triton(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     sliding_window: int | None = None,
+    merge_in_split: bool = True,
 ) -> None:
-    """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), two launches.
+    """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding) in one launch,
+    each kv head's last split to finish merging the partials (``merge_in_split``; else a
+    second launch merges, one program per head).
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the
@@ -231,13 +302,13 @@ def decode_attention_triton(
     _launch_decode(
         q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace,
         block_n=_decode_block_n(q.shape[-1], q.dtype), num_warps=4, num_stages=2,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, merge_in_split=merge_in_split,
     )  # fmt: skip
 
 
 def _launch_decode(
     q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace, block_n, num_warps,
-    num_stages, sliding_window=None,
+    num_stages, sliding_window=None, merge_in_split=True,
 ) -> None:  # fmt: skip
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -250,6 +321,7 @@ def _launch_decode(
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
     part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
+    counters = ws.counters(batch * num_kv_heads, q.device) if merge_in_split else part_lse
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
@@ -260,6 +332,8 @@ def _launch_decode(
         meta.seq_lens,
         part_o,
         part_lse,
+        o,
+        counters,
         sm_scale * _LOG2E,
         group,
         q.stride(0),
@@ -268,6 +342,8 @@ def _launch_decode(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        o.stride(0),
+        o.stride(1),
         meta.req_to_token.stride(0),
         sliding_window or 0,
         HEAD_DIM=head_dim,
@@ -277,9 +353,12 @@ def _launch_decode(
         NUM_SPLITS=splits,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
+        MERGE=merge_in_split,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if merge_in_split:
+        return
     _decode_reduce_kernel[(batch, num_heads)](
         part_o,
         part_lse,
