@@ -1,7 +1,7 @@
-"""Decode attention's Triton kernel under Triton's interpreter on CPU tensors, against its
-torch twin (float32): the merge by each kv head's last split (one launch) and the merge
-kernel (two launches), plain and with a sliding window, the arrival counters back at zero.
-Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
+"""Kernels that merge their splits in the last split to finish, under Triton's interpreter on
+CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
+decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
+and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
 ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from breakgraph.kernels import decode_attention as dec
+from breakgraph.kernels import skinny_gemm as sg
 from breakgraph.kernels.attention_meta import AttentionMeta
 
 SEQ_LENS = [0, 1, 2, 63, 64, 65, 300, 777]
@@ -53,6 +55,23 @@ def main() -> int:
                     f"{'ok' if ok else 'FAIL'} window={window} merge_in_split={merge} "
                     f"splits={splits}: max diff {diff:.1e}, counters zero {zero}"
                 )
+    return failed + skinny_gemm()
+
+
+def skinny_gemm() -> int:
+    failed = 0
+    for m, n, k in ((1, 40, 70), (3, 100, 300), (17, 64, 256), (64, 20, 64)):
+        x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 5)):
+            ws = sg.SkinnyWorkspace()
+            diff = max(
+                (sg.skinny_gemm_triton(x, w, b, cfg, ws) - F.linear(x, w, b)).abs().max().item()
+                for b in (None, bias)
+            )
+            zero = all(not c.any() for c in ws._counters.values())
+            ok = diff <= 1e-4 and zero
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} skinny {m}x{n}x{k} {cfg}: max diff {diff:.1e}")
     return failed
 
 

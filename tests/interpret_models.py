@@ -5,7 +5,8 @@ variable must be set before Triton is imported: ``test_triton_interpret.py`` sta
 
 The CUDA-only host helpers the launchers call (device properties) are stood in for by an
 H200's values; attention, norms, RoPE with the fused KV store, GeGLU/SiLU, MoE routing and
-experts all run their Triton kernels.
+experts all run their Triton kernels, and "qwen2+skinny" sends every projection of at most
+64 rows through the skinny GEMM (as a measured table would; the shipped table may be empty).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import torch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
-from breakgraph.kernels import decode_attention, extend_attention, ops
+from breakgraph.kernels import decode_attention, extend_attention, ops, skinny_gemm
 from tests.conftest import LogitsTap, make_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma4", "gemma4_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma4", "gemma4_moe", "qwen2+skinny"]
+# "+skinny": every projection of at most 64 rows through the skinny-GEMM kernel (split K, with
+# qwen2's biases), as a measured table would send them
+SKINNY = skinny_gemm.SkinnyConfig(block_n=32, block_k=32, split_k=3)
 ATOL = 1e-5
 
 
@@ -63,15 +67,21 @@ def _run(path: str, triton: bool):
 def main(families: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
     stand_in_h200_host_helpers()
+    table_config = skinny_gemm.table_config
     failed = 0
     for family in families:
+        family, _, variant = family.partition("+")
         path = tiny_checkpoint(family)
         tokens, steps = _run(path, triton=False)
+        if variant == "skinny":
+            skinny_gemm.table_config = lambda m, n, k: SKINNY
         tokens_t, steps_t = _run(path, triton=True)
+        skinny_gemm.table_config = table_config
         diff = max((a - b).abs().max().item() for a, b in zip(steps, steps_t, strict=True))
         ok = tokens == tokens_t and len(steps) == len(steps_t) and diff <= ATOL
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL'} {family}: {len(steps)} steps, max logit diff {diff:.1e}")
+        name = f"{family}+{variant}" if variant else family
+        print(f"{'ok' if ok else 'FAIL'} {name}: {len(steps)} steps, max logit diff {diff:.1e}")
     return failed
 
 

@@ -315,3 +315,24 @@ def test_decode_profile_kinds_and_line():
     line = format_decode_point(pt)
     assert "kernels 300 (10.0/layer)" in line and "floor 1.500 ms (1.33x)" in line
     assert "GPU kernels 1.700 ms (idle 0.300 ms): gemm 1.200 ms (71%)" in line
+
+
+def test_gemm_bench_shapes_and_table_entries(monkeypatch):
+    """The projections of a Llama-style config, and measured choices merged into the table
+    the skinny-GEMM dispatch reads (None: cuBLAS)."""
+    from breakgraph.bench import gemm
+    from breakgraph.kernels import skinny_gemm as sg
+
+    assert gemm.projection_shapes("qwen3-0.6b") == {
+        "qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+        "lm_head": (151936, 1024),
+    }  # fmt: skip
+    a, b = sg.SkinnyConfig(16, 128, 4), sg.SkinnyConfig(64, 256, 1)
+    entries = gemm.table_entries([(1, a), (4, a), (16, b), (64, None)])
+    assert entries == [(4, a), (16, b), (64, None)]
+    monkeypatch.setitem(sg.SKINNY_TABLE, (4096, 1024), entries)
+    assert [sg.table_config(m, 4096, 1024) for m in (1, 3, 4, 5, 16, 17, 64, 65)] == [
+        a, a, a, b, b, None, None, None,
+    ]  # fmt: skip
+    assert sg.table_config(1, 4096, 2048) is None  # a shape never measured
+    assert all(1024 // c.split_k >= c.block_k for c in gemm.configs_for(1024))

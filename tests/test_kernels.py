@@ -13,6 +13,7 @@ from breakgraph.forward_batch import ForwardBatch, ForwardMode
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
 from breakgraph.kernels import fused, kv_store, ops
+from breakgraph.kernels import skinny_gemm as sg
 from breakgraph.kernels.attention_meta import AttentionMeta
 
 HAS_CUDA = torch.cuda.is_available()
@@ -316,6 +317,50 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
         dec.decode_attention_torch(q, o_ref, *args)
         torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
         assert not workspace.counters(4 * 2, q.device).any()  # every arrival counted back
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+def test_skinny_gemm_matches_linear(m, dtype):
+    """Decode's few rows (a strided x, as a slice of a wider tensor), one split and several,
+    with and without bias, against F.linear; the split counters back at zero."""
+    n, k = 1000, 1536  # ragged N tiles, K not a multiple of every split's chunk
+    x = torch.randn(m, k + 64, device="cuda").to(dtype)[:, :k]
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    ws = sg.SkinnyWorkspace()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for cfg in (
+        sg.SkinnyConfig(64, 128, 1),
+        sg.SkinnyConfig(32, 64, 4),
+        sg.SkinnyConfig(16, 256, 8),
+    ):
+        for bias in (None, b):
+            out = sg.skinny_gemm_triton(x, w, bias, cfg, ws)
+            ref = torch.nn.functional.linear(
+                x.float(), w.float(), None if bias is None else b.float()
+            )
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert not any(c.any() for c in ws._counters.values())
+
+
+@gpu
+def test_skinny_gemm_replays_in_a_cuda_graph():
+    """Captured with split K; replays read the new x and leave the counters at zero."""
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) / 2048**0.5
+    ws, cfg = sg.SkinnyWorkspace(), sg.SkinnyConfig(32, 128, 4)
+    sg.skinny_gemm_triton(x, w, None, cfg, ws)  # compile and grow outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sg.skinny_gemm_triton(x, w, None, cfg, ws)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert not any(c.any() for c in ws._counters.values())
 
 
 @gpu

@@ -14,6 +14,7 @@ from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import kv_store as _kv_store
+from breakgraph.kernels import skinny_gemm as _skinny
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.decode_attention import DecodeWorkspace
 from breakgraph.kernels.kv_store import KVWrite
@@ -33,6 +34,7 @@ __all__ = [
     "gelu_tanh_mul",
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
+    "linear",
     "qk_norm_rope",
     "rms_norm",
     "rope",
@@ -127,8 +129,18 @@ def decode_attention(
 
 
 def graph_workspaces() -> list[torch.Tensor]:
-    """Workspaces that captured kernels write by address (the decode split partials)."""
-    return _decode._DEFAULT_WORKSPACE.buffers()
+    """Workspaces that captured kernels write by address (split partials and counters)."""
+    return _decode._DEFAULT_WORKSPACE.buffers() + _skinny.graph_workspaces()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x W^T (+ bias)``: the skinny-GEMM kernel for decode's few rows where the H200 table
+    measured it faster than cuBLAS (kernels/skinny_gemm.py), else ``F.linear``."""
+    if x.dim() == 2 and x.shape[0] <= _skinny.MAX_M and _use_triton(x):
+        cfg = _skinny.table_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return _skinny.skinny_gemm_triton(x, weight, bias, cfg)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

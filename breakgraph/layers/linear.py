@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from breakgraph.distributed import get_tp_group
+from breakgraph.kernels import ops
 
 
 def full(loaded) -> torch.Tensor:
@@ -71,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(narrow(loaded, 0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -157,7 +158,7 @@ class QKVParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -181,8 +182,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return ops.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -220,7 +221,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     rank computes its slice of the logits and an all-gather gives every rank the full row."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = ops.linear(hidden_states, self.weight)
         if not self.tp.is_parallel:
             return logits
         return self.tp.all_gather(logits)[..., : self.num_embeddings]

@@ -1,0 +1,150 @@
+"""Decode's projections at M = 1..64 rows: cuBLAS against the skinny-GEMM kernel, same run.
+
+    python -m breakgraph.bench.gemm [--models qwen3-0.6b llama-3.1-8b] [--m 1 4 16 64]
+
+For each weight shape of the models' decoder layers and LM head (fused qkv, o, fused
+gate/up, down, lm_head; Llama-style configs), each M: cuBLAS (``F.linear``) and the best of
+a sweep of skinny-GEMM configs, both timed as CUDA-graph replays (as the decode graphs run
+them; medians), against the floor: the bytes read and written over the measured
+device-to-device copy bandwidth. Prints the table and the ``SKINNY_TABLE`` literal to paste
+into kernels/skinny_gemm.py (configs that beat cuBLAS by at least ``--min-gain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from breakgraph.kernels import skinny_gemm as sg
+from breakgraph.models.sources import CONFIG_DIR
+
+CONFIGS = [
+    sg.SkinnyConfig(block_n, block_k, split_k)
+    for block_n in (16, 32, 64)
+    for block_k in (128, 256)
+    for split_k in (1, 2, 4, 8)
+]
+
+
+def configs_for(k: int) -> list[sg.SkinnyConfig]:
+    """The sweep, less the splits left with fewer than one chunk each."""
+    return [c for c in CONFIGS if k // c.split_k >= c.block_k]
+
+
+def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of a Llama-style config's projections at TP 1."""
+    cfg = json.loads((CONFIG_DIR / f"{model}.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    return {
+        "qkv": ((heads + 2 * kv) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (cfg["vocab_size"], hidden),
+    }
+
+
+def graph_us(fn) -> float:
+    """Median µs of one call, timed as CUDA-graph replays (fn already compiled)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def copy_bytes_per_us(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / graph_us(lambda: dst.copy_(src))
+
+
+def best_skinny(x, w, configs) -> tuple[float, sg.SkinnyConfig | None]:
+    best = (float("inf"), None)
+    ws = sg.SkinnyWorkspace()
+    for cfg in configs:
+        fn = lambda c=cfg: sg.skinny_gemm_triton(x, w, None, c, ws)  # noqa: E731
+        try:
+            fn()
+            us = graph_us(fn)
+        except Exception as e:  # a config that does not compile for this shape
+            print(f"  {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            continue
+        best = min(best, (us, cfg), key=lambda t: t[0])
+    return best
+
+
+def table_entries(
+    per_m: list[tuple[int, sg.SkinnyConfig | None]],
+) -> list[tuple[int, sg.SkinnyConfig | None]]:
+    """Measured (m, choice) ascending -> ``SKINNY_TABLE`` entries: runs of one choice merged
+    into (max_m, choice); rows between two measured m take the larger one's choice."""
+    merged: list[tuple[int, sg.SkinnyConfig | None]] = []
+    for m, cfg in per_m:
+        if merged and merged[-1][1] == cfg:
+            merged[-1] = (m, cfg)
+        else:
+            merged.append((m, cfg))
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    parser.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument(
+        "--min-gain", type=float, default=0.03, help="keep configs this much faster"
+    )
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("breakgraph.bench.gemm needs a CUDA device; nothing to measure here.")
+        return
+    assert max(args.m) <= sg.MAX_M
+    torch.manual_seed(0)
+    bw = copy_bytes_per_us()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bw / 1e6:.2f} TB/s")
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for model in args.models:
+        for name, nk in projection_shapes(model).items():
+            shapes.setdefault(nk, []).append(f"{model}:{name}")
+    rows, table = [], {}
+    header = f"{'shape (N x K)':<34} {'M':>3} {'cuBLAS us':>10} {'skinny us':>10} {'ratio':>6} {'floor us':>9} {'cuBLAS/floor':>12}  config"
+    print(header)
+    for (n, k), names in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        entries = []
+        for m in sorted(args.m):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            F.linear(x, w)
+            cublas = graph_us(lambda x=x, w=w: F.linear(x, w))
+            skinny, cfg = best_skinny(x, w, configs_for(k))
+            floor = 2 * (n * k + m * k + m * n) / bw
+            label = f"{n} x {k} ({', '.join(names)})"
+            print(
+                f"{label[:34]:<34} {m:>3} {cublas:>10.2f} {skinny:>10.2f} "
+                f"{skinny / cublas:>5.2f}x {floor:>9.2f} {cublas / floor:>11.2f}x  {cfg}",
+                flush=True,
+            )
+            rows.append(dict(n=n, k=k, names=names, m=m, cublas_us=cublas, skinny_us=skinny,
+                             config=None if cfg is None else cfg._asdict(), floor_us=floor))  # fmt: skip
+            wins = cfg is not None and skinny <= (1 - args.min_gain) * cublas
+            entries.append((m, cfg if wins else None))
+        merged = table_entries(entries)
+        if any(cfg is not None for _, cfg in merged):
+            table[(n, k)] = merged
+    print("\nSKINNY_TABLE = {")
+    for (n, k), merged in table.items():
+        print(f"    ({n}, {k}): {merged!r},  # {', '.join(shapes[(n, k)])}")
+    print("}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Skinny GEMM, decode's few rows: ``y = x W^T (+ bias)`` for x [M, K] with small M.
+
+At decode's M = 1..64 a projection reads its weight once and does little else: its time is
+the weight bytes over the memory bandwidth plus the launch's ramp and tail. This kernel tiles
+N (``BLOCK_N`` weight rows per program) and splits K (``SPLIT_K`` programs per N tile), so a
+1024-wide output still puts enough loads in flight on every SM. A split's fp32 partial goes
+to a workspace; the N tile's last split to finish sums them (arrival counters, as decode
+attention merges its splits), adds the bias and stores y in x's dtype: one launch.
+
+Which shapes take it is measured, not guessed: :data:`SKINNY_TABLE` maps a weight shape
+``(N, K)`` to ``(max_m, config)`` classes that beat cuBLAS on the H200, as printed by
+``python -m breakgraph.bench.gemm`` (which regenerates it). A shape not in the table stays on
+cuBLAS (``F.linear``); the torch twin is ``F.linear`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: the CPU-only install runs the torch twin
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (N, K) -> [(max_m, config or None), ...] ascending max_m: rows m <= max_m (and above the
+# previous entry's) take the config, None meaning cuBLAS. The H200 measurements of
+# ``python -m breakgraph.bench.gemm``; empty until that run: every shape stays on cuBLAS.
+SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {}
+
+MAX_M = 64  # the kernel's largest row tile
+
+
+def skinny_gemm_torch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference twin: ``F.linear``."""
+    return F.linear(x, weight, bias)
+
+
+def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """The measured config for ``m`` rows of an (n, k) weight, or None (cuBLAS)."""
+    for max_m, cfg in SKINNY_TABLE.get((n, k), ()):
+        if m <= max_m:
+            return cfg
+    return None  # more rows than any entry, or a shape never measured
+
+
+class SkinnyWorkspace:
+    """fp32 split partials and per-N-tile arrival counters (zero between launches), grown
+    lazily; an outgrown buffer is kept alive (captured graphs still use its address)."""
+
+    def __init__(self) -> None:
+        self._part: dict[torch.device, torch.Tensor] = {}
+        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def _grown(self, store: dict, n: int, device: torch.device, make) -> torch.Tensor:
+        buf = store.get(device)
+        if buf is None or buf.numel() < n:
+            if buf is not None:
+                self._retired.append(buf)
+            buf = store[device] = make(n)
+        return buf[:n]
+
+    def partials(self, n: int, device: torch.device) -> torch.Tensor:
+        return self._grown(
+            self._part, n, device, lambda s: torch.empty(s, dtype=torch.float32, device=device)
+        )
+
+    def counters(self, n: int, device: torch.device) -> torch.Tensor:
+        return self._grown(
+            self._counters, n, device, lambda s: torch.zeros(s, dtype=torch.int32, device=device)
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self._retired, *self._part.values(), *self._counters.values()]
+
+
+_DEFAULT_WORKSPACE = SkinnyWorkspace()
+
+
+@_jit
+def _skinny_gemm_kernel(
+    x,
+    w,
+    bias,
+    y,
+    part,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
+    counters,  # SPLIT_K > 1: [cdiv(N, BLOCK_N)] int32 arrivals, zero between launches
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < k_hi
+        xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wt = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=mask)
+    else:
+        cells = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part + pid_k.to(tl.int64) * M * N + cells, acc, mask=mask)
+        # every thread's partial stored before the arrival, released at GPU scope; the last
+        # arrival's acquire makes all splits' partials visible to its (L1-bypassing) loads
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.store(counters + pid_n, 0)  # zero again for the next launch
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order: the sum does not depend on arrival
+                total += tl.load(
+                    part + s * M * N + cells, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    workspace: SkinnyWorkspace | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`skinny_gemm_torch` for x [M <= 64, K] (rows may be strided),
+    weight [N, K] contiguous. ``config`` defaults to the table's, else a generic one.
+    CUDA-graph capturable: the grid depends on the shapes only; the workspace keeps its
+    addresses once grown."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_M and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or table_config(m, n, k) or SkinnyConfig(64, 128, 1)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
+    part, counters = y, y  # unused with one split
+    if cfg.split_k > 1:
+        part = ws.partials(cfg.split_k * m * n, x.device)
+        counters = ws.counters(grid[0], x.device)
+    _skinny_gemm_kernel[grid](
+        x, weight, weight if bias is None else bias, y, part, counters, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def graph_workspaces() -> list[torch.Tensor]:
+    """Buffers captured skinny GEMMs write by address (for address guards)."""
+    return _DEFAULT_WORKSPACE.buffers()
