@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# Decode at the bandwidth floor (issue 19) and Gemma 4's fused kernels on one H200: the kernel
-# tests against their twins, then `bench decode` (kernels per step and per layer, the floor)
-# for each tree in TREES (default: this one; add an older checkout, e.g. TREES=". .dev/old",
-# for before/after in one run). Results under ${OUT:-results}.
+# Decode at the bandwidth floor (issue 19) on one H200: the skinny-GEMM sweep against cuBLAS
+# (prints the SKINNY_TABLE to paste into kernels/skinny_gemm.py; GEMM=0 skips it), decode
+# attention's one launch against the merge kernel's two (bench kernels), then `bench decode`
+# (kernels per step and per layer, the floor, --profile) for each tree in TREES (default: this
+# one; add an older checkout, e.g. TREES=". .dev/old", for before/after in one run). TESTS=1
+# first runs the kernel tests. Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
-  tests/test_gemma4_gpu.py 2>&1 | tail -8 | tee "$OUT/decode_tests.log"
+if [ "${TESTS:-0}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
+    tests/test_gemma4_gpu.py 2>&1 | tail -8 | tee "$OUT/decode_tests.log"
+fi
+if [ "${GEMM:-1}" = 1 ]; then
+  timeout 300 python3 -m breakgraph.bench.gemm --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | tail -n 20
+fi
+timeout 120 python3 -c "
+from breakgraph.bench.kernels import bench_decode
+for bs, ctx in ((1, 1024), (8, 1024), (32, 8192)):
+    for row in bench_decode(bs, ctx, False):
+        print(row)" 2>&1 | tee "$OUT/decode_attention.log"
 for tree in ${TREES:-.}; do
   tag=$(basename "$(cd "$tree" && pwd)")
   extra=$([ "$tree" = . ] && echo --profile)  # an older checkout may not have it
