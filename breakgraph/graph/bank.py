@@ -124,6 +124,10 @@ class GraphBank:
                     stream.wait_stream(torch.cuda.current_stream())  # inputs the context uploaded
                     with torch.cuda.stream(stream):
                         self.fn(**self.views(size))
+                    # The context's tensors were allocated on the current stream and are freed
+                    # as it exits: their blocks' next users there (the next bucket's upload)
+                    # must wait for this bucket's kernels on the side stream, which read them.
+                    torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
         compiles = self.compile_counter() if self.compile_counter is not None else 0
         # A cyclic-GC pass inside a capture may destroy another graph (or free its pool's
