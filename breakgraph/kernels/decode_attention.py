@@ -8,7 +8,12 @@ import math
 import torch
 
 from breakgraph.kernels.attention_meta import AttentionMeta
-from breakgraph.kernels.extend_attention import _attend_block, extend_attention_torch
+from breakgraph.kernels.extend_attention import (
+    _attend_block,
+    extend_attention_torch,
+    merge_partial,
+)
+from breakgraph.kernels.workspace import Workspace
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -36,50 +41,26 @@ def decode_attention_torch(
     extend_attention_torch(q, o, k_cache, v_cache, rows, sm_scale, sliding_window=sliding_window)
 
 
-class DecodeWorkspace:
-    """fp32 scratch for the split-KV partials (outputs and log-sum-exp), grown lazily.
-
-    Once grown, ``get`` returns views of the same buffer, so a captured CUDA graph keeps
-    valid addresses. A buffer outgrown later is kept alive, never freed, because graphs
-    captured earlier still write into it. Grow it to the largest batch before capture.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._counters: dict[torch.device, torch.Tensor] = {}
-        self._retired: list[torch.Tensor] = []
+class DecodeWorkspace(Workspace):
+    """fp32 scratch for the split-KV partials (outputs and log-sum-exp) and the int32 arrival
+    counters of the merge in the last split, grown lazily (kernels/workspace.py: an outgrown
+    buffer stays alive for the graphs captured with it). Grow it to the largest batch before
+    capture."""
 
     def get(
         self, batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(partial_o [B, H, S, D], partial_lse [B, H, S])``."""
         rows = batch * num_heads * num_splits
-        need = rows * (head_dim + 1)
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < need:
-            if buf is not None:
-                self._retired.append(buf)
-            buf = torch.empty(need, dtype=torch.float32, device=device)
-            self._buffers[device] = buf
+        buf = super().get("partials", rows * (head_dim + 1), torch.float32, device)
         part_o = buf[: rows * head_dim].view(batch, num_heads, num_splits, head_dim)
-        part_lse = buf[rows * head_dim : need].view(batch, num_heads, num_splits)
+        part_lse = buf[rows * head_dim :].view(batch, num_heads, num_splits)
         return part_o, part_lse
 
     def counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """``n`` int32 arrival counters, all zero between launches (the kernel that counts to
-        the end resets its own), grown like the partials."""
-        buf = self._counters.get(device)
-        if buf is None or buf.numel() < n:
-            if buf is not None:
-                self._retired.append(buf)
-            buf = torch.zeros(n, dtype=torch.int32, device=device)
-            self._counters[device] = buf
-        return buf[:n]
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every buffer a captured decode graph may write by address (for address guards);
-        growing appends: the buffers listed before keep their places."""
-        return [*self._retired, *self._buffers.values(), *self._counters.values()]
+        """``n`` int32 arrival counters, all zero between launches (the program that counts
+        to the end resets its own)."""
+        return super().get("counters", n, torch.int32, device, zero=True)
 
 
 _DEFAULT_WORKSPACE = DecodeWorkspace()
@@ -224,12 +205,7 @@ def _merge_splits(
                 part_o + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
                 cache_modifier=".cg",
             )  # fmt: skip
-            m_new = tl.maximum(m, lse)
-            alpha = tl.math.exp2(m - m_new)
-            w = tl.math.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + part * w[:, None]
-            total = total * alpha + w
-            m = m_new
+            acc, total, m = merge_partial(acc, total, m, part, lse)
     out = acc / tl.maximum(total, 1.0e-30)[:, None]  # an empty sequence gives zeros
     o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
     tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask)

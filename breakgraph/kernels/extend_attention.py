@@ -82,6 +82,17 @@ def extend_attention_torch(
 
 
 @_jit
+def merge_partial(acc, total, m, part, lse):
+    """Fold one split's normalized rows ``part`` [R, D] with their base-2 log-sum-exp ``lse``
+    [R] into a running merge (``acc`` [R, D], ``total`` and max ``m`` [R]); returns all three.
+    Divide ``acc`` by ``total`` at the end."""
+    m_new = tl.maximum(m, lse)
+    alpha = tl.math.exp2(m - m_new)
+    w = tl.math.exp2(lse - m_new)
+    return acc * alpha[:, None] + part * w[:, None], total * alpha + w, m_new
+
+
+@_jit
 def _attend_block(
     q_tile,
     acc,
@@ -401,12 +412,7 @@ def _extend_merge_kernel(
             part = tl.load(
                 part_o + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
             )
-            m_new = tl.maximum(m, lse)
-            alpha = tl.math.exp2(m - m_new)
-            w = tl.math.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + part * w[:, None]
-            total = total * alpha + w
-            m = m_new
+            acc, total, m = merge_partial(acc, total, m, part, lse)
             rows += split_stride
         out = acc / tl.maximum(total, 1.0e-30)[:, None]
         o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]

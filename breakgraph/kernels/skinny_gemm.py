@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from breakgraph.kernels.workspace import Workspace
+
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
     import triton.language as tl
@@ -60,35 +62,15 @@ def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     return None  # more rows than any entry, or a shape never measured
 
 
-class SkinnyWorkspace:
+class SkinnyWorkspace(Workspace):
     """fp32 split partials and per-N-tile arrival counters (zero between launches), grown
-    lazily; an outgrown buffer is kept alive (captured graphs still use its address)."""
-
-    def __init__(self) -> None:
-        self._part: dict[torch.device, torch.Tensor] = {}
-        self._counters: dict[torch.device, torch.Tensor] = {}
-        self._retired: list[torch.Tensor] = []
-
-    def _grown(self, store: dict, n: int, device: torch.device, make) -> torch.Tensor:
-        buf = store.get(device)
-        if buf is None or buf.numel() < n:
-            if buf is not None:
-                self._retired.append(buf)
-            buf = store[device] = make(n)
-        return buf[:n]
+    lazily (kernels/workspace.py: an outgrown buffer stays alive for captured graphs)."""
 
     def partials(self, n: int, device: torch.device) -> torch.Tensor:
-        return self._grown(
-            self._part, n, device, lambda s: torch.empty(s, dtype=torch.float32, device=device)
-        )
+        return self.get("partials", n, torch.float32, device)
 
     def counters(self, n: int, device: torch.device) -> torch.Tensor:
-        return self._grown(
-            self._counters, n, device, lambda s: torch.zeros(s, dtype=torch.int32, device=device)
-        )
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [*self._retired, *self._part.values(), *self._counters.values()]
+        return self.get("counters", n, torch.int32, device, zero=True)
 
 
 _DEFAULT_WORKSPACE = SkinnyWorkspace()
