@@ -6,12 +6,14 @@ process behind."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +156,38 @@ def test_dummy_weights_equal_and_dead_worker_fails_cleanly(checkpoints):
         with pytest.raises(RuntimeError, match="TP worker rank 1"):
             tp2.generate(ps, greedy(1))
         assert time.monotonic() - start < 10
+    assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
+
+
+def test_worker_dying_mid_generation_stops_the_engine_at_once(checkpoints, caplog):
+    """A worker killed while rank 0 generates: the step it breaks (or the next) raises naming
+    its rank within seconds, and rank 0's watchdog logs it (on NCCL it also aborts the group,
+    which would otherwise wait out the collective timeout); no process is left behind."""
+    engine = Engine(make_args(checkpoints["qwen3"], tp_size=2))
+    try:
+        (worker,) = engine.tp_driver.procs
+        engine.generate(prompts([8]), greedy(2))
+        killed = threading.Event()
+
+        def kill():
+            os.kill(worker.pid, signal.SIGKILL)
+            killed.set()
+
+        threading.Timer(0.3, kill).start()
+        deadline = time.monotonic() + 30
+        with caplog.at_level(logging.ERROR, logger="breakgraph.engine.tp_worker"):
+            with pytest.raises(RuntimeError, match="TP worker rank 1"):
+                while time.monotonic() < deadline:  # generating when the kill lands
+                    engine.generate(prompts([8, 5]), greedy(400))
+            assert killed.wait(5)
+            for _ in range(100):  # the watchdog's line (its thread may log after the raise)
+                if "TP worker rank 1 exited" in caplog.text:
+                    break
+                time.sleep(0.05)
+        assert time.monotonic() < deadline
+        assert "TP worker rank 1 exited (exit code -9)" in caplog.text
+    finally:
+        engine.shutdown()
     assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
 
 

@@ -75,3 +75,50 @@ def test_tp2_graphs_equal_eager_and_floor_replays(small_dir):  # noqa: F811
         torch.testing.assert_close(replay(), runner.forward_eager(batch), atol=ATOL, rtol=ATOL)
     finally:
         graph.shutdown()
+
+
+DEATH_SCRIPT = r"""
+import json, os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[2])
+from tests.test_engine_gpu import engine
+from breakgraph.engine.request import SamplingParams
+eng = engine(sys.argv[1], graphs=True, tp_size=2)
+(worker,) = eng.tp_driver.procs
+sp = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=0.0))
+killed_at = []
+def kill():
+    killed_at.append(time.monotonic())
+    os.kill(worker.pid, signal.SIGKILL)
+threading.Timer(0.5, kill).start()
+error, deadline = None, time.monotonic() + 120
+try:
+    while time.monotonic() < deadline:  # decoding (graphs, all-reduce inside) when it lands
+        eng.generate([[5, 6, 7]] * 4, sp)
+except RuntimeError as e:
+    error = str(e)
+waited = time.monotonic() - killed_at[0] if killed_at else None
+eng.shutdown()
+print(json.dumps({"error": error, "waited_s": waited}))
+"""
+
+
+def test_worker_death_mid_decode_fails_at_once_not_at_the_nccl_timeout(small_dir):  # noqa: F811
+    """A worker killed during decode: rank 0's watchdog aborts the NCCL group, so the engine
+    raises naming the rank within seconds instead of waiting out the collective timeout (then
+    being killed by NCCL's watchdog). In a subprocess: an abort that went wrong must not take
+    the test session with it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", DEATH_SCRIPT, str(small_dir), here],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] and "TP worker rank 1" in result["error"], out.stderr[-3000:]
+    assert result["waited_s"] < 30, result

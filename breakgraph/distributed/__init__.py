@@ -6,10 +6,18 @@ and no process group exists.
 
 from breakgraph.distributed.group import (
     TPGroup,
+    abort_tp_group,
     destroy_tp_group,
     get_tp_group,
     init_tp_group,
     tp_group_scope,
 )
 
-__all__ = ["TPGroup", "destroy_tp_group", "get_tp_group", "init_tp_group", "tp_group_scope"]
+__all__ = [
+    "TPGroup",
+    "abort_tp_group",
+    "destroy_tp_group",
+    "get_tp_group",
+    "init_tp_group",
+    "tp_group_scope",
+]

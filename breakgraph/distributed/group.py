@@ -118,3 +118,19 @@ def init_tp_group(
 def destroy_tp_group(group: TPGroup) -> None:
     if group.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_tp_group(group: TPGroup) -> bool:
+    """Abort the group's communicators, from any thread: NCCL collectives waiting for a peer
+    that will never come (kernels queued on the device included) fail now instead of at the
+    timeout. Only NCCL needs it: gloo fails a collective at once when a peer's connection
+    closes. True if aborted."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if group.size == 1 or group.device.type != "cuda" or abort is None or not dist.is_initialized():
+        return False
+    try:
+        abort()
+    except Exception as e:  # noqa: BLE001 - best effort: the timeout still ends the wait
+        logger.warning("aborting the TP group failed: %s", e)
+        return False
+    return True

@@ -318,7 +318,12 @@ class Engine:
         return self.scheduler.abort(rid)
 
     def step(self) -> list[StepOutput]:
-        return self.scheduler.step()
+        outputs = self.scheduler.step()
+        if self.tp_driver is not None:
+            # a worker gone during the step (its collectives aborted by the TP watchdog):
+            # what the step read back is not to be trusted
+            self.tp_driver.check_workers()
+        return outputs
 
     @property
     def last_step_timing(self) -> StepTiming:

@@ -10,10 +10,12 @@ Startup goes over the pipes, not collectives: each worker reports that it is up,
 capacity (rank 0 waits for both watching the worker's process, so a worker that dies while
 starting fails the engine at once, naming its error). A worker exits when rank 0 says so,
 closes its pipe or dies; rank 0 raises a RuntimeError naming a dead worker (and its last
-error) at its next step, and collectives time out rather than hang
-(``breakgraph.distributed.DEFAULT_TIMEOUT_S``). On CUDA (NCCL, ``cuda:{rank}``, graphs
-capturing the all-reduce) every rank tears the group down at once at shutdown: NCCL's
-teardown waits for its peers.
+error) at its next step or read-back. A watchdog thread on rank 0 waits on the workers'
+processes: one that dies outside shutdown aborts the group at once, so rank 0 is never left
+waiting in a collective (NCCL would wait ``breakgraph.distributed.DEFAULT_TIMEOUT_S``, then
+kill the process; gloo fails at once on the closed connection). On CUDA (NCCL,
+``cuda:{rank}``, graphs capturing the all-reduce) every rank tears the group down at once at
+shutdown: NCCL's teardown waits for its peers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import faulthandler
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from breakgraph.distributed import TPGroup, destroy_tp_group, init_tp_group
+from breakgraph.distributed import TPGroup, abort_tp_group, destroy_tp_group, init_tp_group
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -137,7 +140,12 @@ class TPDriver:
             child.close()  # the worker's end lives in the worker only: its death closes the pipe
             self.procs.append(proc)
             self.conns.append(conn)
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        # the watchdog (started by setup) stops when told so, by shutdown or the finalizer
+        self._watch_stop_r, self._watch_stop = mp.Pipe(duplex=False)
+        self._watchdog: threading.Thread | None = None
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self.procs, self.conns, self._watch_stop
+        )
 
     def join_group(self, device: torch.device) -> TPGroup:
         """Join the workers' group once each of them is up (a worker that dies while starting
@@ -183,10 +191,16 @@ class TPDriver:
         return msg
 
     def setup(self, req_pool, setup: WorkerSetup) -> None:
-        """Send the workers the engine's sizes; log ``req_pool``'s writes from now on."""
+        """Send the workers the engine's sizes; log ``req_pool``'s writes from now on; start
+        the watchdog (the group is up: from now on a dead worker aborts it)."""
         self.req_pool = req_pool
         req_pool.write_log = []
         self._send(setup)
+        self._watchdog = threading.Thread(
+            target=_watch_workers, args=(self.procs, self._watch_stop_r, self.group),
+            daemon=True, name="breakgraph-tp-watchdog",
+        )  # fmt: skip
+        self._watchdog.start()
 
     @contextlib.contextmanager
     def step(
@@ -251,6 +265,9 @@ class TPDriver:
         """Stop the workers and leave the TP group. Every rank tears the group down at once
         (NCCL's teardown waits for its peers): the workers at the stop message, rank 0 right
         after sending it, then rank 0 reaps them (terminating one that does not exit)."""
+        _signal_stop(self._watch_stop)  # the workers exit now: not a failure
+        if self._watchdog is not None:
+            self._watchdog.join(_JOIN_S)
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
@@ -273,16 +290,49 @@ def _last_word(conn) -> str:
     return ""
 
 
+def _watch_workers(procs, stop, group: TPGroup) -> None:
+    """Rank 0's watchdog: wait for a worker to exit or ``stop`` to be sent (shutdown); a
+    worker gone first aborts the group, so a wait on it fails now (``abort_tp_group``)."""
+    ranks = {proc.sentinel: rank for rank, proc in enumerate(procs, start=1)}
+    ready = mp.connection.wait([stop, *ranks])
+    gone = [ranks[r] for r in ready if r in ranks]
+    if stop in ready or not gone:
+        return
+    rank = gone[0]
+    aborted = abort_tp_group(group)
+    procs[rank - 1].join(1.0)  # reap it: its exit code
+    logger.error(
+        "TP worker rank %d exited (exit code %s)%s: the engine stops at its next step",
+        rank, procs[rank - 1].exitcode, "; TP group aborted" if aborted else "",
+    )  # fmt: skip
+
+
+def _destroy_quietly(group: TPGroup) -> None:
+    try:
+        destroy_tp_group(group)
+    except Exception as e:  # noqa: BLE001 - an aborted group may refuse its teardown
+        logger.warning("TP group teardown failed: %s", e)
+
+
 def _leave_group(group: TPGroup, timeout_s: float) -> None:
     """Destroy the group, giving up (with a warning) if a peer never joins the teardown."""
-    t = threading.Thread(target=destroy_tp_group, args=(group,), daemon=True)
+    t = threading.Thread(target=_destroy_quietly, args=(group,), daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
         logger.warning("TP group teardown did not finish in %.0f s: a worker is stuck", timeout_s)
 
 
-def _stop_workers(procs, conns) -> None:
+def _signal_stop(watch_stop) -> None:
+    """Tell the watchdog the workers are about to exit (once)."""
+    with contextlib.suppress(OSError):
+        if not watch_stop.closed:
+            watch_stop.send(None)
+            watch_stop.close()
+
+
+def _stop_workers(procs, conns, watch_stop) -> None:
+    _signal_stop(watch_stop)
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.send(None)
