@@ -836,3 +836,19 @@ def test_workspace_grows_without_moving_what_graphs_hold():
     assert after[: len(before)] == before and len(after) == len(before) + 1
     assert bigger.data_ptr() != part_o.data_ptr()
     assert ws.counters(8, torch.device("cpu")).data_ptr() == counters.data_ptr()
+
+
+def test_default_workspaces_list_their_buffers_in_allocation_order(monkeypatch):
+    """Across the kernels' default workspaces, the buffers graphs hold are listed in
+    allocation order, so a decode buffer grown after capture does not shift the others."""
+    from breakgraph.kernels import workspace
+
+    monkeypatch.setattr(workspace, "_GRAPH_HELD", [])
+    cpu = torch.device("cpu")
+    decode, skinny = dec.DecodeWorkspace(graph_held=True), sg.SkinnyWorkspace(graph_held=True)
+    decode.get(2, 4, 8, 16, cpu)
+    skinny.partials(100, cpu)
+    before = [b.data_ptr() for b in ops.graph_workspaces()]
+    decode.get(64, 4, 8, 16, cpu)  # grows after a capture would have listed the others
+    after = [b.data_ptr() for b in ops.graph_workspaces()]
+    assert after[: len(before)] == before and len(after) == 3

@@ -63,7 +63,7 @@ class DecodeWorkspace(Workspace):
         return super().get("counters", n, torch.int32, device, zero=True)
 
 
-_DEFAULT_WORKSPACE = DecodeWorkspace()
+_DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
 
 
 @functools.cache

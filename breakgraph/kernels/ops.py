@@ -15,6 +15,7 @@ from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import kv_store as _kv_store
 from breakgraph.kernels import skinny_gemm as _skinny
+from breakgraph.kernels import workspace as _workspace
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.decode_attention import DecodeWorkspace
 from breakgraph.kernels.kv_store import KVWrite
@@ -129,8 +130,9 @@ def decode_attention(
 
 
 def graph_workspaces() -> list[torch.Tensor]:
-    """Workspaces that captured kernels write by address (split partials and counters)."""
-    return _decode._DEFAULT_WORKSPACE.buffers() + _skinny.graph_workspaces()
+    """Workspaces that captured kernels write by address (split partials and counters), in
+    allocation order: a list taken at capture is a prefix of any later one."""
+    return _workspace.graph_held()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -73,7 +73,7 @@ class SkinnyWorkspace(Workspace):
         return self.get("counters", n, torch.int32, device, zero=True)
 
 
-_DEFAULT_WORKSPACE = SkinnyWorkspace()
+_DEFAULT_WORKSPACE = SkinnyWorkspace(graph_held=True)
 
 
 @_jit
@@ -175,8 +175,3 @@ def skinny_gemm_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
-
-
-def graph_workspaces() -> list[torch.Tensor]:
-    """Buffers captured skinny GEMMs write by address (for address guards)."""
-    return _DEFAULT_WORKSPACE.buffers()

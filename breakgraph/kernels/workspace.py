@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import torch
 
+# every buffer of the workspaces made with ``graph_held=True`` (the kernels' module-wide
+# defaults), in allocation order across them: what the graph banks' guards watch
+_GRAPH_HELD: list[torch.Tensor] = []
+
+
+def graph_held() -> list[torch.Tensor]:
+    """The default workspaces' buffers, in allocation order (later ones append)."""
+    return list(_GRAPH_HELD)
+
 
 class Workspace:
-    def __init__(self) -> None:
+    def __init__(self, graph_held: bool = False) -> None:
         self._live: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._all: list[torch.Tensor] = []
+        self._graph_held = graph_held
 
     def get(
         self, name: str, n: int, dtype: torch.dtype, device: torch.device, zero: bool = False
@@ -27,6 +37,8 @@ class Workspace:
             make = torch.zeros if zero else torch.empty
             buf = self._live[key] = make(n, dtype=dtype, device=device)
             self._all.append(buf)
+            if self._graph_held:
+                _GRAPH_HELD.append(buf)
         return buf[:n]
 
     def buffers(self) -> list[torch.Tensor]:
