@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU suite on one H200, in one process, the way it found its bugs: the graph address
+# guard and debug mode on, faulthandler dumps after 100 s in a test (each test also waits
+# for its GPU work in teardown: tests/conftest.py), nvidia-smi sampled every 10 s.
+#   OUT=$OUT [FILES="tests/..."] [T=570] bash benchmarks/h200_suite.sh
+# Triton's cache travels between sessions: carry .tcache/ holding the tcache.tgz a previous
+# run wrote to $OUT (kept only under 16 MiB), and unchanged kernels skip their compile.
+source "$(dirname "$0")/device_env.sh"
+FILES=${FILES:-tests/test_kernels.py tests/test_fused_moe.py tests/test_graph.py tests/test_graph_memory.py \
+  tests/test_kv_pool.py tests/test_gemma4_gpu.py tests/test_engine_gpu.py tests/test_moe_engine_gpu.py \
+  tests/test_server_input.py tests/test_server_text.py}
+export TRITON_CACHE_DIR=/tmp/tcache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcache/tcache.tgz ] && tar xzf .tcache/tcache.tgz -C "$TRITON_CACHE_DIR"
+L=$OUT/suite.log
+(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 10 > "$OUT/smi.log" 2>&1 &)
+s=$(date +%s)
+BREAKGRAPH_GRAPH_GUARD=1 BREAKGRAPH_GRAPH_DEBUG=1 timeout -k 5 "${T:-570}" python3 -m pytest -v -m gpu \
+  -p no:cacheprovider -rfE --durations=40 -o faulthandler_timeout=100 $FILES > "$L" 2>&1
+echo "=== rc=$? in $(( $(date +%s) - s )) s" >> "$L"
+(cd "$TRITON_CACHE_DIR" && tar czf /tmp/tcache.tgz .) \
+  && [ "$(stat -c %s /tmp/tcache.tgz)" -lt 16000000 ] && cp /tmp/tcache.tgz "$OUT/"
+grep -E "FAILED|ERROR|Timeout|rc=|passed|failed" "$L" | tail -n 40 | cut -c1-200
