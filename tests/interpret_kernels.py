@@ -1,7 +1,7 @@
 """Kernels that merge their splits in the last split to finish, under Triton's interpreter on
 CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
 decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
-and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
+and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with SiLU or GELU in the epilogue). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
 ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ def skinny_gemm() -> int:
             ok = diff <= 1e-4 and zero
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} skinny {m}x{n}x{k} {cfg}: max diff {diff:.1e}")
+    for m, k, act in ((1, 70, "silu"), (17, 256, "gelu_tanh")):
+        x, gate_up = torch.randn(m, k), torch.randn(2 * 48, k)  # ragged N tiles of 48
+        ref = sg.skinny_act_and_mul_torch(x, gate_up, act)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 3)):
+            out = sg.skinny_gemm_triton(x, gate_up, None, cfg, sg.SkinnyWorkspace(), act)
+            rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+            ok = out.shape == ref.shape and rel <= 1e-4
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} skinny {act} {m}x{k} {cfg}: max rel diff {rel:.1e}")
     return failed
 
 

@@ -23,9 +23,18 @@ from breakgraph.engine.request import SamplingParams
 from breakgraph.kernels import decode_attention, extend_attention, ops, skinny_gemm
 from tests.conftest import LogitsTap, make_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma4", "gemma4_moe", "qwen2+skinny"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma4",
+    "gemma4_moe",
+    "qwen2+skinny",
+    "gemma4+skinny",
+]
 # "+skinny": every projection of at most 64 rows through the skinny-GEMM kernel (split K, with
-# qwen2's biases), as a measured table would send them
+# qwen2's biases; gate/up with its SiLU or GELU in the epilogue), as a measured table would
 SKINNY = skinny_gemm.SkinnyConfig(block_n=32, block_k=32, split_k=3)
 ATOL = 1e-5
 

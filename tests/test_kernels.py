@@ -346,6 +346,31 @@ def test_skinny_gemm_matches_linear(m, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_skinny_gate_up_with_its_activation_matches_the_two_ops(m, activation):
+    """gate/up and SiLU (or GELU) in one launch against F.linear then the activation kernel's
+    twin (bf16: within one rounding of the activation's input), one split and several."""
+    inter, k = 1400, 1024  # ragged N tiles
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gate_up = (torch.randn(2 * inter, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    ref = sg.skinny_act_and_mul_torch(x.float(), gate_up.float(), activation)
+    for cfg in (sg.SkinnyConfig(32, 128, 1), sg.SkinnyConfig(16, 128, 4)):
+        out = sg.skinny_gemm_triton(x, gate_up, None, cfg, sg.SkinnyWorkspace(), activation)
+        assert out.shape == (m, inter)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    # dispatch: the table's entry for gate_up's shape sends ops there too
+    cfg = sg.SkinnyConfig(16, 128, 4)
+    sg.SKINNY_TABLE[(2 * inter, k)] = [(64, cfg)]
+    try:
+        got = ops.linear_act_and_mul(x, gate_up, activation)
+    finally:
+        del sg.SKINNY_TABLE[(2 * inter, k)]
+    want = sg.skinny_gemm_triton(x, gate_up, None, cfg, None, activation)
+    assert torch.equal(got, want)
+
+
+@gpu
 def test_skinny_gemm_replays_in_a_cuda_graph():
     """Captured with split K; replays read the new x and leave the counters at zero."""
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)

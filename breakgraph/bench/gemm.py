@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from breakgraph.kernels import ops
 from breakgraph.kernels import skinny_gemm as sg
 from breakgraph.models.sources import CONFIG_DIR
 
@@ -79,6 +80,19 @@ def best_skinny(x, w, configs) -> tuple[float, sg.SkinnyConfig | None]:
     return best
 
 
+def fused_act(x, gate_up, cfg) -> dict:
+    """gate/up then SiLU: cuBLAS and the activation kernel (two launches) against the skinny
+    GEMM with the activation in its epilogue (one), the same config; printed, and returned."""
+    two = lambda: ops.silu_and_mul(F.linear(x, gate_up))  # noqa: E731
+    ws = sg.SkinnyWorkspace()
+    one = lambda: sg.skinny_gemm_triton(x, gate_up, None, cfg, ws, activation="silu")  # noqa: E731
+    two(), one()
+    two_us, one_us = graph_us(two), graph_us(one)
+    print(f"{'  + SiLU: cuBLAS + kernel / fused':<34} {x.shape[0]:>3} {two_us:>10.2f} "
+          f"{one_us:>10.2f} {one_us / two_us:>5.2f}x")  # fmt: skip
+    return {"cublas_silu_us": two_us, "skinny_silu_us": one_us}
+
+
 def table_entries(
     per_m: list[tuple[int, sg.SkinnyConfig | None]],
 ) -> list[tuple[int, sg.SkinnyConfig | None]]:
@@ -135,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                              config=None if cfg is None else cfg._asdict(), floor_us=floor))  # fmt: skip
             wins = cfg is not None and skinny <= (1 - args.min_gain) * cublas
             entries.append((m, cfg if wins else None))
+            if cfg is not None and any(name.endswith(":gate_up") for name in names):
+                rows[-1].update(fused_act(x, w, cfg))
         merged = table_entries(entries)
         if any(cfg is not None for _, cfg in merged):
             table[(n, k)] = merged

@@ -339,6 +339,15 @@ def _act_and_mul_kernel(
     mask = offs < n_cols
     gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0)
+    y = act_and_mul(gate, up, GELU)
+    tl.store(out + row * stride_out + offs, y.to(out.dtype.element_ty), mask=mask)
+
+
+@_jit
+def act_and_mul(gate, up, GELU: tl.constexpr):
+    """``act(gate) * up`` of two tiles in their (16-bit or fp32) dtype, rounded as torch does:
+    the activation (SiLU, or tanh-approximate GELU) to the dtype, then the product (fp32
+    result, to be cast to the dtype by the caller)."""
     g = gate.to(tl.float32)
     if GELU:  # tanh-approximate GELU, tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
@@ -346,8 +355,7 @@ def _act_and_mul_kernel(
     else:
         act = g / (1.0 + tl.exp(-g))
     act = act.to(gate.dtype)  # torch's activation, rounded to the dtype before the product
-    y = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out + row * stride_out + offs, y.to(out.dtype.element_ty), mask=mask)
+    return act.to(tl.float32) * up.to(tl.float32)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

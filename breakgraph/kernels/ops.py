@@ -36,6 +36,7 @@ __all__ = [
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
     "linear",
+    "linear_act_and_mul",
     "qk_norm_rope",
     "rms_norm",
     "rope",
@@ -138,11 +139,27 @@ def graph_workspaces() -> list[torch.Tensor]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``x W^T (+ bias)``: the skinny-GEMM kernel for decode's few rows where the H200 table
     measured it faster than cuBLAS (kernels/skinny_gemm.py), else ``F.linear``."""
-    if x.dim() == 2 and x.shape[0] <= _skinny.MAX_M and _use_triton(x):
-        cfg = _skinny.table_config(x.shape[0], weight.shape[0], weight.shape[1])
-        if cfg is not None:
-            return _skinny.skinny_gemm_triton(x, weight, bias, cfg)
+    cfg = _skinny_config(x, weight)
+    if cfg is not None:
+        return _skinny.skinny_gemm_triton(x, weight, bias, cfg)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_act_and_mul(x: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(x G^T) * (x U^T)`` for ``gate_up = [G; U]`` (``activation``: "silu" or
+    "gelu_tanh"): one skinny-GEMM launch where the table sends ``gate_up``'s shape to it
+    (the activation in its epilogue), else the GEMM and the activation kernel."""
+    cfg = _skinny_config(x, gate_up)
+    if cfg is not None:
+        return _skinny.skinny_gemm_triton(x, gate_up, None, cfg, activation=activation)
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    return act(torch.nn.functional.linear(x, gate_up))
+
+
+def _skinny_config(x: torch.Tensor, weight: torch.Tensor):
+    if x.dim() != 2 or x.shape[0] > _skinny.MAX_M or not _use_triton(x):
+        return None
+    return _skinny.table_config(x.shape[0], weight.shape[0], weight.shape[1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from breakgraph.kernels import fused
+from breakgraph.kernels.fused import act_and_mul
 from breakgraph.kernels.workspace import Workspace
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
@@ -82,10 +84,10 @@ def _skinny_gemm_kernel(
     w,
     bias,
     y,
-    part,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
+    part,  # SPLIT_K > 1: [SPLIT_K, PARTS, M, N] fp32 partials
     counters,  # SPLIT_K > 1: [cdiv(N, BLOCK_N)] int32 arrivals, zero between launches
     M,
-    N,
+    N,  # output columns (with ACT: half the weight's rows)
     K,
     stride_xm,
     stride_wn,
@@ -95,9 +97,12 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # 0: y = x W^T; 1 / 2: W = [gate; up], y = silu / gelu_tanh(gate) * up
     DOT_PRECISION: tl.constexpr,
 ):
-    """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks."""
+    """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks
+    (and with ACT the up rows' acc beside the gate rows')."""
+    PARTS: tl.constexpr = 2 if ACT else 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -110,22 +115,29 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per, K)
     x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w + (offs_n[:, None] + N).to(tl.int64) * stride_wn  # ACT: the weight's up half
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < k_hi
+        mask_w = mask_n[:, None] & mask_k[None, :]
         xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wt = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        wt = tl.load(w_rows + ks[None, :], mask=mask_w, other=0.0)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
+        if ACT:
+            ut = tl.load(up_rows + ks[None, :], mask=mask_w, other=0.0)
+            acc_up = tl.dot(xt, tl.trans(ut), acc_up, input_precision=DOT_PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=mask)
+        _skinny_epilogue(acc, acc_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS, ACT)
     else:
         cells = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part + pid_k.to(tl.int64) * M * N + cells, acc, mask=mask)
+        part_k = part + pid_k.to(tl.int64) * PARTS * M * N
+        tl.store(part_k + cells, acc, mask=mask)
+        if ACT:
+            tl.store(part_k + M * N + cells, acc_up, mask=mask)
         # every thread's partial stored before the arrival, released at GPU scope; the last
         # arrival's acquire makes all splits' partials visible to its (L1-bypassing) loads
         tl.debug_barrier()
@@ -133,13 +145,39 @@ def _skinny_gemm_kernel(
         if arrived == SPLIT_K - 1:
             tl.store(counters + pid_n, 0)  # zero again for the next launch
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order: the sum does not depend on arrival
-                total += tl.load(
-                    part + s * M * N + cells, mask=mask, other=0.0, cache_modifier=".cg"
-                )
-            if HAS_BIAS:
-                total += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=mask)
+                part_s = part + s * PARTS * M * N + cells
+                total += tl.load(part_s, mask=mask, other=0.0, cache_modifier=".cg")
+                if ACT:
+                    total_up += tl.load(part_s + M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _skinny_epilogue(total, total_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS, ACT)
+
+
+@_jit
+def _skinny_epilogue(
+    acc, acc_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS: tl.constexpr, ACT: tl.constexpr
+):
+    """y from the fp32 sums: plus the bias, or (ACT) gate and up rounded to y's dtype as the
+    GEMM's output would be, then ``act(gate) * up`` rounded as torch does."""
+    dtype = y_ptrs.dtype.element_ty
+    if ACT:
+        out = act_and_mul(acc.to(dtype), acc_up.to(dtype), ACT == 2)
+    else:
+        out = acc
+        if HAS_BIAS:
+            out += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptrs, out.to(dtype), mask=mask)
+
+
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+
+
+def skinny_act_and_mul_torch(x: torch.Tensor, gate_up: torch.Tensor, activation: str):
+    """Reference twin of the gate/up projection and its activation: ``act(x G^T) * (x U^T)``
+    for ``gate_up = [G; U]``, each rounded as the two ops round."""
+    act = fused.silu_and_mul_torch if activation == "silu" else fused.gelu_tanh_and_mul_torch
+    return act(F.linear(x, gate_up))
 
 
 def skinny_gemm_triton(
@@ -148,30 +186,36 @@ def skinny_gemm_triton(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     workspace: SkinnyWorkspace | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`skinny_gemm_torch` for x [M <= 64, K] (rows may be strided),
-    weight [N, K] contiguous. ``config`` defaults to the table's, else a generic one.
+    weight [N, K] contiguous; with ``activation`` ("silu", "gelu_tanh") the twin of
+    :func:`skinny_act_and_mul_torch` instead (weight = [gate; up], y [M, N / 2], no bias).
+    ``config`` defaults to the table's (for the weight's shape), else a generic one.
     CUDA-graph capturable: the grid depends on the shapes only; the workspace keeps its
     addresses once grown."""
     m, k = x.shape
-    n = weight.shape[0]
+    rows = weight.shape[0]
     assert m <= MAX_M and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1
+    act = ACTIVATIONS[activation] if activation is not None else 0
+    assert not act or (bias is None and rows % 2 == 0)
+    n = rows // 2 if act else rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or table_config(m, n, k) or SkinnyConfig(64, 128, 1)
+    cfg = config or table_config(m, rows, k) or SkinnyConfig(64, 128, 1)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
     part, counters = y, y  # unused with one split
     if cfg.split_k > 1:
-        part = ws.partials(cfg.split_k * m * n, x.device)
+        part = ws.partials(cfg.split_k * (2 if act else 1) * m * n, x.device)
         counters = ws.counters(grid[0], x.device)
     _skinny_gemm_kernel[grid](
         x, weight, weight if bias is None else bias, y, part, counters, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, ACT=act,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
     return y

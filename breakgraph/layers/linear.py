@@ -84,6 +84,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         self.part_per_rank = [divide_for_tp(s, self.tp.size, "output features") for s in out_sizes]
 
+    def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` of this ``[gate; up]`` projection of x (``activation``: "silu"
+        or "gelu_tanh"; no bias): one launch where the skinny GEMM serves the shape."""
+        assert self.bias is None and len(self.out_sizes) == 2
+        return ops.linear_act_and_mul(x, self.weight, activation)
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id is None:  # the stacked full tensor (dummy weights)
             start = 0

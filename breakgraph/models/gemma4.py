@@ -106,7 +106,7 @@ class Gemma4MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.act_and_mul(x, "gelu_tanh"))
 
 
 class Gemma4Router(nn.Module):

@@ -41,7 +41,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.act_and_mul(x, "silu"))  # SiLU(gate) * up
 
 
 class LlamaAttention(nn.Module):
