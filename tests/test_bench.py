@@ -336,3 +336,19 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     ]  # fmt: skip
     assert sg.table_config(1, 4096, 2048) is None  # a shape never measured
     assert all(1024 // c.split_k >= c.block_k for c in gemm.configs_for(1024))
+
+
+def test_skinny_modes(monkeypatch):
+    """BREAKGRAPH_SKINNY=all: every shape of at most MAX_M rows on a generic config (about
+    two programs per SM); =off: none, whatever the table says."""
+    from breakgraph.kernels import skinny_gemm as sg
+
+    monkeypatch.setitem(sg.SKINNY_TABLE, (4096, 1024), [(64, sg.SkinnyConfig(16, 128, 2))])
+    monkeypatch.setattr(sg, "_MODE", "off")
+    assert sg.table_config(1, 4096, 1024) is None
+    monkeypatch.setattr(sg, "_MODE", "all")
+    cfg = sg.table_config(1, 1024, 3072)
+    assert cfg == sg.generic_config(1024, 3072) and cfg.split_k > 1
+    assert -(-1024 // cfg.block_n) * cfg.split_k >= 132
+    assert sg.table_config(sg.MAX_M + 1, 1024, 3072) is None
+    assert sg.generic_config(151936, 1024).split_k == 1  # the LM head fills the GPU alone

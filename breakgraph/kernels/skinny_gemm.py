@@ -15,6 +15,7 @@ cuBLAS (``F.linear``); the torch twin is ``F.linear`` itself.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -56,12 +57,29 @@ def skinny_gemm_torch(
     return F.linear(x, weight, bias)
 
 
+# BREAKGRAPH_SKINNY=all sends every projection of at most MAX_M rows to the kernel with a
+# generic config (to measure a whole step before the table is filled); =off: none at all
+_MODE = os.environ.get("BREAKGRAPH_SKINNY", "table")
+
+
 def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     """The measured config for ``m`` rows of an (n, k) weight, or None (cuBLAS)."""
+    if _MODE != "table":
+        return generic_config(n, k) if _MODE == "all" and m <= MAX_M else None
     for max_m, cfg in SKINNY_TABLE.get((n, k), ()):
         if m <= max_m:
             return cfg
     return None  # more rows than any entry, or a shape never measured
+
+
+def generic_config(n: int, k: int, block_n: int = 32, block_k: int = 128) -> SkinnyConfig:
+    """About two programs per SM of an H200 (132): K split as far as that needs, each split
+    keeping at least two chunks."""
+    tiles = -(-n // block_n)
+    split = 1
+    while split < 8 and tiles * split < 264 and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split)
 
 
 class SkinnyWorkspace(Workspace):
