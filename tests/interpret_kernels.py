@@ -1,7 +1,8 @@
 """Kernels that merge their splits in the last split to finish, under Triton's interpreter on
 CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
 decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
-and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with SiLU or GELU in the epilogue). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
+and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with SiLU or GELU in the epilogue;
+the residual add + RMSNorm as its prologue). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
 ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ def skinny_gemm() -> int:
             ok = out.shape == ref.shape and rel <= 1e-4
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} skinny {act} {m}x{k} {cfg}: max rel diff {rel:.1e}")
+    for m, k, act in ((1, 300, None), (17, 256, "silu")):  # the residual add + RMSNorm in front
+        x, res, gate_up = torch.randn(m, k), torch.randn(m, k), torch.randn(2 * 48, k)
+        norm_w = 1 + 0.1 * torch.randn(k)
+        ref, ref_res = sg.skinny_norm_gemm_torch(x, res, norm_w, 1e-6, gate_up, act)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 3)):
+            out, new_res = sg.skinny_norm_gemm_triton(
+                x, res, norm_w, 1e-6, gate_up, cfg, sg.SkinnyWorkspace(), act
+            )
+            rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+            ok = out.shape == ref.shape and rel <= 1e-4 and torch.equal(new_res, ref_res)
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} skinny norm+{act} {m}x{k} {cfg}: max rel diff {rel:.1e}"
+            )
     return failed
 
 

@@ -6,7 +6,9 @@ For each weight shape of the models' decoder layers and LM head (fused qkv, o, f
 gate/up, down, lm_head; Llama-style configs), each M: cuBLAS (``F.linear``) and the best of
 a sweep of skinny-GEMM configs, both timed as CUDA-graph replays (as the decode graphs run
 them; medians), against the floor: the bytes read and written over the measured
-device-to-device copy bandwidth. Prints the table and the ``SKINNY_TABLE`` literal to paste
+device-to-device copy bandwidth. For qkv and gate/up also the fusions the kernel offers, each
+against its two launches: the residual add + RMSNorm as the prologue, gate/up's SiLU as the
+epilogue (not wired into the models until they win here). Prints the table and the ``SKINNY_TABLE`` literal to paste
 into kernels/skinny_gemm.py (configs that beat cuBLAS by at least ``--min-gain``).
 """
 
@@ -93,6 +95,21 @@ def fused_act(x, gate_up, cfg) -> dict:
     return {"cublas_silu_us": two_us, "skinny_silu_us": one_us}
 
 
+def fused_norm(x, w, cfg) -> dict:
+    """The residual add + RMSNorm in front: the norm kernel and cuBLAS (two launches) against
+    the skinny GEMM with the norm as its prologue (one), the same config."""
+    res = torch.randn_like(x)
+    norm_w = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+    ws = sg.SkinnyWorkspace()
+    two = lambda: F.linear(ops.fused_add_rms_norm(x, res, norm_w, 1e-6)[0], w)  # noqa: E731
+    one = lambda: sg.skinny_norm_gemm_triton(x, res, norm_w, 1e-6, w, cfg, ws)  # noqa: E731
+    two(), one()
+    two_us, one_us = graph_us(two), graph_us(one)
+    print(f"{'  + norm: kernel + cuBLAS / fused':<34} {x.shape[0]:>3} {two_us:>10.2f} "
+          f"{one_us:>10.2f} {one_us / two_us:>5.2f}x")  # fmt: skip
+    return {"norm_cublas_us": two_us, "skinny_norm_us": one_us}
+
+
 def table_entries(
     per_m: list[tuple[int, sg.SkinnyConfig | None]],
 ) -> list[tuple[int, sg.SkinnyConfig | None]]:
@@ -151,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             entries.append((m, cfg if wins else None))
             if cfg is not None and any(name.endswith(":gate_up") for name in names):
                 rows[-1].update(fused_act(x, w, cfg))
+            if cfg is not None and any(name.endswith((":qkv", ":gate_up")) for name in names):
+                rows[-1].update(fused_norm(x, w, cfg))
         merged = table_entries(entries)
         if any(cfg is not None for _, cfg in merged):
             table[(n, k)] = merged

@@ -104,6 +104,10 @@ def _skinny_gemm_kernel(
     y,
     part,  # SPLIT_K > 1: [SPLIT_K, PARTS, M, N] fp32 partials
     counters,  # SPLIT_K > 1: [cdiv(N, BLOCK_N)] int32 arrivals, zero between launches
+    res,  # NORM with HAS_RES: the residual [M, K] added to x before the norm
+    res_out,  # NORM with HAS_RES: x + res [M, K], written by the first N tile's programs
+    norm_w,  # NORM: the RMSNorm weight [K]
+    eps,
     M,
     N,  # output columns (with ACT: half the weight's rows)
     K,
@@ -116,10 +120,14 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,  # 0: y = x W^T; 1 / 2: W = [gate; up], y = silu / gelu_tanh(gate) * up
+    NORM: tl.constexpr,  # x is first (x + res, with HAS_RES) and Llama's RMSNorm of it
+    HAS_RES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks
-    (and with ACT the up rows' acc beside the gate rows')."""
+    (and with ACT the up rows' acc beside the gate rows'). With NORM each program first
+    finds its rows' RMS over the whole K (cheap at decode's few rows), then normalizes each
+    chunk as it loads it."""
     PARTS: tl.constexpr = 2 if ACT else 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,15 +140,37 @@ def _skinny_gemm_kernel(
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
     x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
+    res_rows = offs_m[:, None].to(tl.int64) * K  # res and res_out: contiguous [M, K]
     w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = w + (offs_n[:, None] + N).to(tl.int64) * stride_wn  # ACT: the weight's up half
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            h = _normed_input(
+                x_rows, res, res_rows, ks, mask_m[:, None] & (ks < K)[None, :], HAS_RES
+            )
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, 1)
+        rstd = tl.rsqrt(sum_sq / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < k_hi
         mask_w = mask_n[:, None] & mask_k[None, :]
-        xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        mask_x = mask_m[:, None] & mask_k[None, :]
+        if NORM:
+            h = _normed_input(x_rows, res, res_rows, ks, mask_x, HAS_RES)
+            if HAS_RES and pid_n == 0:  # the new residual, each K range by its split
+                tl.store(res_out + res_rows + ks[None, :], h, mask=mask_x)
+            # Llama's RMSNorm: normalized in fp32, rounded, then times the weight, rounded
+            hn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
+            nw = tl.load(norm_w + ks, mask=mask_k, other=0.0)
+            xt = (nw.to(tl.float32)[None, :] * hn.to(tl.float32)).to(h.dtype)
+        else:
+            xt = tl.load(x_rows + ks[None, :], mask=mask_x, other=0.0)
         wt = tl.load(w_rows + ks[None, :], mask=mask_w, other=0.0)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
         if ACT:
@@ -173,6 +203,16 @@ def _skinny_gemm_kernel(
 
 
 @_jit
+def _normed_input(x_rows, res, res_rows, ks, mask, HAS_RES: tl.constexpr):
+    """A chunk of the norm's input: x, or x + res rounded to x's dtype as torch's add."""
+    h = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res + res_rows + ks[None, :], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    return h
+
+
+@_jit
 def _skinny_epilogue(
     acc, acc_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS: tl.constexpr, ACT: tl.constexpr
 ):
@@ -198,6 +238,52 @@ def skinny_act_and_mul_torch(x: torch.Tensor, gate_up: torch.Tensor, activation:
     return act(F.linear(x, gate_up))
 
 
+def skinny_norm_gemm_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference twin of the norm in front of a projection: Llama's RMSNorm of x (of
+    ``x + residual``, also returned), then the projection (and gate/up's activation)."""
+    if residual is None:
+        h, new_residual = fused.rms_norm_torch(x, norm_weight, eps), None
+    else:
+        h, new_residual = fused.fused_add_rms_norm_torch(x, residual, norm_weight, eps)
+    y = (
+        F.linear(h, weight)
+        if activation is None
+        else skinny_act_and_mul_torch(h, weight, activation)
+    )
+    return y, new_residual
+
+
+def skinny_norm_gemm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    config: SkinnyConfig | None = None,
+    workspace: SkinnyWorkspace | None = None,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`skinny_norm_gemm_torch`: the (residual add and) RMSNorm as the
+    GEMM's prologue, one launch; x and residual contiguous [M <= 64, K]."""
+    assert x.is_contiguous() and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+    new_residual = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.is_contiguous()
+        new_residual = torch.empty_like(x)
+    y = skinny_gemm_triton(
+        x, weight, None, config, workspace, activation,
+        _norm=(residual, new_residual, norm_weight, eps),
+    )  # fmt: skip
+    return y, new_residual
+
+
 def skinny_gemm_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -205,13 +291,14 @@ def skinny_gemm_triton(
     config: SkinnyConfig | None = None,
     workspace: SkinnyWorkspace | None = None,
     activation: str | None = None,
+    _norm: tuple | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`skinny_gemm_torch` for x [M <= 64, K] (rows may be strided),
     weight [N, K] contiguous; with ``activation`` ("silu", "gelu_tanh") the twin of
     :func:`skinny_act_and_mul_torch` instead (weight = [gate; up], y [M, N / 2], no bias).
     ``config`` defaults to the table's (for the weight's shape), else a generic one.
     CUDA-graph capturable: the grid depends on the shapes only; the workspace keeps its
-    addresses once grown."""
+    addresses once grown. (``_norm``: see :func:`skinny_norm_gemm_triton`.)"""
     m, k = x.shape
     rows = weight.shape[0]
     assert m <= MAX_M and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1
@@ -228,11 +315,15 @@ def skinny_gemm_triton(
     if cfg.split_k > 1:
         part = ws.partials(cfg.split_k * (2 if act else 1) * m * n, x.device)
         counters = ws.counters(grid[0], x.device)
+    residual, new_residual, norm_weight, eps = _norm or (None, None, None, 0.0)
     _skinny_gemm_kernel[grid](
-        x, weight, weight if bias is None else bias, y, part, counters, m, n, k,
+        x, weight, weight if bias is None else bias, y, part, counters,
+        x if residual is None else residual, y if new_residual is None else new_residual,
+        weight if norm_weight is None else norm_weight, eps, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, ACT=act,
+        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, ACT=act, NORM=_norm is not None,
+        HAS_RES=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
