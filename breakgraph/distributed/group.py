@@ -21,7 +21,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 # a collective that waits longer than this raises instead of hanging (gloo honours it; NCCL
-# with its async error handling, on by default). Generous: a rank's first step may JIT-compile
+# through its watchdog, set to abort the communicator: see init_tp_group). Generous: a rank's first step may JIT-compile
 # kernels while the others wait. A dead peer is noticed at once (closed connection), not here.
 DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 
@@ -99,6 +99,11 @@ def init_tp_group(
             "a TP process group already exists in this process: shut its engine down first"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # on a collective's error or timeout NCCL's watchdog aborts the communicator, so the
+        # wait raises in Python (the server answers 503 and exits): torch's default (3) would
+        # kill the process instead. A value set by the user stays.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if backend == "gloo" and sys.platform == "linux":
         # every rank is on this host: gloo's default (the hostname's address) may not resolve
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
