@@ -21,8 +21,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 # a collective that waits longer than this raises instead of hanging (gloo honours it; NCCL
-# through its watchdog, set to abort the communicator: see init_tp_group). Generous: a rank's first step may JIT-compile
-# kernels while the others wait. A dead peer is noticed at once (closed connection), not here.
+# through its watchdog, set to abort the communicator: see init_tp_group). Generous: a rank's
+# first step may JIT-compile kernels while the others wait. A dead peer is noticed at once
+# (gloo: the closed connection; NCCL: rank 0's watchdog on the workers' processes).
 DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 
 
