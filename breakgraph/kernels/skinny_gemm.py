@@ -163,8 +163,9 @@ def _skinny_gemm_kernel(
         mask_x = mask_m[:, None] & mask_k[None, :]
         if NORM:
             h = _normed_input(x_rows, res, res_rows, ks, mask_x, HAS_RES)
-            if HAS_RES and pid_n == 0:  # the new residual, each K range by its split
-                tl.store(res_out + res_rows + ks[None, :], h, mask=mask_x)
+            if HAS_RES:
+                if pid_n == 0:  # the new residual, each K range by its split
+                    tl.store(res_out + res_rows + ks[None, :], h, mask=mask_x)
             # Llama's RMSNorm: normalized in fp32, rounded, then times the weight, rounded
             hn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
             nw = tl.load(norm_w + ks, mask=mask_k, other=0.0)
