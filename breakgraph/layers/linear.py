@@ -51,6 +51,22 @@ def sharded_param(shape: tuple[int, ...], loader, full_shape_: tuple[int, ...]) 
     return p
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b) with the whole weight on every rank (nn.Linear's parameter names), on
+    ``ops.linear`` like the sharded layers (the skinny GEMM where decode's shapes take it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        shape = (out_features, in_features)
+        self.weight = sharded_param(shape, default_weight_loader, shape)
+        self.bias = (
+            sharded_param((out_features,), default_weight_loader, (out_features,)) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; each rank's y is its slice."""
 

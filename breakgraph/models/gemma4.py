@@ -48,6 +48,7 @@ from breakgraph.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
@@ -119,7 +120,7 @@ class Gemma4Router(nn.Module):
         self.top_k = config.raw["top_k_experts"]
         self.scalar_root_size = h**-0.5
         self.norm = GemmaRMSNorm(h, config.rms_norm_eps, with_scale=False)
-        self.proj = nn.Linear(h, e, bias=False)
+        self.proj = ReplicatedLinear(h, e, bias=False)
         self.scale = nn.Parameter(torch.ones(h))
         self.per_expert_scale = nn.Parameter(torch.ones(e))
 
@@ -217,8 +218,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.hidden_size_per_layer_input = p = config.raw.get("hidden_size_per_layer_input") or 0
         if p:
             # small (hidden x P): replicated under TP, every rank computes the whole branch
-            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
-            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.per_layer_input_gate = ReplicatedLinear(h, p, bias=False)
+            self.per_layer_projection = ReplicatedLinear(p, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
 
     def forward(
@@ -282,7 +283,9 @@ class Gemma4TextModel(nn.Module):
             self.register_buffer("embed_per_layer_scale", torch.tensor(p**0.5), persistent=False)
             self.per_layer_input_scale = 2.0**-0.5
             # hidden x layers * P, small: replicated under TP (as its norm)
-            self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
+            self.per_layer_model_projection = ReplicatedLinear(
+                config.hidden_size, n * p, bias=False
+            )
             self.per_layer_model_projection_scale = config.hidden_size**-0.5
             self.per_layer_projection_norm = GemmaRMSNorm(p, config.rms_norm_eps)
 
