@@ -323,10 +323,13 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     from breakgraph.bench import gemm
     from breakgraph.kernels import skinny_gemm as sg
 
-    assert gemm.projection_shapes("qwen3-0.6b") == {
+    assert dict(gemm.projection_shapes("qwen3-0.6b")) == {
         "qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
         "lm_head": (151936, 1024),
     }  # fmt: skip
+    gemma = gemm.projection_shapes("gemma-4-e2b")  # layer types of two widths, its own ones
+    assert len({nk for name, nk in gemma if name == "gate_up"}) == 2
+    assert {"per_layer_input_gate", "lm_head"} <= {name for name, _ in gemma}
     a, b = sg.SkinnyConfig(16, 128, 4), sg.SkinnyConfig(64, 256, 1)
     entries = gemm.table_entries([(1, a), (4, a), (16, b), (64, None)])
     assert entries == [(4, a), (16, b), (64, None)]

@@ -2,8 +2,9 @@
 
     python -m breakgraph.bench.gemm [--models qwen3-0.6b llama-3.1-8b] [--m 1 4 16 64]
 
-For each weight shape of the models' decoder layers and LM head (fused qkv, o, fused
-gate/up, down, lm_head; Llama-style configs), each M: cuBLAS (``F.linear``) and the best of
+For each weight shape of the models' projections (fused qkv, o, fused gate/up, down,
+lm_head, and a family's others; every family, read from the model built on the meta
+device), each M: cuBLAS (``F.linear``) and the best of
 a sweep of skinny-GEMM configs, both timed as CUDA-graph replays (as the decode graphs run
 them; medians), against the floor: the bytes read and written over the measured
 device-to-device copy bandwidth. For qkv and gate/up also the fusions the kernel offers, each
@@ -38,20 +39,35 @@ def configs_for(k: int) -> list[sg.SkinnyConfig]:
     return [c for c in CONFIGS if k // c.split_k >= c.block_k]
 
 
-def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """name -> (N, K) of a Llama-style config's projections at TP 1."""
-    cfg = json.loads((CONFIG_DIR / f"{model}.json").read_text())
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    inter = cfg["intermediate_size"]
-    return {
-        "qkv": ((heads + 2 * kv) * head_dim, hidden),
-        "o": (hidden, heads * head_dim),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-        "lm_head": (cfg["vocab_size"], hidden),
-    }
+def projection_shapes(model: str) -> list[tuple[str, tuple[int, int]]]:
+    """The distinct (name, (N, K)) of a built-in model's projections at TP 1 (fused qkv, o,
+    fused gate/up, down, lm_head, and a family's others: Gemma 4's per-layer ones, its
+    router), read from the model built on the meta device: every family, every layer type."""
+    from breakgraph.layers.linear import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from breakgraph.models.config import ModelConfig
+    from breakgraph.models.loader import build_model
+
+    config = ModelConfig.from_file(CONFIG_DIR / f"{model}.json")
+    built = build_model(config, torch.bfloat16, torch.device("meta"))
+    kinds = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, ReplicatedLinear)
+    out: list[tuple[str, tuple[int, int]]] = []
+    for path, module in built.named_modules():
+        if not isinstance(module, (*kinds, ParallelLMHead)):
+            continue
+        parts = path.split(".")
+        name = parts[-1].removesuffix("_proj") or parts[-2]
+        if parts[-1] == "proj":  # a module's only projection: named by its module
+            name = parts[-2]
+        entry = (name, tuple(module.weight.shape))
+        if entry not in out:
+            out.append(entry)
+    return out
 
 
 def graph_us(fn) -> float:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bw / 1e6:.2f} TB/s")
     shapes: dict[tuple[int, int], list[str]] = {}
     for model in args.models:
-        for name, nk in projection_shapes(model).items():
+        for name, nk in projection_shapes(model):
             shapes.setdefault(nk, []).append(f"{model}:{name}")
     rows, table = [], {}
     header = f"{'shape (N x K)':<34} {'M':>3} {'cuBLAS us':>10} {'skinny us':>10} {'ratio':>6} {'floor us':>9} {'cuBLAS/floor':>12}  config"
