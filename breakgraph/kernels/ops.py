@@ -37,6 +37,7 @@ __all__ = [
     "gemma_rms_norm",
     "linear",
     "linear_act_and_mul",
+    "norm_linear",
     "qk_norm_rope",
     "rms_norm",
     "rope",
@@ -154,6 +155,36 @@ def linear_act_and_mul(x: torch.Tensor, gate_up: torch.Tensor, activation: str) 
         return _skinny.skinny_gemm_triton(x, gate_up, None, cfg, activation=activation)
     act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
     return act(torch.nn.functional.linear(x, gate_up))
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's RMSNorm of ``x + residual`` (of x without one) and the projection after it
+    (gate/up's activation too, with ``activation``); returns ``(y, new_residual)``, the new
+    residual x itself without one. One skinny-GEMM launch with the norm as its prologue where
+    the table sends the projection's shape there (and keeps ``fuse_norm``); else the norm
+    kernel, then the projection."""
+    cfg = _skinny_config(x, weight)
+    if cfg is not None and cfg.fuse_norm and x.is_contiguous():
+        if residual is None or residual.is_contiguous():
+            y, new_residual = _skinny.skinny_norm_gemm_triton(
+                x, residual, norm_weight, eps, weight, cfg, None, activation, bias
+            )
+            return y, x if new_residual is None else new_residual
+    if residual is None:
+        h, new_residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    if activation is not None:
+        return linear_act_and_mul(h, weight, activation), new_residual
+    return linear(h, weight, bias), new_residual
 
 
 def _skinny_config(x: torch.Tensor, weight: torch.Tensor):

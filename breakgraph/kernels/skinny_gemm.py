@@ -40,6 +40,7 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    fuse_norm: bool = True  # take the RMSNorm in front as the prologue (where one precedes)
 
 
 # (N, K) -> [(max_m, config or None), ...] ascending max_m: rows m <= max_m (and above the
@@ -246,6 +247,7 @@ def skinny_norm_gemm_torch(
     eps: float,
     weight: torch.Tensor,
     activation: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference twin of the norm in front of a projection: Llama's RMSNorm of x (of
     ``x + residual``, also returned), then the projection (and gate/up's activation)."""
@@ -253,12 +255,9 @@ def skinny_norm_gemm_torch(
         h, new_residual = fused.rms_norm_torch(x, norm_weight, eps), None
     else:
         h, new_residual = fused.fused_add_rms_norm_torch(x, residual, norm_weight, eps)
-    y = (
-        F.linear(h, weight)
-        if activation is None
-        else skinny_act_and_mul_torch(h, weight, activation)
-    )
-    return y, new_residual
+    if activation is not None:
+        return skinny_act_and_mul_torch(h, weight, activation), new_residual
+    return F.linear(h, weight, bias), new_residual
 
 
 def skinny_norm_gemm_triton(
@@ -270,6 +269,7 @@ def skinny_norm_gemm_triton(
     config: SkinnyConfig | None = None,
     workspace: SkinnyWorkspace | None = None,
     activation: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of :func:`skinny_norm_gemm_torch`: the (residual add and) RMSNorm as the
     GEMM's prologue, one launch; x and residual contiguous [M <= 64, K]."""
@@ -279,7 +279,7 @@ def skinny_norm_gemm_triton(
         assert residual.shape == x.shape and residual.is_contiguous()
         new_residual = torch.empty_like(x)
     y = skinny_gemm_triton(
-        x, weight, None, config, workspace, activation,
+        x, weight, bias, config, workspace, activation,
         _norm=(residual, new_residual, norm_weight, eps),
     )  # fmt: skip
     return y, new_residual

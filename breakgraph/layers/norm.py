@@ -22,6 +22,22 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
+    def project(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        linear: nn.Module,
+        activation: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear(self(x + residual))`` (x alone without a residual; with ``activation``,
+        gate/up's act-and-mul after ``linear``) and the new residual (x without one): the norm
+        as the projection's prologue, one kernel where decode's few rows take the skinny
+        GEMM (``ops.norm_linear``). ``linear``: a layer computing ``x W^T + b`` on this rank
+        (column-parallel, or replicated)."""
+        return ops.norm_linear(
+            x, residual, self.weight, self.variance_epsilon, linear.weight, linear.bias, activation
+        )
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma 4's RMSNorm (HF ``Gemma4RMSNorm``): normalized and scaled by ``weight`` in

@@ -65,9 +65,9 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
 
-    def split_qkv(self, hidden_states: torch.Tensor):
-        t = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+    def split_qkv(self, qkv: torch.Tensor):
+        """The ``qkv_proj`` output [T, q + 2 kv] as q, k, v heads (views)."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (
             q.view(t, self.num_heads, self.head_dim),
@@ -79,8 +79,10 @@ class LlamaAttention(nn.Module):
         """RoPE of q and k; k and v go to the KV cache in the same kernel (``store``)."""
         return ops.rope(q, k, cos, sin, store)[0]
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self.split_qkv(hidden_states)
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Attention from the layer's ``qkv_proj`` output (the layer computes it with the input
+        norm in front: ``RMSNorm.project``)."""
+        q, k, v = self.split_qkv(qkv)
         q = self.position_embed(q, k, cos, sin, self.attn.kv_write(v))
         return self.o_proj(self.attn(q))  # its k/v are stored
 
@@ -99,14 +101,19 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(config)
 
     def forward(self, hidden_states, residual, cos, sin):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # each norm (after the residual add) runs with the projection it feeds: one kernel
+        # where decode's few rows take the skinny GEMM, else the norm then the GEMM
+        qkv, residual = self.input_layernorm.project(
+            hidden_states, residual, self.self_attn.qkv_proj
+        )
+        hidden_states = self.self_attn(qkv, cos, sin)
+        if not isinstance(self.mlp, LlamaMLP):  # a sparse MoE block: its router reads the norm
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+        act, residual = self.post_attention_layernorm.project(
+            hidden_states, residual, self.mlp.gate_up_proj, "silu"
+        )
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

@@ -74,6 +74,7 @@ class _InFlight:
     received_at: float  # wall clock (time.time), the timeline's stamps
     sent_at: float
     last_token_at: float | None = None
+    aborting: bool = False  # an abort was sent: not asked (nor counted) again
 
 
 class EngineClient:
@@ -267,15 +268,19 @@ class EngineClient:
         return None if entry is None else entry.sent_at
 
     def abort(self, rid: str) -> bool:
-        """Ask the engine to abort a request; it answers with a finished output."""
-        if rid not in self._inflight or not self.alive:
+        """Ask the engine to abort a request; it answers with a finished output. False if
+        the request is not in flight or its abort was asked already."""
+        entry = self._inflight.get(rid)
+        if entry is None or entry.aborting or not self.alive:
             return False
+        entry.aborting = True
         self._send(AbortReq(rid))
         return True
 
     def abort_samples(self, rid: str) -> int:
         """Abort ``rid``, or if no request has that id, the samples of an ``n`` > 1 request
-        sent with it (``rid-0`` .. ``rid-63``); returns how many were asked to abort."""
+        sent with it (``rid-0`` .. ``rid-63``); returns how many were asked to abort now (a
+        sample whose abort was asked before is not counted again)."""
         if rid in self._inflight:
             return int(self.abort(rid))
         samples = (f"{rid}-{j}" for j in range(MAX_SAMPLES))
