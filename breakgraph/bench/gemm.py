@@ -112,18 +112,29 @@ def fused_act(x, gate_up, cfg) -> dict:
 
 
 def fused_norm(x, w, cfg) -> dict:
-    """The residual add + RMSNorm in front: the norm kernel and cuBLAS (two launches) against
-    the skinny GEMM with the norm as its prologue (one), the same config."""
+    """The residual add + RMSNorm in front: the norm kernel and cuBLAS, the norm kernel and
+    the skinny GEMM (two launches each) against the skinny GEMM with the norm as its prologue
+    (one; it re-reads the rows' K per program): ``fuse_norm`` if that is the fastest way for
+    the skinny GEMM."""
     res = torch.randn_like(x)
     norm_w = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
     ws = sg.SkinnyWorkspace()
-    two = lambda: F.linear(ops.fused_add_rms_norm(x, res, norm_w, 1e-6)[0], w)  # noqa: E731
-    one = lambda: sg.skinny_norm_gemm_triton(x, res, norm_w, 1e-6, w, cfg, ws)  # noqa: E731
-    two(), one()
-    two_us, one_us = graph_us(two), graph_us(one)
-    print(f"{'  + norm: kernel + cuBLAS / fused':<34} {x.shape[0]:>3} {two_us:>10.2f} "
-          f"{one_us:>10.2f} {one_us / two_us:>5.2f}x")  # fmt: skip
-    return {"norm_cublas_us": two_us, "skinny_norm_us": one_us}
+    norm = lambda: ops.fused_add_rms_norm(x, res, norm_w, 1e-6)[0]  # noqa: E731
+    cublas = lambda: F.linear(norm(), w)  # noqa: E731
+    apart = lambda: sg.skinny_gemm_triton(norm(), w, None, cfg, ws)  # noqa: E731
+    fused = lambda: sg.skinny_norm_gemm_triton(x, res, norm_w, 1e-6, w, cfg, ws)  # noqa: E731
+    times = {}
+    for key, fn in (
+        ("norm_cublas_us", cublas),
+        ("norm_skinny_us", apart),
+        ("skinny_norm_us", fused),
+    ):
+        fn()
+        times[key] = graph_us(fn)
+    print(f"{'  + norm: kernel + cuBLAS / fused':<34} {x.shape[0]:>3} {times['norm_cublas_us']:>10.2f} "
+          f"{times['skinny_norm_us']:>10.2f} {times['skinny_norm_us'] / times['norm_cublas_us']:>5.2f}x"
+          f"  (kernel + skinny {times['norm_skinny_us']:.2f})")  # fmt: skip
+    return {**times, "fuse_norm": times["skinny_norm_us"] <= times["norm_skinny_us"]}
 
 
 def table_entries(
@@ -181,11 +192,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(dict(n=n, k=k, names=names, m=m, cublas_us=cublas, skinny_us=skinny,
                              config=None if cfg is None else cfg._asdict(), floor_us=floor))  # fmt: skip
             wins = cfg is not None and skinny <= (1 - args.min_gain) * cublas
-            entries.append((m, cfg if wins else None))
             if cfg is not None and any(name.endswith(":gate_up") for name in names):
                 rows[-1].update(fused_act(x, w, cfg))
             if cfg is not None and any(name.endswith((":qkv", ":gate_up")) for name in names):
                 rows[-1].update(fused_norm(x, w, cfg))
+                cfg = cfg._replace(fuse_norm=rows[-1]["fuse_norm"])
+            entries.append((m, cfg if wins else None))
         merged = table_entries(entries)
         if any(cfg is not None for _, cfg in merged):
             table[(n, k)] = merged
