@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,20 @@ def test_every_family_on_the_triton_path_equals_the_twins():
 
 def test_kernels_merging_in_their_last_split():
     interpret("tests.interpret_kernels", 24)
+
+
+@pytest.mark.parametrize(("skinny", "most"), [("off", 24), ("all", 18)])
+def test_decode_step_kernel_count_does_not_grow(skinny, most):
+    """Kernels one Qwen3 decode step launches on the Triton path (tiny model, 2 layers; the
+    interpreter counts them, ``benchmarks/decode_kernels_cpu.py``): 24 on cuBLAS, 18 with
+    every projection on the skinny GEMM (the norms and gate/up's SiLU fused into it). A
+    change that adds launches to the decode graph fails here first."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "BREAKGRAPH_SKINNY": skinny}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decode_kernels_cpu.py", "qwen3"], capture_output=True,
+        text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    found = re.search(r"qwen3 +2 layers: (\d+) kernels per decode step", out.stdout)
+    assert out.returncode == 0 and found, out.stdout + out.stderr[-3000:]
+    assert int(found.group(1)) <= most, out.stdout
