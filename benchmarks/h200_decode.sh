@@ -28,9 +28,10 @@ for tree in ${TREES:-.}; do
       | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/decode.log"
   done
 done
-# every projection of <= 64 rows on the skinny GEMM (generic configs; gate/up with its SiLU
-# fused): the whole step's answer to cuBLAS, before the table is filled
-BREAKGRAPH_SKINNY=all python3 -m breakgraph.cli bench decode --models qwen3-0.6b llama-3.1-8b \
+# every projection of <= 64 rows on the skinny GEMM (generic configs; the norms in front and
+# gate/up's SiLU fused) and decode attention in one launch: the whole step's answer to the
+# defaults (cuBLAS, the merge kernel), before the table is filled and the merge is switched
+BREAKGRAPH_SKINNY=all BREAKGRAPH_DECODE_MERGE=split python3 -m breakgraph.cli bench decode --models qwen3-0.6b llama-3.1-8b \
   --batch-sizes 1 8 32 64 --context 1024 --profile --json "$OUT/decode_skinny_1024.json" 2>&1 \
   | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/decode.log"
 true

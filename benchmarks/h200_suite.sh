@@ -3,6 +3,8 @@
 # guard and debug mode on, faulthandler dumps after 100 s in a test (each test also waits
 # for its GPU work in teardown: tests/conftest.py), nvidia-smi sampled every 10 s.
 #   OUT=$OUT [FILES="tests/..."] [T=570] bash benchmarks/h200_suite.sh
+# (BREAKGRAPH_DECODE_MERGE=split in front runs every engine test on decode attention's
+# one-launch merge, the kernel tests cover both merges either way.)
 # Triton's cache travels between sessions: carry .tcache/ holding the tcache.tgz a previous
 # run wrote to $OUT (kept only under 16 MiB), and unchanged kernels skip their compile.
 source "$(dirname "$0")/device_env.sh"

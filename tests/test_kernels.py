@@ -305,10 +305,11 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     o = torch.zeros_like(q)
     workspace = dec.DecodeWorkspace()
     args = (kc, vc, meta, head_dim**-0.5)
-    dec.decode_attention_triton(q, o, *args, workspace=workspace)  # compile and grow outside
+    merge = {"workspace": workspace, "merge_in_split": True}  # the one-launch path, captured
+    dec.decode_attention_triton(q, o, *args, **merge)  # compile and grow outside
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dec.decode_attention_triton(q, o, *args, workspace=workspace)
+        dec.decode_attention_triton(q, o, *args, **merge)
     for lens in ([1, 4999, 300, 64], [5000, 2, 1025, 4096]):
         meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q, dtype=torch.float32))

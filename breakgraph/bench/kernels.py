@@ -269,9 +269,9 @@ def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
     floor_ms = kv_bytes / copy_bandwidth_bytes_per_ms()
     shape = f"{batch} x {context} ctx, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     splits = dec.default_num_kv_splits(batch, KV_HEADS, q.device)
-    ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
+    ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args, merge_in_split=True))
     rows = [("decode attention", f"{shape}, {splits} splits", ms, "bandwidth floor", floor_ms)]
-    # the merge in the last split (one launch, the default) against the merge kernel (two)
+    # the merge in the last split (one launch, above) against the merge kernel (two)
     two = bench_ms(lambda: dec.decode_attention_triton(q, o, *args, merge_in_split=False))
     rows.append(("  merge kernel (2 launches)", f"{shape}, {splits} splits", two, "1 launch", ms))
     if sweep:

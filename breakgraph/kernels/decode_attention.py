@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -64,6 +65,11 @@ class DecodeWorkspace(Workspace):
 
 
 _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
+
+# The merge in the last split (one launch per layer) is the default once an H200 run has
+# checked it (its memory ordering is the GPU's to show) and timed it against the merge kernel:
+# BREAKGRAPH_DECODE_MERGE=split turns it on, =kernel (the default until then) keeps two launches.
+MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
 
 
 @functools.cache
@@ -264,11 +270,11 @@ def decode_attention_triton(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     sliding_window: int | None = None,
-    merge_in_split: bool = True,
+    merge_in_split: bool | None = None,
 ) -> None:
-    """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding) in one launch,
-    each kv head's last split to finish merging the partials (``merge_in_split``; else a
-    second launch merges, one program per head).
+    """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), the partials
+    merged by a second launch (one program per head), or with ``merge_in_split`` in the same
+    launch by each kv head's last split to finish (default: :data:`MERGE_IN_SPLIT`).
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the
@@ -278,7 +284,8 @@ def decode_attention_triton(
     _launch_decode(
         q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace,
         block_n=_decode_block_n(q.shape[-1], q.dtype), num_warps=4, num_stages=2,
-        sliding_window=sliding_window, merge_in_split=merge_in_split,
+        sliding_window=sliding_window,
+        merge_in_split=MERGE_IN_SPLIT if merge_in_split is None else merge_in_split,
     )  # fmt: skip
 
 
