@@ -14,7 +14,7 @@ from breakgraph.kernels.extend_attention import (
     extend_attention_torch,
     merge_partial,
 )
-from breakgraph.kernels.workspace import Workspace
+from breakgraph.kernels.workspace import Workspace, last_to_arrive
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -53,15 +53,10 @@ class DecodeWorkspace(Workspace):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(partial_o [B, H, S, D], partial_lse [B, H, S])``."""
         rows = batch * num_heads * num_splits
-        buf = super().get("partials", rows * (head_dim + 1), torch.float32, device)
+        buf = self.buffer("partials", rows * (head_dim + 1), torch.float32, device)
         part_o = buf[: rows * head_dim].view(batch, num_heads, num_splits, head_dim)
         part_lse = buf[rows * head_dim :].view(batch, num_heads, num_splits)
         return part_o, part_lse
-
-    def counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """``n`` int32 arrival counters, all zero between launches (the program that counts
-        to the end resets its own)."""
-        return super().get("counters", n, torch.int32, device, zero=True)
 
 
 _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
@@ -174,15 +169,8 @@ def _decode_split_kernel(
         o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
         tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
-    if MERGE:
-        # Every thread's partial stores happen before the arrival (barrier), and the arrival
-        # releases them at GPU scope; the last arrival's acquire makes every split's
-        # partials visible to its loads, which bypass L1 (.cg). An empty split arrives too.
-        tl.debug_barrier()
-        counter = counters + b * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            tl.store(counter, 0)  # zero again for the next launch (every split has counted)
+    if MERGE:  # an empty split arrives too
+        if last_to_arrive(counters + b * tl.num_programs(1) + kv_head, NUM_SPLITS):
             _merge_splits(
                 part_o, part_lse, o, rows0, b, heads, mask_h, offs_d, mask_d,
                 seq_len - start, stride_o_b, stride_o_h, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,

@@ -15,6 +15,7 @@ cuBLAS (``F.linear``); the torch twin is ``F.linear`` itself.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from breakgraph.kernels import fused
 from breakgraph.kernels.fused import act_and_mul
-from breakgraph.kernels.workspace import Workspace
+from breakgraph.kernels.workspace import Workspace, last_to_arrive
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -73,6 +74,7 @@ def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     return None  # more rows than any entry, or a shape never measured
 
 
+@functools.cache
 def generic_config(n: int, k: int, block_n: int = 32, block_k: int = 128) -> SkinnyConfig:
     """About two programs per SM of an H200 (132): K split as far as that needs, each split
     keeping at least two chunks."""
@@ -88,10 +90,7 @@ class SkinnyWorkspace(Workspace):
     lazily (kernels/workspace.py: an outgrown buffer stays alive for captured graphs)."""
 
     def partials(self, n: int, device: torch.device) -> torch.Tensor:
-        return self.get("partials", n, torch.float32, device)
-
-    def counters(self, n: int, device: torch.device) -> torch.Tensor:
-        return self.get("counters", n, torch.int32, device, zero=True)
+        return self.buffer("partials", n, torch.float32, device)
 
 
 _DEFAULT_WORKSPACE = SkinnyWorkspace(graph_held=True)
@@ -188,12 +187,7 @@ def _skinny_gemm_kernel(
         tl.store(part_k + cells, acc, mask=mask)
         if ACT:
             tl.store(part_k + M * N + cells, acc_up, mask=mask)
-        # every thread's partial stored before the arrival, released at GPU scope; the last
-        # arrival's acquire makes all splits' partials visible to its (L1-bypassing) loads
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.store(counters + pid_n, 0)  # zero again for the next launch
+        if last_to_arrive(counters + pid_n, SPLIT_K):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order: the sum does not depend on arrival
@@ -278,11 +272,8 @@ def skinny_norm_gemm_triton(
     if residual is not None:
         assert residual.shape == x.shape and residual.is_contiguous()
         new_residual = torch.empty_like(x)
-    y = skinny_gemm_triton(
-        x, weight, bias, config, workspace, activation,
-        _norm=(residual, new_residual, norm_weight, eps),
-    )  # fmt: skip
-    return y, new_residual
+    norm = (residual, new_residual, norm_weight, eps)
+    return _launch(x, weight, bias, config, workspace, activation, norm), new_residual
 
 
 def skinny_gemm_triton(
@@ -292,14 +283,18 @@ def skinny_gemm_triton(
     config: SkinnyConfig | None = None,
     workspace: SkinnyWorkspace | None = None,
     activation: str | None = None,
-    _norm: tuple | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`skinny_gemm_torch` for x [M <= 64, K] (rows may be strided),
     weight [N, K] contiguous; with ``activation`` ("silu", "gelu_tanh") the twin of
     :func:`skinny_act_and_mul_torch` instead (weight = [gate; up], y [M, N / 2], no bias).
     ``config`` defaults to the table's (for the weight's shape), else a generic one.
     CUDA-graph capturable: the grid depends on the shapes only; the workspace keeps its
-    addresses once grown. (``_norm``: see :func:`skinny_norm_gemm_triton`.)"""
+    addresses once grown."""
+    return _launch(x, weight, bias, config, workspace, activation, None)
+
+
+def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tensor:
+    """The kernel's one launch; ``norm``: (residual, new residual, norm weight, eps) or None."""
     m, k = x.shape
     rows = weight.shape[0]
     assert m <= MAX_M and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1
@@ -316,14 +311,14 @@ def skinny_gemm_triton(
     if cfg.split_k > 1:
         part = ws.partials(cfg.split_k * (2 if act else 1) * m * n, x.device)
         counters = ws.counters(grid[0], x.device)
-    residual, new_residual, norm_weight, eps = _norm or (None, None, None, 0.0)
+    residual, new_residual, norm_weight, eps = norm or (None, None, None, 0.0)
     _skinny_gemm_kernel[grid](
         x, weight, weight if bias is None else bias, y, part, counters,
         x if residual is None else residual, y if new_residual is None else new_residual,
         weight if norm_weight is None else norm_weight, eps, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, ACT=act, NORM=_norm is not None,
+        SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, ACT=act, NORM=norm is not None,
         HAS_RES=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
