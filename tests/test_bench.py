@@ -341,6 +341,22 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     assert all(1024 // c.split_k >= c.block_k for c in gemm.configs_for(1024))
 
 
+def test_skinny_table_file_round_trips(tmp_path):
+    """``bench.gemm --table-out`` writes what ``BREAKGRAPH_SKINNY=PATH`` loads: another GPU's
+    table served without editing the code, entries and their None (cuBLAS) kept."""
+    import json
+
+    from breakgraph.kernels import skinny_gemm as sg
+
+    table = {
+        (4096, 1024): [(4, sg.SkinnyConfig(16, 128, 4, fuse_norm=False)), (64, None)],
+        (1024, 3072): [(64, sg.SkinnyConfig(32, 128, 8))],
+    }
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(sg.table_to_json(table)))
+    assert sg.load_table(str(path)) == table
+
+
 def test_skinny_modes(monkeypatch):
     """BREAKGRAPH_SKINNY=all: every shape of at most MAX_M rows on a generic config (about
     two programs per SM); =off: none, whatever the table says."""

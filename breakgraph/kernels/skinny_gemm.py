@@ -16,6 +16,7 @@ cuBLAS (``F.linear``); the torch twin is ``F.linear`` itself.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import NamedTuple
 
@@ -59,9 +60,34 @@ def skinny_gemm_torch(
     return F.linear(x, weight, bias)
 
 
+def table_to_json(table: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]]) -> list:
+    """A table as JSON rows (what ``bench.gemm --table-out`` writes for another GPU)."""
+    return [
+        {"n": n, "k": k, "entries": [[m, None if c is None else c._asdict()] for m, c in entries]}
+        for (n, k), entries in table.items()
+    ]
+
+
+def load_table(path: str) -> dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]]:
+    """A table written by ``python -m breakgraph.bench.gemm --table-out PATH``."""
+    with open(path) as f:
+        rows = json.load(f)
+    return {
+        (row["n"], row["k"]): [
+            (m, None if c is None else SkinnyConfig(**c)) for m, c in row["entries"]
+        ]
+        for row in rows
+    }
+
+
 # BREAKGRAPH_SKINNY=all sends every projection of at most MAX_M rows to the kernel with a
-# generic config (to measure a whole step before the table is filled); =off: none at all
+# generic config (to measure a whole step before the table is filled); =off: none at all;
+# =PATH.json: the table that file holds (measured on this GPU by bench.gemm --table-out)
+# in place of SKINNY_TABLE
 _MODE = os.environ.get("BREAKGRAPH_SKINNY", "table")
+if _MODE not in ("table", "all", "off"):
+    SKINNY_TABLE = load_table(_MODE)
+    _MODE = "table"
 
 
 def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
