@@ -3,7 +3,13 @@
 # benches (step: eager, graphs, floor; decode: eager, graph, and the all-reduce share of the
 # step's GPU time from a profile). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_tp_gpu.py 2>&1 | tail -15 | tee "$OUT/tp.log"
+# the TP GPU tests (whole log in tp_tests.log; the worker-death test's own output in
+# tp_death.log: it runs last and alone, so a hang there costs nothing else)
+timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=5 tests/test_tp_gpu.py \
+  -k "not worker_death" > "$OUT/tp_tests.log" 2>&1
+timeout 170 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE tests/test_tp_gpu.py \
+  -k worker_death > "$OUT/tp_death.log" 2>&1
+grep -h -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_tests.log" "$OUT/tp_death.log" | tee "$OUT/tp.log"
 bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
 for tp in 1 2; do
   bg step --models ${MODELS:-llama-3.1-8b} -N 256 1024 8192 -P 0 --reps 5 --no-hf --tp "$tp" \

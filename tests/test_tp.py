@@ -201,6 +201,42 @@ def test_shutdown_stops_workers(checkpoints):
     assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
 
 
+WATCHDOG_SCRIPT = r"""
+import logging, multiprocessing as mp, sys, time
+import torch
+from breakgraph.distributed import TPGroup
+from breakgraph.engine import tp_worker
+logging.basicConfig(level=logging.INFO)
+calls = []
+def abort(group):  # NCCL's abort with its peer killed may never return (NVIDIA/nccl#863)
+    calls.append(group)
+    if sys.argv[1] == "hangs":
+        time.sleep(3600)
+tp_worker.abort_tp_group = abort
+worker = mp.get_context("fork").Process(target=int)  # a worker that exits at once
+worker.start()
+stop, _ = mp.Pipe(duplex=False)
+tp_worker._watch_workers([worker], stop, TPGroup(0, 2, torch.device("cpu")), abort_s=0.5)
+print("returned", len(calls))
+"""
+
+
+@pytest.mark.parametrize("abort", ["returns", "hangs"])
+def test_watchdog_aborts_a_dead_workers_group_or_exits(abort):
+    """Rank 0's watchdog on a worker's exit: says so naming the rank and aborts the group (the
+    engine raises at its next step); an abort that does not return in time (NCCL reclaiming
+    with a killed peer) exits the process with code 1 and one line why, never a hang."""
+    out = subprocess.run(
+        [sys.executable, "-c", WATCHDOG_SCRIPT, abort], capture_output=True, text=True, timeout=60
+    )
+    assert "TP worker rank 1 exited (exit code 0)" in out.stderr, out.stderr
+    if abort == "returns":
+        assert out.returncode == 0 and out.stdout.strip() == "returned 1", out.stderr
+    else:
+        assert out.returncode == 1 and not out.stdout, out.stderr
+        assert "abort did not return in 0.5 s: exiting the engine process" in out.stderr
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]

@@ -122,7 +122,11 @@ def init_tp_group(
 
 
 def destroy_tp_group(group: TPGroup) -> None:
-    if group.size > 1 and dist.is_initialized():
+    """Leave the group. NCCL's communicators are aborted, not finalized: finalizing waits for
+    every peer's teardown and in-flight work (on two H200s it outwaited the 10 s shutdown
+    allowance with every rank at its stop, and the process then died in C++ at exit); an abort
+    is local and frees the same. gloo's teardown is local already."""
+    if group.size > 1 and dist.is_initialized() and not abort_tp_group(group):
         dist.destroy_process_group()
 
 

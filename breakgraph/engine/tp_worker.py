@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # how often an idle worker checks that rank 0 is alive
 _JOIN_S = 10.0  # how long shutdown waits for a worker before terminating it
+_ABORT_S = 10.0  # how long a dead worker's group abort may take before rank 0 exits
 
 
 @dataclass
@@ -290,21 +291,37 @@ def _last_word(conn) -> str:
     return ""
 
 
-def _watch_workers(procs, stop, group: TPGroup) -> None:
+def _watch_workers(procs, stop, group: TPGroup, abort_s: float = _ABORT_S) -> None:
     """Rank 0's watchdog: wait for a worker to exit or ``stop`` to be sent (shutdown); a
-    worker gone first aborts the group, so a wait on it fails now (``abort_tp_group``)."""
+    worker gone first aborts the group, so a wait on it fails now (``abort_tp_group``).
+
+    NCCL's abort sets its communicators' abort flag (the kernels waiting on the dead peer,
+    inside CUDA graphs too, return), then reclaims their resources, which recent NCCL does
+    in step with its peers (NVIDIA/nccl#863): with a peer killed that may never return. If
+    the abort has not returned in ``abort_s``, this process cannot be trusted to get out of
+    its collectives: it exits (code 1) after saying why, and a server answers 503 for it
+    (the API process watches the engine's)."""
     ranks = {proc.sentinel: rank for rank, proc in enumerate(procs, start=1)}
     ready = mp.connection.wait([stop, *ranks])
     gone = [ranks[r] for r in ready if r in ranks]
     if stop in ready or not gone:
         return
     rank = gone[0]
-    aborted = abort_tp_group(group)
     procs[rank - 1].join(1.0)  # reap it: its exit code
-    logger.error(
-        "TP worker rank %d exited (exit code %s)%s: the engine stops at its next step",
-        rank, procs[rank - 1].exitcode, "; TP group aborted" if aborted else "",
-    )  # fmt: skip
+    said = f"TP worker rank {rank} exited (exit code {procs[rank - 1].exitcode})"
+    logger.error("%s: aborting the TP group; the engine stops at its next step", said)
+    aborter = threading.Thread(
+        target=abort_tp_group, args=(group,), daemon=True, name="breakgraph-tp-abort"
+    )
+    aborter.start()
+    aborter.join(abort_s)
+    if aborter.is_alive():
+        logger.critical(
+            "%s and the TP group's abort did not return in %g s: exiting the engine process",
+            said, abort_s,
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
 
 
 def _destroy_quietly(group: TPGroup) -> None:

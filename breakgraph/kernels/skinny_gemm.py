@@ -46,9 +46,26 @@ class SkinnyConfig(NamedTuple):
 
 
 # (N, K) -> [(max_m, config or None), ...] ascending max_m: rows m <= max_m (and above the
-# previous entry's) take the config, None meaning cuBLAS. The H200 measurements of
-# ``python -m breakgraph.bench.gemm``; empty until that run: every shape stays on cuBLAS.
-SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {}
+# previous entry's) take the config, None meaning cuBLAS. Measured on one H200 (torch 2.11,
+# CUDA 13, Triton 3.6; 2026-11-30) by ``python -m breakgraph.bench.gemm`` (M = 1, 4, 16, 64;
+# kept where the kernel beats cuBLAS by >= 3%, both timed as CUDA-graph replays), which
+# regenerates it; ``fuse_norm`` where the RMSNorm as the prologue beat the norm kernel in front
+# (it never did for qkv / gate_up: each program re-reads the rows). A shape not here stays on
+# cuBLAS; another GPU's table serves without an edit: BREAKGRAPH_SKINNY=PATH (below).
+_C = SkinnyConfig
+SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
+    (4096, 1024): [(16, None), (64, _C(32, 128, 1, fuse_norm=False))],  # qwen3-0.6b:qkv
+    (1024, 2048): [(16, _C(32, 128, 4)), (64, None)],  # qwen3-0.6b:o
+    (6144, 1024): [(1, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # qwen3-0.6b:gate_up
+    (1024, 3072): [(16, _C(32, 128, 8)), (64, _C(32, 128, 4))],  # qwen3-0.6b:down
+    (151936, 1024): [(4, _C(64, 256, 1)), (16, _C(64, 128, 1)), (64, None)],  # qwen3-0.6b:lm_head
+    (6144, 4096): [(4, _C(64, 128, 4, fuse_norm=False)), (64, None)],  # llama-3.1-8b:qkv
+    (4096, 4096): [(16, _C(64, 128, 4)), (64, None)],  # llama-3.1-8b:o
+    (28672, 4096): [(1, None), (4, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # llama:gate_up
+    (4096, 14336): [(16, _C(32, 128, 4)), (64, _C(64, 256, 2))],  # llama-3.1-8b:down
+    (128256, 4096): [(1, _C(64, 128, 1)), (16, _C(64, 256, 1)), (64, _C(64, 128, 1))],  # lm_head
+}
+del _C
 
 MAX_M = 64  # the kernel's largest row tile
 
