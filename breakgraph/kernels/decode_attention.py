@@ -61,9 +61,11 @@ class DecodeWorkspace(Workspace):
 
 _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
 
-# The merge in the last split (one launch per layer) is the default once an H200 run has
-# checked it (its memory ordering is the GPU's to show) and timed it against the merge kernel:
-# BREAKGRAPH_DECODE_MERGE=split turns it on, =kernel (the default until then) keeps two launches.
+# The merge in the last split (one launch per layer) is correct on the H200 (the GPU suite ran
+# every engine test on it) but slower there than the merge kernel at batch >= 8 and at 8K
+# context (each kv head's last split merges all partials alone; the merge kernel spreads that
+# over the GPU): it won only at batch 1 over 1K (benchmarks/README.md, fifth session). So
+# the two launches stay the default; BREAKGRAPH_DECODE_MERGE=split opts in.
 MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
 
 
