@@ -317,6 +317,27 @@ def test_decode_profile_kinds_and_line():
     assert "GPU kernels 1.700 ms (idle 0.300 ms): gemm 1.200 ms (71%)" in line
 
 
+def test_decode_profile_gaps_by_the_kernel_before_them():
+    """--profile's gaps: idle GPU time between kernels, charged to the kind of the kernel
+    before each gap, per step; overlapping kernels (two streams) leave no gap."""
+    from breakgraph.bench.decode import DecodePoint, format_decode_point, gaps_by_kind
+
+    step = [  # µs: gemm, a 20 µs wait after the all-reduce, attention overlapping a norm
+        (0, 10, "nvjet_gemm"), (11, 15, "ncclDevKernel_AllReduce"), (35, 45, "_decode_split_kernel"),
+        (40, 50, "_rms_norm_kernel"), (50, 60, "nvjet_gemm"),
+    ]  # fmt: skip
+    two_steps = step + [(s + 100, e + 100, n) for s, e, n in step]
+    gaps = gaps_by_kind(two_steps, reps=2)
+    assert gaps["all-reduce"] == pytest.approx([0.020, 1.0, 20.0])
+    assert gaps["gemm"] == pytest.approx([0.021, 1.5, 40.0])  # 1 µs in each step, 40 between
+    assert "attention" not in gaps and "other" not in gaps
+    assert gaps_by_kind([], reps=1) == {}
+    pt = DecodePoint("m", 1, 1024, 5.0, 2.0, 300, 1, 10.0, 1.5, {"gemm": 1.0, "total": 1.0})
+    pt.gpu_gaps_by_kind = gaps
+    line = format_decode_point(pt)
+    assert "gaps after: gemm 0.021 ms (1.5/step, max 40 us), all-reduce 0.020 ms (1/step" in line
+
+
 def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     """The projections of a Llama-style config, and measured choices merged into the table
     the skinny-GEMM dispatch reads (None: cuBLAS)."""

@@ -30,6 +30,7 @@ class DecodePoint:
     kernels_per_layer: float | None = None
     floor_ms: float | None = None  # bytes read per step / measured copy bandwidth
     gpu_ms_by_kind: dict[str, float] | None = None  # --profile: the step's kernel time by kind
+    gpu_gaps_by_kind: dict[str, list[float]] | None = None  # --profile: gaps_by_kind
 
 
 # kernel names by kind, first match wins (cuBLAS/CUTLASS GEMMs have many names)
@@ -48,9 +49,11 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def gpu_time_by_kind(fn, reps: int = 5) -> dict[str, float]:
+def gpu_time_by_kind(fn, reps: int = 5) -> tuple[dict[str, float], dict[str, list[float]]]:
     """ms of GPU kernel time per call of ``fn`` by kind (graph replays included: the profiler
-    sees the kernels inside a CUDA graph), and their sum as "total"."""
+    sees the kernels inside a CUDA graph), and their sum as "total"; and the gaps between the
+    kernels by the kind of the kernel before each (``gaps_by_kind``)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -66,7 +69,32 @@ def gpu_time_by_kind(fn, reps: int = 5) -> dict[str, float]:
             kind = kernel_kind(ev.key)
             ms[kind] = ms.get(kind, 0.0) + t
     ms["total"] = sum(ms.values())
-    return ms
+    kernels = [
+        (ev.time_range.start, ev.time_range.end, ev.name)
+        for ev in prof.events()
+        if ev.device_type == DeviceType.CUDA and ev.time_range.end > ev.time_range.start
+    ]
+    return ms, gaps_by_kind(kernels, reps)
+
+
+def gaps_by_kind(kernels: list[tuple[float, float, str]], reps: int) -> dict[str, list[float]]:
+    """Where the GPU sits idle between kernels (start and end in µs, any order): each gap
+    charged to the kind of the kernel before it, as [ms per step, gaps per step, the largest
+    in µs]. Inside a graph a gap is a launch's latency, or a wait the graph holds (a host node,
+    a peer); the host's own time between steps lands on a step's last kernel as its largest
+    gap. Overlapping kernels (several streams) leave no gap."""
+    out: dict[str, list[float]] = {}
+    kernels = sorted(kernels)
+    busy_until = kernels[0][1] if kernels else 0.0
+    for (_, end, name), (start, next_end, _) in zip(kernels, kernels[1:], strict=False):
+        busy_until = max(busy_until, end)
+        if start > busy_until:
+            gap = out.setdefault(kernel_kind(name), [0.0, 0.0, 0.0])
+            gap[0] += (start - busy_until) / 1e3 / reps
+            gap[1] += 1 / reps
+            gap[2] = max(gap[2], start - busy_until)
+        busy_until = max(busy_until, next_end)
+    return out
 
 
 def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, top_k: int) -> int:
@@ -164,7 +192,9 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 read = step_read_bytes(eng.model, bs, args.context, slot_bytes, top_k)
                 pt.floor_ms = read / bandwidth * 1e3
             if getattr(args, "profile", False) and device == "cuda":
-                pt.gpu_ms_by_kind = gpu_time_by_kind(graph if has_graph else eager)
+                pt.gpu_ms_by_kind, pt.gpu_gaps_by_kind = gpu_time_by_kind(
+                    graph if has_graph else eager
+                )
             points.append(pt)
             print(format_decode_point(pt), flush=True)
         eng.shutdown()  # TP workers, if any
@@ -193,4 +223,9 @@ def format_decode_point(pt: DecodePoint) -> str:
         best = pt.graph_ms if pt.graph_ms is not None else pt.eager_ms
         idle = max(0.0, best - by["total"])  # the step's wall time the GPU ran no kernel
         line += f"\n    GPU kernels {by['total']:.3f} ms (idle {idle:.3f} ms): {parts}"
+    if pt.gpu_gaps_by_kind:
+        gaps = sorted(pt.gpu_gaps_by_kind.items(), key=lambda kv: -kv[1][0])
+        line += "\n    gaps after: " + ", ".join(
+            f"{k} {ms:.3f} ms ({n:.3g}/step, max {mx:.0f} us)" for k, (ms, n, mx) in gaps
+        )
     return line
