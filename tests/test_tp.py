@@ -441,6 +441,54 @@ def test_tp_flag_and_alias():
         parser.parse_args(["--tp-size", "0"])
 
 
+def test_custom_all_reduce_flag_falls_back_to_the_collective_on_the_cpu(checkpoints, caplog):
+    """--enable-custom-all-reduce reaches every rank; where the one-shot path cannot be set
+    up (here: no CUDA) the ranks agree on the collective, say why, and answer as TP1."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parsed = EngineArgs.from_namespace(parser.parse_args(["--enable-custom-all-reduce"]))
+    assert parsed.enable_custom_all_reduce and not EngineArgs().enable_custom_all_reduce
+    caplog.set_level(logging.WARNING, logger="breakgraph.distributed.group")
+    path = checkpoints["llama"]
+    with tp1_and_tp2(path, enable_custom_all_reduce=True) as (tp1, tp2, tap1, tap2):
+        assert tp2.tp_driver.group.one_shot is None
+        assert (
+            "TP rank 0: custom all-reduce off, all-reduces go to NCCL (needs CUDA)" in caplog.text
+        )
+        ps = prompts([7, 19])
+        r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert_same_steps(tap1, tap2)
+
+
+def test_tp_group_routes_small_all_reduces_to_the_one_shot_path():
+    """What the one-shot path takes: bf16/fp32, contiguous, 16-byte multiples up to its size
+    (every rank decides alike from the shape); the rest goes to the collective."""
+    from breakgraph.distributed.group import OneShotAllReduce
+
+    class Recording(OneShotAllReduce):  # the routing only: no symmetric memory here
+        def __init__(self, max_bytes: int):
+            self.max_bytes, self.calls = max_bytes, []
+
+        def __call__(self, x):
+            self.calls.append(x)
+            return x
+
+    one_shot = Recording(1024)
+    bf16 = torch.zeros(512, dtype=torch.bfloat16)
+    assert one_shot.fits(bf16) and one_shot.fits(torch.zeros(256))
+    assert not one_shot.fits(torch.zeros(513, dtype=torch.bfloat16))  # over max_bytes
+    assert not one_shot.fits(torch.zeros(7, dtype=torch.bfloat16))  # 14 bytes
+    assert not one_shot.fits(torch.zeros(8, dtype=torch.float16))  # the kernel has no fp16
+    assert not one_shot.fits(torch.zeros(16, 2)[:, 0])  # strided
+    assert not one_shot.fits(torch.zeros(0))
+    group = TPGroup(0, 2, torch.device("cpu"), one_shot)
+    assert group.all_reduce(bf16) is bf16 and one_shot.calls == [bf16]
+    assert group == TPGroup(0, 2, torch.device("cpu"))  # the path is not the group's identity
+
+
 def _children(pid: int) -> list[int]:
     """Child pids of every thread of ``pid`` (Linux)."""
     return [

@@ -26,6 +26,11 @@ def add_decode_args(p) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument(
+        "--enable-custom-all-reduce",
+        action="store_true",
+        help="TP on CUDA: small all-reduces over symmetric memory (the engine's flag)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")
     p.add_argument(

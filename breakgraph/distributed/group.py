@@ -13,7 +13,8 @@ import datetime
 import logging
 import os
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,64 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 
 
+# The largest all-reduce the one-shot path takes (--enable-custom-all-reduce): decode's and
+# short prefills' activations (64 rows of a 4096-wide bf16 hidden state are 512 KB); larger
+# ones go to NCCL, whose bandwidth wins there. To be measured on two H200s:
+# `python -m breakgraph.bench.allreduce` (both paths replayed from CUDA graphs, per size).
+ONE_SHOT_MAX_BYTES = 512 << 10
+
+
+class OneShotAllReduce:
+    """All-reduce over symmetric memory (PyTorch's ``torch.distributed._symmetric_memory``):
+    one kernel in which every rank reads every peer's buffer over NVLink and sums in rank
+    order (the same result on every rank), between two barriers on signal pads (the second:
+    no rank refills its buffer while a peer still reads it). For decode's small messages,
+    where NCCL's latency, not bandwidth, paces a step: SGLang and vLLM ship such a "custom
+    all-reduce" for the same reason. Captured in CUDA graphs like any kernel (the barriers
+    reset their own flags). Float32 and bfloat16, contiguous, up to ``max_bytes``; NVLink
+    multicast is not used."""
+
+    def __init__(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.max_bytes = max_bytes
+        # torch before 2.13 wants the group registered (cached by name: a name reused by a
+        # later engine's group must not find the store of an earlier one); 2.13 needs nothing
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            getattr(symm_mem, "_group_name_to_store", {}).pop(self.group_name, None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, dist.group.WORLD)  # collective: every rank, once
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (
+            x.dtype in (torch.bfloat16, torch.float32)
+            and x.is_contiguous()
+            and 0 < nbytes <= self.max_bytes
+            and nbytes % 16 == 0  # the kernel's widest vector: every rank takes the same path
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (``fits(x)``)."""
+        flat = x.view(-1)
+        staged = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
+        staged.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        return x
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
+    # the one-shot path for small all-reduces (--enable-custom-all-reduce), else None: NCCL
+    one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_parallel(self) -> bool:
@@ -40,6 +94,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
         if self.size > 1:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot(x)
             dist.all_reduce(x)
         return x
 
@@ -90,8 +146,11 @@ def init_tp_group(
     init_method: str,
     device: torch.device | str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    custom_all_reduce: bool = False,
 ) -> TPGroup:
-    """Join the group of ``size`` ranks at ``init_method`` (tcp://host:port or file://path)."""
+    """Join the group of ``size`` ranks at ``init_method`` (tcp://host:port or file://path);
+    ``custom_all_reduce``: small all-reduces take ``OneShotAllReduce`` (CUDA; every rank must
+    ask alike)."""
     device = torch.device(device)
     if size == 1:
         return TPGroup(0, 1, device)
@@ -118,7 +177,38 @@ def init_tp_group(
         **kw,
     )
     logger.info("TP rank %d/%d joined (%s on %s)", rank, size, backend, device)
-    return TPGroup(rank, size, device)
+    one_shot = _one_shot_all_reduce(rank, size, device) if custom_all_reduce else None
+    return TPGroup(rank, size, device, one_shot)
+
+
+def _one_shot_all_reduce(rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
+    """Every rank's one-shot all-reduce, checked on a known sum, or None on every rank (one
+    line why): the ranks agree (over NCCL) before any of them takes the path, since a rank on
+    it waits at a barrier that a rank on NCCL never reaches."""
+    one_shot, why = None, ""
+    if device.type != "cuda":
+        why = "needs CUDA"
+    else:
+        try:
+            one_shot = OneShotAllReduce(device)
+            x = torch.full((4096,), float(rank + 1), dtype=torch.float32, device=device)
+            if not torch.equal(one_shot(x), torch.full_like(x, size * (size + 1) / 2)):
+                one_shot, why = None, "its self-check summed wrong"
+        except Exception as e:  # noqa: BLE001 - symmetric memory unavailable here: NCCL
+            one_shot, why = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    agreed = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if not agreed.item():
+        logger.warning(
+            "TP rank %d: custom all-reduce off, all-reduces go to NCCL (%s)",
+            rank, why or "another rank could not set it up",
+        )  # fmt: skip
+        return None
+    logger.info(
+        "TP rank %d: one-shot all-reduce for messages up to %d bytes", rank, ONE_SHOT_MAX_BYTES
+    )
+    return one_shot
 
 
 def destroy_tp_group(group: TPGroup) -> None:

@@ -125,6 +125,7 @@ class TPDriver:
                 "--tp-size > 1 needs a non-daemonic engine process (multiprocessing forbids "
                 "daemonic processes children): start the engine process with daemon=False"
             )
+        self.custom_all_reduce = args.enable_custom_all_reduce
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.procs: list = []
@@ -153,7 +154,10 @@ class TPDriver:
         raises here instead of leaving rank 0 in the rendezvous until it times out)."""
         self._await_all(WorkerUp, "startup")
         try:
-            self.group = init_tp_group(0, self.size, self.init_method, device)
+            self.group = init_tp_group(
+                0, self.size, self.init_method, device,
+                custom_all_reduce=self.custom_all_reduce,
+            )  # fmt: skip
         except Exception as e:
             self._raise_dead(e, wait_s=2.0)
             raise
@@ -421,7 +425,9 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     conn.send(WorkerUp())
-    group = init_tp_group(rank, size, init_method, device)
+    group = init_tp_group(
+        rank, size, init_method, device, custom_all_reduce=args.enable_custom_all_reduce
+    )
     model = load_model(
         args.model_path,
         args.load_format,

@@ -1,0 +1,97 @@
+"""All-reduce per message size on the GPUs of one host: NCCL against the one-shot all-reduce
+over symmetric memory (``--enable-custom-all-reduce``), same run, both as the decode graphs
+run them: ``--ops`` consecutive all-reduces captured in one CUDA graph, replayed; µs per op.
+
+    python -m breakgraph.bench.allreduce [--tp 2] [--kib 8 16 32 64 128 256 512 1024 4096]
+
+bf16 messages (a decode step's hidden states: batch x hidden x 2 bytes; 8 KB is one row of
+a 4096-wide model). Prints a row per size and whether the two paths agree; the crossing is
+``ONE_SHOT_MAX_BYTES`` in ``distributed/group.py``. Keep NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 where the host's GPUs are shared: neither path needs
+NVLink multicast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+
+def _time_us(fn, ops: int, reps: int = 20) -> float:
+    """µs per op: ``ops`` calls of ``fn`` captured in one CUDA graph, median of ``reps``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture (lazy inits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    return sorted(times)[len(times) // 2]
+
+
+def _rank(rank: int, size: int, port: int, args) -> None:
+    import torch.distributed as dist
+
+    from breakgraph.distributed.group import OneShotAllReduce, init_tp_group
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", device)
+    one_shot = OneShotAllReduce(device, max(args.kib) << 10)  # room for the largest size
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()} x{size}  torch {torch.__version__}  "
+              f"{args.ops} all-reduces per graph replay, bf16", flush=True)  # fmt: skip
+        print(f"{'KiB':>6} {'NCCL us':>9} {'one-shot us':>12} {'ratio':>6}  equal")
+    for kib in args.kib:
+        n = (kib << 10) // 2
+        x = torch.randn(n, dtype=torch.bfloat16, device=device) * (rank + 1)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a)
+        one_shot(b)
+        same = torch.equal(a, b)
+        nccl = _time_us(lambda x=x: dist.all_reduce(x), args.ops)
+        mine = _time_us(lambda x=x: one_shot(x), args.ops)
+        if rank == 0:
+            print(f"{kib:>6} {nccl:>9.2f} {mine:>12.2f} {mine / nccl:>5.2f}x  {same}", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument(
+        "--kib", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+    )
+    parser.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
+        print(f"breakgraph.bench.allreduce needs {args.tp} CUDA devices; nothing to measure here.")
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    mp.spawn(_rank, args=(args.tp, port, args), nprocs=args.tp)
+
+
+if __name__ == "__main__":
+    main()
