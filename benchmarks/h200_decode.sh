@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Decode at the bandwidth floor (issue 19) on one H200: the skinny-GEMM sweep against cuBLAS
-# (prints the SKINNY_TABLE to paste into kernels/skinny_gemm.py and writes it to
-# $OUT/skinny_table.json; GEMM=0 skips it and uses TABLE, default .dev/skinny_table.json),
+# Decode at the bandwidth floor (issue 19) on one H200: with GEMM=1 the skinny-GEMM sweep
+# against cuBLAS first (~5 min: prints the SKINNY_TABLE to paste into kernels/skinny_gemm.py
+# and writes it to $OUT/skinny_table.json; else the "table" arm reads TABLE, default
+# .dev/skinny_table.json),
 # decode attention's one launch against the merge kernel's two (bench kernels), then `bench
 # decode` (kernels per step and per layer, the floor, --profile) in each of ARMS at each of
-# CONTEXTS: "default" (the code as it is), "merge" (BREAKGRAPH_DECODE_MERGE=split: decode
-# attention in one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all"
-# (that and every projection on generic skinny configs). TESTS=1 first runs the kernel tests.
-#   OUT=$OUT [GEMM=0] [ARMS="default table"] [CONTEXTS="1024 8192"] [MODELS=...] bash benchmarks/h200_decode.sh
+# CONTEXTS: "default" (the code as it is), "pdl" (BREAKGRAPH_PDL=1: programmatic dependent
+# launch of the Triton kernels), "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in
+# one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all" (that and
+# every projection on generic skinny configs). TESTS=1 first runs the kernel tests.
+#   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] bash benchmarks/h200_decode.sh
 source "$(dirname "$0")/device_env.sh"
 if [ "${TESTS:-0}" = 1 ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
     tests/test_gemma4_gpu.py 2>&1 | tail -8 | tee "$OUT/decode_tests.log"
 fi
 table=${TABLE:-.dev/skinny_table.json}
-if [ "${GEMM:-1}" = 1 ]; then
+if [ "${GEMM:-0}" = 1 ]; then
   table=$OUT/skinny_table.json
   timeout 300 python3 -m breakgraph.bench.gemm --out "$OUT/gemm.json" --table-out "$table" 2>&1 \
     | tee "$OUT/gemm.log" | tail -n 20
@@ -25,9 +27,10 @@ for bs, ctx in ((1, 1024), (8, 1024), (32, 8192)):
     for row in bench_decode(bs, ctx, False):
         print(row)" 2>&1 | tee "$OUT/decode_attention.log"
 for ctx in ${CONTEXTS:-1024 8192}; do
-  for arm in ${ARMS:-default merge table}; do
+  for arm in ${ARMS:-default pdl}; do
     case $arm in
       default) env=() ;;
+      pdl) env=(BREAKGRAPH_PDL=1) ;;
       merge) env=(BREAKGRAPH_DECODE_MERGE=split) ;;
       table) env=(BREAKGRAPH_DECODE_MERGE=split "BREAKGRAPH_SKINNY=$table") ;;
       all) env=(BREAKGRAPH_DECODE_MERGE=split BREAKGRAPH_SKINNY=all) ;;

@@ -144,6 +144,26 @@ def test_graph_equals_eager_tokens_and_logits(small_dir):
     assert graph.flush_cache() and eager.flush_cache()
 
 
+def test_programmatic_dependent_launch_equals_plain_launches(small_dir, monkeypatch):
+    """BREAKGRAPH_PDL (kernels/pdl.py): every Triton kernel of the step launched dependent on
+    its predecessor, waiting for it before reading, in graphs and eager steps alike: the same
+    arithmetic, so the same tokens and bitwise the same logits as plain launches."""
+    from breakgraph.kernels import pdl
+
+    plain = engine(small_dir, graphs=True)
+    tap_plain = LogitsTap(plain)
+    tokens = run_workload(plain)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch(plain.device) == {"PDL": True, "launch_pdl": True}
+    dependent = engine(small_dir, graphs=True)  # its graphs capture the dependent launches
+    tap = LogitsTap(dependent)
+    assert run_workload(dependent) == tokens
+    assert dependent.runner.step_counts["decode_graph"] > 0
+    assert len(tap.steps) == len(tap_plain.steps)
+    for a, b in zip(tap_plain.steps, tap.steps, strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
 def test_graph_bf16_logits_within_noise(small_dir):
     eager = engine(small_dir, graphs=False, dtype="bfloat16")
     graph = engine(small_dir, graphs=True, dtype="bfloat16")

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from breakgraph.kernels import pdl
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.extend_attention import (
     _attend_block,
@@ -120,12 +121,14 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     MERGE: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
 
     With MERGE, stage 2 happens here: each program counts itself in once its partials are
     stored, and the group's last to arrive merges every split's partials into ``o``.
     """
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,8 +224,10 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """Stage 2: one (request, head); merges the non-empty splits by log-sum-exp (base 2)."""
+    pdl.enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
@@ -329,6 +334,7 @@ def _launch_decode(
         MERGE=merge_in_split,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch(q.device),
     )
     if merge_in_split:
         return
@@ -346,4 +352,5 @@ def _launch_decode(
         NUM_SPLITS=splits,
         SLIDING=sliding_window is not None,
         num_warps=1 if block_d <= 128 else 2,
+        **pdl.launch(q.device),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from breakgraph.kernels import pdl
 from breakgraph.kernels.kv_store import KVWrite, store_kv_torch, store_kv_triton
 
 try:  # Triton is optional: the CPU-only install runs the torch twins
@@ -170,7 +171,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -218,6 +221,7 @@ def _launch_rms_norm(
         BLOCK=block,
         num_warps=_row_warps(block),
         enable_fp_fusion=False,  # no FMA contraction: round where the twin rounds
+        **pdl.launch(x.device),
     )
     return out.view(shape), None if res_out is None else res_out.view(shape)
 
@@ -253,7 +257,9 @@ def _gemma_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     i0 = pid // inner
     i1 = pid % inner
@@ -318,6 +324,7 @@ def gemma_rms_norm_triton(
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
         HAS_SCALE=scale is not None, BLOCK=block,
         num_warps=_row_warps(block), enable_fp_fusion=False,
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out
 
@@ -333,7 +340,9 @@ def _act_and_mul_kernel(
     n_cols,
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -394,6 +403,7 @@ def _launch_act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> tor
     _act_and_mul_kernel[grid](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_cols,
         BLOCK=block, GELU=gelu, num_warps=4, enable_fp_fusion=False,
+        **pdl.launch(gate.device),
     )  # fmt: skip
     return out
 
@@ -491,7 +501,9 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head blocks: q's first, then k's
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
@@ -602,6 +614,7 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=False, store=
         # Without this, LLVM contracts x*cos - rotate_half(x)*sin into one bf16 FMA and
         # skips the rounding of a product that HF (and the twin) performs.
         enable_fp_fusion=False,
+        **pdl.launch(q.device),
     )
     if store is not None and not no_k and not fuse_store:
         store_kv_triton(store.k_cache, store.v_cache, store.slots, k_out, store.v)

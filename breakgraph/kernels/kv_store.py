@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from breakgraph.kernels import pdl
+
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
     import triton.language as tl
@@ -58,7 +60,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots + t).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -118,4 +122,5 @@ def store_kv_triton(
         ROW=row,
         BLOCK=block,
         num_warps=4,
+        **pdl.launch(k.device),
     )

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from breakgraph.kernels import fused
+from breakgraph.kernels import fused, pdl
 from breakgraph.kernels.fused import act_and_mul
 from breakgraph.kernels.workspace import Workspace, last_to_arrive
 
@@ -166,11 +166,13 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr,  # x is first (x + res, with HAS_RES) and Llama's RMSNorm of it
     HAS_RES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks
     (and with ACT the up rows' acc beside the gate rows'). With NORM each program first
     finds its rows' RMS over the whole K (cheap at decode's few rows), then normalizes each
     chunk as it loads it."""
+    pdl.enter(PDL)
     PARTS: tl.constexpr = 2 if ACT else 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -365,5 +367,6 @@ def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tenso
         HAS_RES=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **pdl.launch(x.device),
     )  # fmt: skip
     return y

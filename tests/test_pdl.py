@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (kernels/pdl.py) on the CPU: off unless asked and never
+on a CPU device; with PDL a kernel compiled for Hopper waits for its predecessor before
+anything else and then lets its successor in (PTX from Triton's compiler, no GPU needed);
+without it the kernel is the plain one."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from breakgraph.kernels import pdl
+
+triton = pytest.importorskip("triton")
+
+
+def test_launch_arguments_only_when_enabled_on_cuda(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch(torch.device("cuda", 0)) == {}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch(torch.device("cpu")) == {}
+
+
+def _ptx(use_pdl: bool) -> list[str]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from breakgraph.kernels.fused import _act_and_mul_kernel as kernel
+
+    params = inspect.signature(kernel.fn).parameters
+    sig = {n: "*bf16" if n in ("gate_ptr", "up_ptr", "out") else "i32" for n in params}
+    consts = {"BLOCK": 1024, "GELU": False, "PDL": use_pdl}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=sig, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32),
+        )
+    except RuntimeError as e:  # a Triton without its CUDA toolchain
+        pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
+    body = compiled.asm["ptx"].split("{", 1)[1]  # the kernel's body, after its parameters
+    return [line.strip() for line in body.splitlines() if line.strip()]
+
+
+def test_dependent_kernel_waits_first_then_lets_its_successor_in():
+    lines = _ptx(True)
+    grid = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol")]
+    assert [lines[i].split(";")[0] for i in grid] == [
+        "griddepcontrol.wait",
+        "griddepcontrol.launch_dependents",
+    ]
+    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+    assert grid[0] < first_load  # nothing a predecessor writes is read before the wait
+    assert not [line for line in _ptx(False) if "griddepcontrol" in line]
