@@ -183,32 +183,39 @@ def init_tp_group(
 
 def _one_shot_all_reduce(rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
     """Every rank's one-shot all-reduce, checked on a known sum, or None on every rank (one
-    line why): the ranks agree (over NCCL) before any of them takes the path, since a rank on
-    it waits at a barrier that a rank on NCCL never reaches."""
-    one_shot, why = None, ""
-    if device.type != "cuda":
-        why = "needs CUDA"
-    else:
+    line why). The ranks agree (over the group's collective) after setting it up and again
+    after the check, since a rank that takes the path waits at a barrier that a rank on the
+    collective never reaches."""
+    one_shot, why = None, "needs CUDA"
+    if device.type == "cuda":
         try:
             one_shot = OneShotAllReduce(device)
-            x = torch.full((4096,), float(rank + 1), dtype=torch.float32, device=device)
-            if not torch.equal(one_shot(x), torch.full_like(x, size * (size + 1) / 2)):
-                one_shot, why = None, "its self-check summed wrong"
-        except Exception as e:  # noqa: BLE001 - symmetric memory unavailable here: NCCL
-            one_shot, why = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    agreed = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+        except Exception as e:  # noqa: BLE001 - symmetric memory unavailable here
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if _agree(one_shot is not None, device):
+        x = torch.full((4096,), float(rank + 1), dtype=torch.float32, device=device)
+        if not torch.equal(one_shot(x), torch.full_like(x, size * (size + 1) / 2)):
+            one_shot, why = None, "its self-check summed wrong"
+        if _agree(one_shot is not None, device):
+            logger.info(
+                "TP rank %d: one-shot all-reduce for messages up to %d bytes",
+                rank, ONE_SHOT_MAX_BYTES,
+            )  # fmt: skip
+            return one_shot
+        if one_shot is not None:
+            why = "another rank's self-check summed wrong"
+    elif one_shot is not None:
+        why = "another rank could not set it up"
+    logger.warning("TP rank %d: custom all-reduce off, all-reduces go to NCCL (%s)", rank, why)
+    return None
+
+
+def _agree(ok: bool, device: torch.device) -> bool:
+    """True if ``ok`` on every rank (a collective on CUDA; the CPU ranks are all alike)."""
+    flag = torch.tensor([ok], dtype=torch.int32, device=device)
     if device.type == "cuda":
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    if not agreed.item():
-        logger.warning(
-            "TP rank %d: custom all-reduce off, all-reduces go to NCCL (%s)",
-            rank, why or "another rank could not set it up",
-        )  # fmt: skip
-        return None
-    logger.info(
-        "TP rank %d: one-shot all-reduce for messages up to %d bytes", rank, ONE_SHOT_MAX_BYTES
-    )
-    return one_shot
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def destroy_tp_group(group: TPGroup) -> None:
