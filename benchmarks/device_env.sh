@@ -7,3 +7,11 @@ if [ -d .whl ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# Triton's cache travels between sessions: h200_suite.sh leaves it in $OUT as tcache.tgz.NN
+# parts (<= 15 MB each, the device tool's per-file limit); copy them to .tcache/ here (git
+# ignores it) and carry .tcache: kernels whose source did not change skip their compile.
+export TRITON_CACHE_DIR=/tmp/tcache
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".tcache/tcache.tgz*" > /dev/null; then
+  cat .tcache/tcache.tgz* | tar xzf - -C "$TRITON_CACHE_DIR" || echo "device_env: .tcache unreadable, compiling afresh"
+fi
