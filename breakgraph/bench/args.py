@@ -4,6 +4,14 @@
 from __future__ import annotations
 
 
+def _add_custom_all_reduce(p) -> None:
+    p.add_argument(
+        "--enable-custom-all-reduce",
+        action="store_true",
+        help="TP on CUDA: small all-reduces over symmetric memory (the engine's flag)",
+    )
+
+
 def add_step_args(p) -> None:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
     p.add_argument("--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192])
@@ -15,6 +23,7 @@ def add_step_args(p) -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-timeout", type=float, default=120.0)
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
+    _add_custom_all_reduce(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against N")
 
@@ -26,11 +35,7 @@ def add_decode_args(p) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument(
-        "--enable-custom-all-reduce",
-        action="store_true",
-        help="TP on CUDA: small all-reduces over symmetric memory (the engine's flag)",
-    )
+    _add_custom_all_reduce(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")
     p.add_argument(
