@@ -213,10 +213,17 @@ def abort(group):  # NCCL's abort with its peer killed may never return (NVIDIA/
     if sys.argv[1] == "hangs":
         time.sleep(3600)
 tp_worker.abort_tp_group = abort
-worker = mp.get_context("fork").Process(target=int)  # a worker that exits at once
+fork = mp.get_context("fork")
+worker = fork.Process(target=int)  # a worker that exits at once
+other = fork.Process(target=time.sleep, args=(3600,))  # one still in a collective
+other.start()
+print("other", other.pid, flush=True)
 worker.start()
 stop, _ = mp.Pipe(duplex=False)
-tp_worker._watch_workers([worker], stop, TPGroup(0, 2, torch.device("cpu")), abort_s=0.5)
+group = TPGroup(0, 3, torch.device("cpu"))
+tp_worker._watch_workers([worker, other], stop, group, abort_s=0.5)
+other.kill()
+other.join()
 print("returned", len(calls))
 """
 
@@ -225,16 +232,23 @@ print("returned", len(calls))
 def test_watchdog_aborts_a_dead_workers_group_or_exits(abort):
     """Rank 0's watchdog on a worker's exit: says so naming the rank and aborts the group (the
     engine raises at its next step); an abort that does not return in time (NCCL reclaiming
-    with a killed peer) exits the process with code 1 and one line why, never a hang."""
+    with a killed peer) kills the other workers and exits the process with code 1 and one
+    line why: never a hang, no orphan."""
     out = subprocess.run(
         [sys.executable, "-c", WATCHDOG_SCRIPT, abort], capture_output=True, text=True, timeout=60
     )
     assert "TP worker rank 1 exited (exit code 0)" in out.stderr, out.stderr
+    lines = out.stdout.split()
+    other = int(lines[lines.index("other") + 1])
     if abort == "returns":
-        assert out.returncode == 0 and out.stdout.strip() == "returned 1", out.stderr
+        assert out.returncode == 0 and "returned 1" in out.stdout, out.stderr
     else:
-        assert out.returncode == 1 and not out.stdout, out.stderr
+        assert out.returncode == 1 and "returned" not in out.stdout, out.stderr
         assert "abort did not return in 0.5 s: exiting the engine process" in out.stderr
+    deadline = time.monotonic() + 10
+    while not _gone(other) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(other)
 
 
 def _gone(pid: int) -> bool:

@@ -303,8 +303,8 @@ def _watch_workers(procs, stop, group: TPGroup, abort_s: float = _ABORT_S) -> No
     inside CUDA graphs too, return), then reclaims their resources, which recent NCCL does
     in step with its peers (NVIDIA/nccl#863): with a peer killed that may never return. If
     the abort has not returned in ``abort_s``, this process cannot be trusted to get out of
-    its collectives: it exits (code 1) after saying why, and a server answers 503 for it
-    (the API process watches the engine's)."""
+    its collectives: it kills the other workers and exits (code 1) after saying why, and a
+    server answers 503 for it (the API process watches the engine's)."""
     ranks = {proc.sentinel: rank for rank, proc in enumerate(procs, start=1)}
     ready = mp.connection.wait([stop, *ranks])
     gone = [ranks[r] for r in ready if r in ranks]
@@ -324,6 +324,9 @@ def _watch_workers(procs, stop, group: TPGroup, abort_s: float = _ABORT_S) -> No
             "%s and the TP group's abort did not return in %g s: exiting the engine process",
             said, abort_s,
         )  # fmt: skip
+        for proc in procs:  # no orphan left in a collective with nobody (exit skips atexit)
+            if proc.is_alive():
+                proc.kill()
         logging.shutdown()
         os._exit(1)
 
