@@ -347,6 +347,25 @@ def test_skinny_gemm_matches_linear(m, dtype):
 
 
 @gpu
+def test_every_skinny_table_entry_matches_linear():
+    """What ships: each (shape, M class) of ``SKINNY_TABLE`` through ``ops.linear`` (the
+    dispatch the models use) at the class's largest M and its smallest, bf16, against
+    F.linear in float32."""
+    from breakgraph.kernels import ops
+
+    for (n, k), entries in sg.SKINNY_TABLE.items():
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        lo = 1
+        for max_m, cfg in entries:
+            for m in {lo, max_m}:
+                assert sg.table_config(m, n, k) == cfg
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                ref = torch.nn.functional.linear(x.float(), w.float())
+                torch.testing.assert_close(ops.linear(x, w).float(), ref, atol=2e-2, rtol=2e-2)
+            lo = max_m + 1
+
+
+@gpu
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_skinny_gate_up_with_its_activation_matches_the_two_ops(m, activation):
