@@ -188,7 +188,11 @@ def norm_linear(
 
 
 def _skinny_config(x: torch.Tensor, weight: torch.Tensor):
+    """The table's config for this projection, or None (cuBLAS): also for a layout the
+    kernel does not take (rows not unit-strided, a weight view)."""
     if x.dim() != 2 or x.shape[0] > _skinny.MAX_M or not _use_triton(x):
+        return None
+    if x.stride(-1) != 1 or not weight.is_contiguous():
         return None
     return _skinny.table_config(x.shape[0], weight.shape[0], weight.shape[1])
 
