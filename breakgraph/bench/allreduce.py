@@ -81,13 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
         print(f"breakgraph.bench.allreduce needs {args.tp} CUDA devices; nothing to measure here.")
         return
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from breakgraph.engine.tp_worker import free_port
+
+    port = free_port()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     mp.spawn(_rank, args=(args.tp, port, args), nprocs=args.tp)

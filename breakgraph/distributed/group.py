@@ -199,7 +199,7 @@ def _one_shot_all_reduce(rank: int, size: int, device: torch.device) -> OneShotA
         if _agree(one_shot is not None, device):
             logger.info(
                 "TP rank %d: one-shot all-reduce for messages up to %d bytes",
-                rank, ONE_SHOT_MAX_BYTES,
+                rank, one_shot.max_bytes,
             )  # fmt: skip
             return one_shot
         if one_shot is not None:

@@ -102,7 +102,8 @@ def _i32(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the TP group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -126,7 +127,7 @@ class TPDriver:
                 "daemonic processes children): start the engine process with daemon=False"
             )
         self.custom_all_reduce = args.enable_custom_all_reduce
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs: list = []
         self.conns: list = []
