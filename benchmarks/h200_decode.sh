@@ -6,10 +6,10 @@
 # decode attention's one launch against the merge kernel's two (bench kernels), then `bench
 # decode` (kernels per step and per layer, the floor, --profile) in each of ARMS at each of
 # CONTEXTS: "default" (the code as it is), "pdl" (BREAKGRAPH_PDL=1: programmatic dependent
-# launch of the Triton kernels), "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in
+# launch of the Triton kernels at every batch size), "nopdl" (BREAKGRAPH_PDL=0: at none), "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in
 # one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all" (that and
 # every projection on generic skinny configs). TESTS=1 first runs the kernel tests.
-#   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] bash benchmarks/h200_decode.sh
+#   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] [BATCH_SIZES=...] bash benchmarks/h200_decode.sh
 source "$(dirname "$0")/device_env.sh"
 if [ "${TESTS:-0}" = 1 ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
@@ -31,13 +31,14 @@ for ctx in ${CONTEXTS:-1024 8192}; do
     case $arm in
       default) env=() ;;
       pdl) env=(BREAKGRAPH_PDL=1) ;;
+      nopdl) env=(BREAKGRAPH_PDL=0) ;;
       merge) env=(BREAKGRAPH_DECODE_MERGE=split) ;;
       table) env=(BREAKGRAPH_DECODE_MERGE=split "BREAKGRAPH_SKINNY=$table") ;;
       all) env=(BREAKGRAPH_DECODE_MERGE=split BREAKGRAPH_SKINNY=all) ;;
     esac
     echo "=== arm $arm, context $ctx: ${env[*]}" | tee -a "$OUT/decode.log"
     env "${env[@]}" python3 -m breakgraph.cli bench decode \
-      --models ${MODELS:-qwen3-0.6b llama-3.1-8b} --batch-sizes 1 8 32 64 \
+      --models ${MODELS:-qwen3-0.6b llama-3.1-8b} --batch-sizes ${BATCH_SIZES:-1 8 32 64} \
       --context "$ctx" --profile --json "$OUT/decode_${arm}_$ctx.json" 2>&1 \
       | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/decode.log"
   done

@@ -5,7 +5,7 @@
 #     message size (NCCL vs the one-shot path, both replayed from CUDA graphs);
 #   PART=bench: TP1 vs TP2 in-process benches (step: eager, graphs, floor; decode: eager, graph,
 #     and from a profile the all-reduce share of the step's GPU time and the gaps between
-#     kernels), TP2 once more with --enable-custom-all-reduce.
+#     kernels), TP2 once more with --disable-custom-all-reduce (NCCL only).
 # No PART: both. Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 if [ "${PART:-tests}" = tests ]; then  # PART unset: both parts
@@ -19,8 +19,8 @@ fi
 if [ "${PART:-bench}" = bench ]; then
   bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
   m=${MODELS:-llama-3.1-8b}
-  for arm in "1" "2" "2 --enable-custom-all-reduce"; do
-    tag=tp${arm// --enable-custom-all-reduce/_one_shot}
+  for arm in "1" "2" "2 --disable-custom-all-reduce"; do
+    tag=tp${arm// --disable-custom-all-reduce/_nccl}
     bg step --models $m -N 256 1024 8192 -P 0 --reps 5 --no-hf --tp $arm \
       --json "$OUT/step_$tag.json" | tee -a "$OUT/tp_bench.log"
     bg decode --models $m --batch-sizes 1 8 32 --context 1024 --profile --tp $arm \

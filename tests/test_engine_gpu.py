@@ -150,10 +150,11 @@ def test_programmatic_dependent_launch_equals_plain_launches(small_dir, monkeypa
     arithmetic, so the same tokens and bitwise the same logits as plain launches."""
     from breakgraph.kernels import pdl
 
+    monkeypatch.setattr(pdl, "MODE", "0")
     plain = engine(small_dir, graphs=True)
     tap_plain = LogitsTap(plain)
     tokens = run_workload(plain)
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "MODE", "1")
     assert pdl.launch(plain.device) == {"PDL": True, "launch_pdl": True}
     dependent = engine(small_dir, graphs=True)  # its graphs capture the dependent launches
     tap = LogitsTap(dependent)

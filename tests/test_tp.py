@@ -455,22 +455,28 @@ def test_tp_flag_and_alias():
         parser.parse_args(["--tp-size", "0"])
 
 
-def test_custom_all_reduce_flag_falls_back_to_the_collective_on_the_cpu(checkpoints, caplog):
-    """--enable-custom-all-reduce reaches every rank; where the one-shot path cannot be set
-    up (here: no CUDA) the ranks agree on the collective, say why, and answer as TP1."""
+def test_custom_all_reduce_is_cuda_only_and_falls_back_where_it_cannot_be_set_up(
+    checkpoints, caplog
+):
+    """The custom all-reduce is on unless --disable-custom-all-reduce; gloo ranks (the CPU)
+    use the collective without a word; where the one-shot path cannot be set up the ranks
+    agree on the collective and say why."""
     import argparse
+
+    from breakgraph.distributed.group import _one_shot_all_reduce
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    parsed = EngineArgs.from_namespace(parser.parse_args(["--enable-custom-all-reduce"]))
-    assert parsed.enable_custom_all_reduce and not EngineArgs().enable_custom_all_reduce
+    parsed = EngineArgs.from_namespace(parser.parse_args(["--disable-custom-all-reduce"]))
+    assert parsed.disable_custom_all_reduce and not EngineArgs().disable_custom_all_reduce
     caplog.set_level(logging.WARNING, logger="breakgraph.distributed.group")
+    assert _one_shot_all_reduce(0, 2, torch.device("cpu")) is None
+    assert "TP rank 0: custom all-reduce off, all-reduces go to NCCL (needs CUDA)" in caplog.text
+    caplog.clear()
     path = checkpoints["llama"]
-    with tp1_and_tp2(path, enable_custom_all_reduce=True) as (tp1, tp2, tap1, tap2):
+    with tp1_and_tp2(path) as (tp1, tp2, tap1, tap2):
         assert tp2.tp_driver.group.one_shot is None
-        assert (
-            "TP rank 0: custom all-reduce off, all-reduces go to NCCL (needs CUDA)" in caplog.text
-        )
+        assert "custom all-reduce" not in caplog.text
         ps = prompts([7, 19])
         r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
         assert [r.output_ids for r in r2] == [r.output_ids for r in r1]

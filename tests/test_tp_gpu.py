@@ -29,13 +29,13 @@ def assert_close_steps(a: LogitsTap, b: LogitsTap) -> None:
 
 
 def test_tp2_custom_all_reduce_equals_nccl_with_graphs(small_dir):  # noqa: F811
-    """--enable-custom-all-reduce: the one-shot all-reduce over symmetric memory is set up on
+    """The custom all-reduce (on by default): the one-shot all-reduce over symmetric memory is set up on
     both ranks (not the NCCL fallback) and TP2 with it equals TP1 (greedy tokens, float32
     logits), graphs capturing it; no host sync inside a step. First in the file: the first TP
     group of the process, as a server's is (symmetric memory registers groups by name, and a
     later group reuses the name of an aborted one)."""
     tp1 = engine(small_dir, graphs=True)
-    tp2 = engine(small_dir, graphs=True, tp_size=2, enable_custom_all_reduce=True)
+    tp2 = engine(small_dir, graphs=True, tp_size=2)
     try:
         assert tp2.tp_driver.group.one_shot is not None, "the one-shot path fell back to NCCL"
         forbid_host_syncs_in_steps(tp2)
@@ -49,8 +49,9 @@ def test_tp2_custom_all_reduce_equals_nccl_with_graphs(small_dir):  # noqa: F811
 
 def test_tp2_equals_tp1_with_graphs(small_dir):  # noqa: F811
     tp1 = engine(small_dir, graphs=True)
-    tp2 = engine(small_dir, graphs=True, tp_size=2)
+    tp2 = engine(small_dir, graphs=True, tp_size=2, disable_custom_all_reduce=True)  # NCCL
     try:
+        assert tp2.tp_driver.group.one_shot is None
         forbid_host_syncs_in_steps(tp2)
         tap1, tap2 = LogitsTap(tp1), LogitsTap(tp2)
         assert run_workload(tp2) == run_workload(tp1)

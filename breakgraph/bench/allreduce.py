@@ -1,5 +1,5 @@
 """All-reduce per message size on the GPUs of one host: NCCL against the one-shot all-reduce
-over symmetric memory (``--enable-custom-all-reduce``), same run, both as the decode graphs
+over symmetric memory (the engine's default on CUDA), same run, both as the decode graphs
 run them: ``--ops`` consecutive all-reduces captured in one CUDA graph, replayed; µs per op.
 
     python -m breakgraph.bench.allreduce [--tp 2] [--kib 8 16 32 64 128 256 512 1024 4096]

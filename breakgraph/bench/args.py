@@ -6,9 +6,9 @@ from __future__ import annotations
 
 def _add_custom_all_reduce(p) -> None:
     p.add_argument(
-        "--enable-custom-all-reduce",
+        "--disable-custom-all-reduce",
         action="store_true",
-        help="TP on CUDA: small all-reduces over symmetric memory (the engine's flag)",
+        help="TP on CUDA: every all-reduce on NCCL (the engine's flag)",
     )
 
 

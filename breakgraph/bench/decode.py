@@ -153,7 +153,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 cuda_graph_backend_prefill="disabled",
                 context_length=max(args.context + 16, 4096),
                 tp_size=args.tp_size,
-                enable_custom_all_reduce=args.enable_custom_all_reduce,
+                disable_custom_all_reduce=args.disable_custom_all_reduce,
             )
         )
         rows = [eng.req_pool.alloc() for _ in range(max_bs)]

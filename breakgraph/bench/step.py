@@ -93,7 +93,7 @@ class StepBench:
         dtype: str = "auto",
         fast_prefill: bool | None = None,
         tp_size: int = 1,
-        custom_all_reduce: bool = False,
+        disable_custom_all_reduce: bool = False,
     ):
         from breakgraph.engine.args import EngineArgs
         from breakgraph.engine.engine import Engine
@@ -113,7 +113,7 @@ class StepBench:
                 context_length=max(max_new + max_prefix + 16, 4096),
                 kv_sharing_fast_prefill=fast_prefill,
                 tp_size=tp_size,
-                enable_custom_all_reduce=custom_all_reduce,
+                disable_custom_all_reduce=disable_custom_all_reduce,
             )
         )
         eng = self.engine
@@ -282,7 +282,7 @@ def run_step_bench(args) -> list[PointResult]:
         shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
         t0 = time.perf_counter()
         sb = StepBench(
-            *shape, tp_size=args.tp_size, custom_all_reduce=args.enable_custom_all_reduce
+            *shape, tp_size=args.tp_size, disable_custom_all_reduce=args.disable_custom_all_reduce
         )
         # engine start (weights, KV pool, graph capture) is long for big models: say where we are
         print(f"{model}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -28,11 +28,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 
 
-# The largest all-reduce the one-shot path takes (--enable-custom-all-reduce): decode's and
-# short prefills' activations (64 rows of a 4096-wide bf16 hidden state are 512 KB); larger
-# ones go to NCCL, whose bandwidth wins there. To be measured on two H200s:
-# `python -m breakgraph.bench.allreduce` (both paths replayed from CUDA graphs, per size).
-ONE_SHOT_MAX_BYTES = 512 << 10
+# The largest all-reduce the one-shot path takes (on unless --disable-custom-all-reduce). Measured on two
+# H200s (`python -m breakgraph.bench.allreduce`, both paths replayed from CUDA graphs): one-shot
+# takes 0.63x NCCL's time at 8-64 KB, 0.68x at 512 KB, 0.72x at 1 MB, 0.83x at 4 MB; larger
+# messages (long prefills) go to NCCL, whose ring bandwidth wins as the size grows and ranks add.
+ONE_SHOT_MAX_BYTES = 4 << 20
 
 
 class OneShotAllReduce:
@@ -84,7 +84,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
-    # the one-shot path for small all-reduces (--enable-custom-all-reduce), else None: NCCL
+    # the one-shot path for small all-reduces (CUDA), else None: the collective
     one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -177,7 +177,8 @@ def init_tp_group(
         **kw,
     )
     logger.info("TP rank %d/%d joined (%s on %s)", rank, size, backend, device)
-    one_shot = _one_shot_all_reduce(rank, size, device) if custom_all_reduce else None
+    use = custom_all_reduce and device.type == "cuda"  # gloo on the CPU: the collective
+    one_shot = _one_shot_all_reduce(rank, size, device) if use else None
     return TPGroup(rank, size, device, one_shot)
 
 

@@ -32,8 +32,9 @@ class EngineArgs:
     seed: int = 0
     # tensor parallelism: ranks (processes, one GPU each) a model is sharded over
     tp_size: int = 1
-    # TP on CUDA: small all-reduces (decode) over symmetric memory in one kernel, not NCCL
-    enable_custom_all_reduce: bool = False
+    # TP on CUDA: all-reduces up to 4 MB (decode, short prefills) go to one kernel over
+    # symmetric memory unless this is set; larger ones and the CPU (gloo) use the collective
+    disable_custom_all_reduce: bool = False
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
@@ -114,10 +115,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "each; gloo on the CPU); the heads must divide evenly",
     )
     g.add_argument(
-        "--enable-custom-all-reduce",
+        "--disable-custom-all-reduce",
         action="store_true",
-        help="TP on CUDA: all-reduces of up to 512 KB (decode's) as one kernel over symmetric "
-        "memory instead of NCCL (falls back to NCCL, with a warning, where it cannot be set up)",
+        help="TP on CUDA: every all-reduce on NCCL (by default those of up to 4 MB, decode's "
+        "and short prefills', run as one kernel over symmetric memory, falling back to NCCL "
+        "with a warning where it cannot be set up)",
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")

@@ -25,7 +25,7 @@ from torch import nn
 
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from breakgraph.graph import GraphBank, StaticInput
-from breakgraph.kernels import jit_watch, ops
+from breakgraph.kernels import jit_watch, ops, pdl
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,10 @@ class DecodeGraphs(_GraphsBase):
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
         )
-        with forward_context(self._context(batch)):
+        # small batches' Triton kernels launch dependent on their predecessor (kernels/pdl.py)
+        with forward_context(self._context(batch)), pdl.scope(bs):
             hidden = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden)
 
     def capture(self) -> None:
         self.bank.capture()

@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 _POLL_S = 1.0  # how often an idle worker checks that rank 0 is alive
 _JOIN_S = 10.0  # how long shutdown waits for a worker before terminating it
 _ABORT_S = 10.0  # how long a dead worker's group abort may take before rank 0 exits
+# After a step a worker polls its pipe without sleeping for this long before it blocks: the
+# next step's message usually comes within a step's time, and a blocked process's wake-up
+# (tens of µs to more on an idle core) is on every step's critical path (rank 0's first
+# all-reduce waits for the worker's launch). Costs one busy core per worker while serving;
+# CUDA only.
+SPIN_S = float(os.environ.get("BREAKGRAPH_TP_SPIN_MS", 50)) / 1e3
+# BREAKGRAPH_TP_TRACE=1: each worker logs at exit where its steps' host time went (rank 0's
+# send -> the worker's receive -> its batch built -> its forward launched), as percentiles
+TRACE = os.environ.get("BREAKGRAPH_TP_TRACE", "0") == "1"
 
 
 @dataclass
@@ -58,6 +67,7 @@ class StepMessage:
     table_writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (rows, cols, slots)
     prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
     top_k: int = 0
+    sent_at: float = 0.0  # rank 0's time.perf_counter() at sending (CLOCK_MONOTONIC: host-wide)
     # forward (graphs when they fit), eager, or capture_whole (the step as one CUDA graph,
     # kept until the next capture: benches replay it with ReplayWhole)
     kind: str = "forward"
@@ -126,7 +136,7 @@ class TPDriver:
                 "--tp-size > 1 needs a non-daemonic engine process (multiprocessing forbids "
                 "daemonic processes children): start the engine process with daemon=False"
             )
-        self.custom_all_reduce = args.enable_custom_all_reduce
+        self.custom_all_reduce = not args.disable_custom_all_reduce
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs: list = []
@@ -226,6 +236,7 @@ class TPDriver:
             top_k=top_k,
             kind=kind,
         )
+        msg.sent_at = time.perf_counter()
         self._send(msg)
         try:
             _broadcast_inputs(self.group, batch.input_ids, rows, targets)
@@ -387,11 +398,43 @@ class _ParentGone(Exception):
     pass
 
 
-def _recv(conn, parent_pid: int):
+def _recv(conn, parent_pid: int, spin_s: float = 0.0):
+    """The next message from rank 0, polling without a sleep for ``spin_s`` first."""
+    if spin_s > 0:
+        deadline = time.perf_counter() + spin_s
+        while time.perf_counter() < deadline:
+            if conn.poll(0):
+                return conn.recv()
     while not conn.poll(_POLL_S):
         if os.getppid() != parent_pid:
             raise _ParentGone
     return conn.recv()
+
+
+class _StepTrace:
+    """Host time of a worker's steps (``BREAKGRAPH_TP_TRACE=1``), in µs."""
+
+    STAGES = ("pipe", "build", "launch")
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.samples: dict[str, list[float]] = {s: [] for s in self.STAGES}
+
+    def add(self, sent_at: float, received: float, built: float, launched: float) -> None:
+        for stage, (a, b) in zip(
+            self.STAGES, ((sent_at, received), (received, built), (built, launched)), strict=True
+        ):
+            self.samples[stage].append((b - a) * 1e6)
+
+    def report(self) -> str:
+        parts = []
+        for stage, xs in self.samples.items():
+            if xs:
+                xs = sorted(xs)
+                p = [xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.5, 0.9, 0.99)]
+                parts.append(f"{stage} p50 {p[0]:.0f} p90 {p[1]:.0f} p99 {p[2]:.0f}")
+        n = len(self.samples["pipe"])
+        return f"TP rank {self.rank} trace, {n} steps, us: " + "; ".join(parts)
 
 
 def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: int) -> None:
@@ -430,7 +473,7 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     torch.manual_seed(args.seed)
     conn.send(WorkerUp())
     group = init_tp_group(
-        rank, size, init_method, device, custom_all_reduce=args.enable_custom_all_reduce
+        rank, size, init_method, device, custom_all_reduce=not args.disable_custom_all_reduce
     )
     model = load_model(
         args.model_path,
@@ -453,16 +496,21 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     if device.type == "cuda":
         capture_graphs(args, runner, req_pool, setup.max_running_requests, setup.context_len)
     whole = None  # the replay of the step last captured whole
-    while (msg := _recv(conn, parent_pid)) is not None:
+    trace = _StepTrace(rank) if TRACE else None
+    spin_s = SPIN_S if device.type == "cuda" else 0.0  # the CPU's ranks share its cores
+    while (msg := _recv(conn, parent_pid, spin_s)) is not None:
         if isinstance(msg, ReplayWhole):
             whole()
         else:
-            whole = _run_step(msg, runner, req_pool, group, device) or whole
+            whole = _run_step(msg, runner, req_pool, group, device, trace) or whole
+    if trace is not None:
+        logger.warning("%s", trace.report())
     return group
 
 
-def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device):
+def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device, trace=None):
     """Run rank 0's step here; for ``capture_whole``, return the captured step's replay."""
+    received = time.perf_counter()
     if msg.table_writes is not None:
         req_pool.apply_writes(*msg.table_writes)
     n = len(msg.out_cache_loc)
@@ -477,10 +525,13 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device):
     )
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
     if msg.prompt_rows < 0:
+        built = time.perf_counter()
         _broadcast_inputs(group, batch.input_ids)
         if msg.kind == "capture_whole":
             return runner.capture_whole(batch)
         (runner.forward_eager if msg.kind == "eager" else runner.forward)(batch)
+        if trace is not None:
+            trace.add(msg.sent_at, received, built, time.perf_counter())
         return None
     rows = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
     targets = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)

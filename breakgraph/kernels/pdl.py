@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper and later), opt-in: ``BREAKGRAPH_PDL=1``.
+"""Programmatic dependent launch (Hopper and later) inside small decode graphs.
 
 A kernel launched with it may be scheduled while its predecessor in the stream is still
 running, once every program of the predecessor has said so (``griddepcontrol.
@@ -13,13 +13,19 @@ write, so a grid never completes before its own predecessor did (the chain stays
 for kernels further down), then lets its successor be scheduled. Their launch sites add
 ``**launch(device)``: nothing unless enabled on a CUDA device of compute capability 9+, so
 the CPU, the interpreter and older GPUs run exactly the plain kernels. Kernels without it
-(cuBLAS, torch's) launch as always, after their predecessor completes. Off by default until
-an H200 run shows the decode step faster with it: ``BREAKGRAPH_PDL=1 breakgraph bench
-decode --profile`` against the same command without.
+(cuBLAS, torch's) launch as always, after their predecessor completes.
+
+When (``BREAKGRAPH_PDL``): ``auto`` (default) inside the decode graphs of at most
+``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none. An H200
+(benchmarks/README.md, sixth session: ``bench decode --profile`` with and without) measured
+batch 1 faster with it (qwen3-0.6b 1.294 -> 1.197 ms at 1K context, 1.646 -> 1.534 at 8K;
+llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070) and batch 8 slower (1.768 -> 1.827,
+5.291 -> 5.370); 32 and 64 within 2% either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -31,7 +37,11 @@ try:
 except ImportError:  # the CPU-only install: no kernel calls enter()
     triton = None
 
-ENABLED = os.environ.get("BREAKGRAPH_PDL", "0") == "1"
+MODE = os.environ.get("BREAKGRAPH_PDL", "auto")
+if MODE not in ("auto", "0", "1"):
+    raise ValueError(f"BREAKGRAPH_PDL={MODE!r}: expected auto, 0 or 1")
+AUTO_MAX_BATCH = 4  # decode graphs of at most this many rows use it under "auto"
+_in_scope = False  # set by scope(): launches now are a small decode graph's
 
 
 @functools.cache
@@ -39,9 +49,25 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@contextlib.contextmanager
+def scope(batch_size: int):
+    """Launches inside are a decode graph's of ``batch_size`` rows (``auto`` decides by it)."""
+    global _in_scope
+    before, _in_scope = _in_scope, batch_size <= AUTO_MAX_BATCH
+    try:
+        yield
+    finally:
+        _in_scope = before
+
+
+def enabled() -> bool:
+    """Whether a launch now takes PDL (before the device check)."""
+    return MODE == "1" or (MODE == "auto" and _in_scope)
+
+
 def launch(device: torch.device) -> dict:
     """Extra launch arguments for a kernel with a ``PDL`` parameter on ``device``."""
-    if not ENABLED or device.type != "cuda":
+    if not enabled() or device.type != "cuda":
         return {}
     if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
