@@ -177,18 +177,31 @@ def init_tp_group(
         **kw,
     )
     logger.info("TP rank %d/%d joined (%s on %s)", rank, size, backend, device)
+    global _GROUPS_JOINED
+    _GROUPS_JOINED += 1
     use = custom_all_reduce and device.type == "cuda"  # gloo on the CPU: the collective
-    one_shot = _one_shot_all_reduce(rank, size, device) if use else None
+    one_shot = _one_shot_all_reduce(rank, size, device, _GROUPS_JOINED == 1) if use else None
     return TPGroup(rank, size, device, one_shot)
 
 
-def _one_shot_all_reduce(rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
+# TP groups this process has joined. Only its first takes the one-shot path: PyTorch's
+# symmetric memory keeps per-group-name state that a later group (same name: the default
+# group's) inherits, and on two H200s a second engine's one-shot group in one process hung
+# (tests, benches of several models; a server's process has one engine).
+_GROUPS_JOINED = 0
+
+
+def _one_shot_all_reduce(
+    rank: int, size: int, device: torch.device, first_group: bool = True
+) -> OneShotAllReduce | None:
     """Every rank's one-shot all-reduce, checked on a known sum, or None on every rank (one
-    line why). The ranks agree (over the group's collective) after setting it up and again
-    after the check, since a rank that takes the path waits at a barrier that a rank on the
-    collective never reaches."""
+    line why). The ranks agree (over the group's collective) before setting it up (its
+    rendezvous is a collective), after, and again after the check, since a rank that takes
+    the path waits at a barrier that a rank on the collective never reaches."""
     one_shot, why = None, "needs CUDA"
-    if device.type == "cuda":
+    if device.type == "cuda" and not _agree(first_group, device):
+        why = "not this process's first TP group" if not first_group else "another rank's isn't"
+    elif device.type == "cuda":
         try:
             one_shot = OneShotAllReduce(device)
         except Exception as e:  # noqa: BLE001 - symmetric memory unavailable here

@@ -314,9 +314,10 @@ def _watch_workers(procs, stop, group: TPGroup, abort_s: float = _ABORT_S) -> No
     NCCL's abort sets its communicators' abort flag (the kernels waiting on the dead peer,
     inside CUDA graphs too, return), then reclaims their resources, which recent NCCL does
     in step with its peers (NVIDIA/nccl#863): with a peer killed that may never return. If
-    the abort has not returned in ``abort_s``, this process cannot be trusted to get out of
-    its collectives: it kills the other workers and exits (code 1) after saying why, and a
-    server answers 503 for it (the API process watches the engine's)."""
+    the abort has not returned in ``abort_s``, or the group's one-shot all-reduce is on and
+    the engine has not stopped ``abort_s`` after the abort, this process cannot be trusted to
+    get out of its collectives: it kills the other workers and exits (code 1) after saying
+    why, and a server answers 503 for it (the API process watches the engine's)."""
     ranks = {proc.sentinel: rank for rank, proc in enumerate(procs, start=1)}
     ready = mp.connection.wait([stop, *ranks])
     gone = [ranks[r] for r in ready if r in ranks]
@@ -332,15 +333,26 @@ def _watch_workers(procs, stop, group: TPGroup, abort_s: float = _ABORT_S) -> No
     aborter.start()
     aborter.join(abort_s)
     if aborter.is_alive():
-        logger.critical(
-            "%s and the TP group's abort did not return in %g s: exiting the engine process",
-            said, abort_s,
-        )  # fmt: skip
-        for proc in procs:  # no orphan left in a collective with nobody (exit skips atexit)
-            if proc.is_alive():
-                proc.kill()
-        logging.shutdown()
-        os._exit(1)
+        _exit_engine(procs, f"{said} and the TP group's abort did not return in {abort_s:g} s")
+    # the one-shot all-reduce's barrier waits on the GPU for the dead peer's signal, which no
+    # abort reaches: a step caught in it never returns, so the engine gets abort_s to stop
+    if group.one_shot is not None and not stop.poll(abort_s):
+        _exit_engine(
+            procs,
+            f"{said} and the engine did not stop in {abort_s:g} s (a one-shot all-reduce "
+            "waits on the GPU for the dead peer)",
+        )
+
+
+def _exit_engine(procs, why: str) -> None:
+    """This process cannot be trusted to get out of its collectives: kill the other workers
+    (no orphan left in a collective with nobody; exit skips atexit) and exit, code 1."""
+    logger.critical("%s: exiting the engine process", why)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    logging.shutdown()
+    os._exit(1)
 
 
 def _destroy_quietly(group: TPGroup) -> None:
