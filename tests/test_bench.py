@@ -348,6 +348,10 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
         "qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
         "lm_head": (151936, 1024),
     }  # fmt: skip
+    assert dict(gemm.projection_shapes("llama-3.1-8b", tp=2)) == {  # one rank's shard
+        "qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+        "lm_head": (64128, 4096),
+    }  # fmt: skip
     gemma = gemm.projection_shapes("gemma-4-e2b")  # layer types of two widths, its own ones
     assert len({nk for name, nk in gemma if name == "gate_up"}) == 2
     assert {"per_layer_input_gate", "lm_head"} <= {name for name, _ in gemma}

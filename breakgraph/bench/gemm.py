@@ -1,6 +1,6 @@
 """Decode's projections at M = 1..64 rows: cuBLAS against the skinny-GEMM kernel, same run.
 
-    python -m breakgraph.bench.gemm [--models qwen3-0.6b llama-3.1-8b] [--m 1 4 16 64]
+    python -m breakgraph.bench.gemm [--models qwen3-0.6b llama-3.1-8b] [--m 1 4 16 64] [--tp 1 2]
 
 For each weight shape of the models' projections (fused qkv, o, fused gate/up, down,
 lm_head, and a family's others; every family, read from the model built on the meta
@@ -41,10 +41,12 @@ def configs_for(k: int) -> list[sg.SkinnyConfig]:
     return [c for c in CONFIGS if k // c.split_k >= c.block_k]
 
 
-def projection_shapes(model: str) -> list[tuple[str, tuple[int, int]]]:
-    """The distinct (name, (N, K)) of a built-in model's projections at TP 1 (fused qkv, o,
-    fused gate/up, down, lm_head, and a family's others: Gemma 4's per-layer ones, its
-    router), read from the model built on the meta device: every family, every layer type."""
+def projection_shapes(model: str, tp: int = 1) -> list[tuple[str, tuple[int, int]]]:
+    """The distinct (name, (N, K)) of a built-in model's projections on one rank of ``tp``
+    (fused qkv, o, fused gate/up, down, lm_head, and a family's others: Gemma 4's per-layer
+    ones, its router), read from the model built on the meta device: every family, every
+    layer type."""
+    from breakgraph.distributed import TPGroup
     from breakgraph.layers.linear import (
         ColumnParallelLinear,
         ParallelLMHead,
@@ -56,7 +58,8 @@ def projection_shapes(model: str) -> list[tuple[str, tuple[int, int]]]:
     from breakgraph.models.loader import build_model
 
     config = ModelConfig.from_file(CONFIG_DIR / f"{model}.json")
-    built = build_model(config, torch.bfloat16, torch.device("meta"))
+    meta = torch.device("meta")
+    built = build_model(config, torch.bfloat16, meta, TPGroup(0, tp, meta) if tp > 1 else None)
     kinds = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, ReplicatedLinear)
     out: list[tuple[str, tuple[int, int]]] = []
     for path, module in built.named_modules():
@@ -162,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument(
+        "--tp", nargs="+", type=int, default=[1], help="also each rank's shapes at these TP sizes"
+    )
+    parser.add_argument(
         "--min-gain", type=float, default=0.03, help="keep configs this much faster"
     )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
@@ -180,8 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bw / 1e6:.2f} TB/s")
     shapes: dict[tuple[int, int], list[str]] = {}
     for model in args.models:
-        for name, nk in projection_shapes(model):
-            shapes.setdefault(nk, []).append(f"{model}:{name}")
+        for tp in args.tp:
+            tag = model if tp == 1 else f"{model}/tp{tp}"
+            for name, nk in projection_shapes(model, tp):
+                shapes.setdefault(nk, []).append(f"{tag}:{name}")
     rows, table = [], {}
     header = f"{'shape (N x K)':<34} {'M':>3} {'cuBLAS us':>10} {'skinny us':>10} {'ratio':>6} {'floor us':>9} {'cuBLAS/floor':>12}  config"
     print(header)
