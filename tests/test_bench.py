@@ -315,6 +315,11 @@ def test_decode_profile_kinds_and_line():
     line = format_decode_point(pt)
     assert "kernels 300 (10.0/layer)" in line and "floor 1.500 ms (1.33x)" in line
     assert "GPU kernels 1.700 ms (idle 0.300 ms): gemm 1.200 ms (71%)" in line
+    assert "back-to-back" not in line
+    pt.back_to_back_ms = 1.75  # graph steps with no sync between them
+    assert "graph    2.000 ms     2.5x  back-to-back 1.750 ms  kernels 300" in format_decode_point(
+        pt
+    )
 
 
 def test_decode_profile_gaps_by_the_kernel_before_them():

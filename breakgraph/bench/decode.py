@@ -7,10 +7,16 @@ the bytes a step must read (this rank's weights, where an embedding table counts
 LM head and a MoE layer only the experts ``batch x top_k`` can touch, plus every request's
 KV, sliding layers at full context: an upper bound) over the device-copy bandwidth measured
 in the same process.
+
+Step times are medians with a device sync around each step: a step pays its host time (and
+under TP the workers' latency, which rank 0's first all-reduce waits for). "back-to-back" is
+the graph step's mean over steps launched without a sync between them, as overlap scheduling
+runs them: what is left there is the GPU's own time, or a host slower than the GPU.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ class DecodePoint:
     floor_ms: float | None = None  # bytes read per step / measured copy bandwidth
     gpu_ms_by_kind: dict[str, float] | None = None  # --profile: the step's kernel time by kind
     gpu_gaps_by_kind: dict[str, list[float]] | None = None  # --profile: gaps_by_kind
+    back_to_back_ms: float | None = None  # graph steps with no sync between them (mean)
 
 
 # kernel names by kind, first match wins (cuBLAS/CUTLASS GEMMs have many names)
@@ -39,6 +46,18 @@ KERNEL_KINDS = (
     ("attention", ("_decode_", "_extend_", "attention", "flash")),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "sm90_xmma", "splitk", "_moe_")),
 )
+
+
+def back_to_back_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Mean wall time of ``reps`` calls of ``fn`` with no device sync between them."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def kernel_kind(name: str) -> str:
@@ -187,6 +206,8 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 count_launches(eager),
                 count_launches(graph) if has_graph else None,
             )
+            if has_graph and device == "cuda":
+                pt.back_to_back_ms = back_to_back_ms(graph, args.reps)
             if pt.eager_launches is not None:
                 pt.kernels_per_layer = round(pt.eager_launches / num_layers, 1)
             if bandwidth:
@@ -210,6 +231,8 @@ def format_decode_point(pt: DecodePoint) -> str:
     g = f"{pt.graph_ms:8.3f}" if pt.graph_ms is not None else f"{'-':>8}"
     ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else f"{'':7}"
     line = f"{pt.model:<14} bs={pt.batch_size:<4} C={pt.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}"
+    if pt.back_to_back_ms is not None:
+        line += f"  back-to-back {pt.back_to_back_ms:.3f} ms"
     if pt.eager_launches is not None:
         line += f"  kernels {pt.eager_launches} ({pt.kernels_per_layer}/layer)"
     if pt.floor_ms:
