@@ -193,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args)
+    code = args.func(args)
+    tp = sys.modules.get("breakgraph.engine.tp_worker")  # imported only where TP ran
+    if tp is not None:
+        tp.exit_if_stuck(code or 0)
+    return code
 
 
 if __name__ == "__main__":

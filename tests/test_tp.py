@@ -254,6 +254,33 @@ def test_watchdog_aborts_a_dead_workers_group_or_exits(abort):
     assert _gone(other)
 
 
+STUCK_TEARDOWN_SCRIPT = r"""
+import logging, sys, time
+import torch
+from breakgraph.distributed import TPGroup
+from breakgraph.engine import tp_worker
+logging.basicConfig(level=logging.INFO)
+tp_worker._destroy_quietly = lambda group: time.sleep(3600)  # NCCL's abort that never returns
+tp_worker._leave_group(TPGroup(0, 2, torch.device("cpu")), 0.2)
+print("results written", flush=False)  # still in the buffer: the exit must flush it
+tp_worker.exit_if_stuck(3)
+print("not reached")
+"""
+
+
+def test_a_stuck_teardown_ends_the_process_with_its_code_not_an_abort():
+    """A TP group's teardown that does not return leaves a thread in C++ that makes the
+    interpreter's exit abort the process (SIGABRT) after its work is done: the engine process
+    and the CLI end with ``exit_if_stuck`` instead, output flushed and their exit code kept."""
+    out = subprocess.run(
+        [sys.executable, "-c", STUCK_TEARDOWN_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.split() == ["results", "written"]
+    assert "TP group teardown did not finish" in out.stderr
+    assert "exiting without finalizers" in out.stderr
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]

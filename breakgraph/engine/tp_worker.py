@@ -28,6 +28,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -362,13 +363,32 @@ def _destroy_quietly(group: TPGroup) -> None:
         logger.warning("TP group teardown failed: %s", e)
 
 
+# Set when a TP group's teardown did not return: the thread left in it makes the process die
+# in C++ at interpreter exit ("terminate called without an active exception", SIGABRT) after
+# its work is done; the engine process and the CLI end with os._exit instead (exit_if_stuck).
+TEARDOWN_STUCK = False
+
+
 def _leave_group(group: TPGroup, timeout_s: float) -> None:
     """Destroy the group, giving up (with a warning) if a peer never joins the teardown."""
+    global TEARDOWN_STUCK
     t = threading.Thread(target=_destroy_quietly, args=(group,), daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
+        TEARDOWN_STUCK = True
         logger.warning("TP group teardown did not finish in %.0f s: a worker is stuck", timeout_s)
+
+
+def exit_if_stuck(code: int) -> None:
+    """End the process now with ``code`` if a TP group's teardown is stuck (see
+    TEARDOWN_STUCK): its finalizers would abort the process instead."""
+    if TEARDOWN_STUCK:
+        logger.warning("exiting without finalizers: a TP group's teardown is still running")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _signal_stop(watch_stop) -> None:

@@ -90,6 +90,9 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
+        tp = sys.modules.get("breakgraph.engine.tp_worker")  # imported only where TP ran
+        if tp is not None:
+            tp.exit_if_stuck(code)
         if code:
             sys.exit(code)
 
