@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 
 
-# The largest all-reduce the one-shot path takes (on unless --disable-custom-all-reduce). Measured on two
-# H200s (`python -m breakgraph.bench.allreduce`, both paths replayed from CUDA graphs): one-shot
-# takes 0.63x NCCL's time at 8-64 KB, 0.68x at 512 KB, 0.72x at 1 MB, 0.83x at 4 MB; larger
-# messages (long prefills) go to NCCL, whose ring bandwidth wins as the size grows and ranks add.
+# The largest all-reduce the one-shot path takes (on unless --disable-custom-all-reduce).
+# Measured on two H200s (`python -m breakgraph.bench.allreduce`, both paths replayed from CUDA
+# graphs): one-shot takes 0.63x NCCL's time at 8-64 KB, 0.68x at 512 KB, 0.72x at 1 MB, 0.83x
+# at 4 MB; larger messages (long prefills) go to NCCL, whose ring bandwidth wins as the size
+# grows and ranks add (not measured past 4 MB).
 ONE_SHOT_MAX_BYTES = 4 << 20
 
 
@@ -200,7 +201,7 @@ def _one_shot_all_reduce(
     the path waits at a barrier that a rank on the collective never reaches."""
     one_shot, why = None, "needs CUDA"
     if device.type == "cuda" and not _agree(first_group, device):
-        why = "not this process's first TP group" if not first_group else "another rank's isn't"
+        why = "not this process's first TP group" if not first_group else "another rank's is not"
     elif device.type == "cuda":
         try:
             one_shot = OneShotAllReduce(device)

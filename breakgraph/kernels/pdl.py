@@ -19,8 +19,8 @@ When (``BREAKGRAPH_PDL``): ``auto`` (default) inside the decode graphs of at mos
 ``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none. An H200
 (benchmarks/README.md, sixth session: ``bench decode --profile`` with and without) measured
 batch 1 faster with it (qwen3-0.6b 1.294 -> 1.197 ms at 1K context, 1.646 -> 1.534 at 8K;
-llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070) and batch 8 slower (1.768 -> 1.827,
-5.291 -> 5.370); 32 and 64 within 2% either way.
+llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070), qwen3-0.6b batch 2 and 4 too (1.445 -> 1.370,
+1.557 -> 1.457), batch 8 slower (1.768 -> 1.827, 5.291 -> 5.370); 32 and 64 within 2%.
 """
 
 from __future__ import annotations
