@@ -6,8 +6,8 @@
 # decode attention's one launch against the merge kernel's two (bench kernels), then `bench
 # decode` (kernels per step and per layer, the floor, --profile) in each of ARMS at each of
 # CONTEXTS: "default" (the code as it is), "pdl" (BREAKGRAPH_PDL=1: programmatic dependent
-# launch of the Triton kernels at every batch size), "nopdl" (BREAKGRAPH_PDL=0: at none), "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in
-# one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all" (that and
+# launch of the Triton kernels at every batch size), "nopdl" (BREAKGRAPH_PDL=0: at none),
+# "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all" (that and
 # every projection on generic skinny configs). TESTS=1 first runs the kernel tests.
 #   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] [BATCH_SIZES=...] bash benchmarks/h200_decode.sh
 source "$(dirname "$0")/device_env.sh"
