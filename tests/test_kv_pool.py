@@ -116,6 +116,18 @@ def test_req_to_token_write_many_scatters_rows_and_cols():
     assert torch.equal(pool.table, want)
 
 
+def test_req_to_token_write_decode_from_device_tensors_unlogged():
+    """A decode step's new column per request, from the batch's own tensors: not logged for
+    the TP workers, which write it from their copy of the step."""
+    pool = ReqToTokenPool(3, 8, "cpu")
+    pool.write_log = []  # TP rank 0
+    pool.write_decode(torch.tensor([2, 0]), torch.tensor([5, 0]), torch.tensor([11, 12]))
+    want = torch.zeros(3, 8, dtype=torch.int32)
+    want[2, 5], want[0, 0] = 11, 12
+    assert torch.equal(pool.table, want)
+    assert pool.drain_writes() is None
+
+
 def test_req_to_token_write_read_cpu():
     _check_write_read("cpu")
 

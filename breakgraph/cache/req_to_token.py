@@ -90,6 +90,13 @@ class ReqToTokenPool:
             vals = vals.pin_memory()
         self.table.index_put_((r, c), vals.to(self.device, non_blocking=True))
 
+    def write_decode(self, req_pool_indices: torch.Tensor, positions, out_cache_loc) -> None:
+        """A decode step's new slot per request, ``table[req_pool_indices, positions] =
+        out_cache_loc``, from the step's device tensors (int64 [B]): no upload, and no log:
+        every TP rank writes it from its own copy of the step."""
+        flat = req_pool_indices * self.max_context_len + positions
+        self.table.view(-1).index_copy_(0, flat, out_cache_loc.to(self.table.dtype))
+
     def _log(self, rows: np.ndarray, cols: np.ndarray, slots: torch.Tensor) -> None:
         vals = slots.reshape(-1).to(torch.int32).numpy().copy()
         self.write_log.append((rows, cols, vals))

@@ -101,7 +101,6 @@ class DecodeManager:
         assert slots is not None  # make_room() left room
         rows = [r.req_pool_idx for r in reqs]
         prefixes = [r.kv_len for r in reqs]
-        self.cache.write_table(rows, prefixes, slots)
         for req, slot in zip(reqs, slots.split(1), strict=True):
             req.append_kv(slot)
         self.new_token_ratio = max(
@@ -115,5 +114,9 @@ class DecodeManager:
             prefixes,
             [1] * len(reqs),
             self.device,
+        )
+        # the table's new column from the batch's own device tensors (TP ranks likewise)
+        self.cache.req_pool.write_decode(
+            batch.req_pool_indices, batch.positions, batch.out_cache_loc
         )
         return reqs, batch

@@ -556,6 +556,8 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device, trace=
         device,
     )
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
+    if batch.mode is ForwardMode.DECODE:  # rank 0's scheduler wrote its own copy likewise
+        req_pool.write_decode(batch.req_pool_indices, batch.positions, batch.out_cache_loc)
     if msg.prompt_rows < 0:
         built = time.perf_counter()
         _broadcast_inputs(group, batch.input_ids)
