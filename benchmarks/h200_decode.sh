@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Decode at the bandwidth floor (issue 19) on one H200: with GEMM=1 the skinny-GEMM sweep
-# against cuBLAS first (~5 min: prints the SKINNY_TABLE to paste into kernels/skinny_gemm.py
-# and writes it to $OUT/skinny_table.json; else the "table" arm reads TABLE, default
-# .dev/skinny_table.json),
-# decode attention's one launch against the merge kernel's two (bench kernels), then `bench
-# decode` (kernels per step and per layer, the floor, --profile) in each of ARMS at each of
-# CONTEXTS: "default" (the code as it is), "pdl" (BREAKGRAPH_PDL=1: programmatic dependent
-# launch of the Triton kernels at every batch size), "nopdl" (BREAKGRAPH_PDL=0: at none),
-# "merge" (BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch), "table" (that and the swept table: BREAKGRAPH_SKINNY=PATH), "all" (that and
-# every projection on generic skinny configs). TESTS=1 first runs the kernel tests.
-#   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] [BATCH_SIZES=...] bash benchmarks/h200_decode.sh
+# Decode at the bandwidth floor (issue 19) on one H200.
+# With GEMM=1, first the skinny-GEMM sweep against cuBLAS (~5 min; GEMM_TP="1 2" adds each
+# TP2 rank's shapes): it prints the SKINNY_TABLE to paste into kernels/skinny_gemm.py and
+# writes it to $OUT/skinny_table.json (else the "table" arm reads TABLE, default
+# .dev/skinny_table.json). Then decode attention's one launch against the merge kernel's two
+# (bench kernels), then `bench decode` (kernels per step and per layer, the floor, --profile)
+# in each of ARMS at each of CONTEXTS:
+#   default  the code as it is
+#   pdl      BREAKGRAPH_PDL=1: programmatic dependent launch of the Triton kernels at every batch
+#   nopdl    BREAKGRAPH_PDL=0: at none
+#   merge    BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch
+#   table    that and the swept table (BREAKGRAPH_SKINNY=PATH)
+#   all      that and every projection on generic skinny configs
+# TESTS=1 first runs the kernel tests.
+#   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] \
+#     [BATCH_SIZES=...] bash benchmarks/h200_decode.sh
 source "$(dirname "$0")/device_env.sh"
 if [ "${TESTS:-0}" = 1 ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
@@ -18,7 +23,8 @@ fi
 table=${TABLE:-.dev/skinny_table.json}
 if [ "${GEMM:-0}" = 1 ]; then
   table=$OUT/skinny_table.json
-  timeout 300 python3 -m breakgraph.bench.gemm --out "$OUT/gemm.json" --table-out "$table" 2>&1 \
+  timeout 300 python3 -m breakgraph.bench.gemm --tp ${GEMM_TP:-1} --out "$OUT/gemm.json" \
+    --table-out "$table" 2>&1 \
     | tee "$OUT/gemm.log" | tail -n 20
 fi
 timeout 120 python3 -c "
