@@ -5,7 +5,8 @@
 #     message size (NCCL vs the one-shot path, both replayed from CUDA graphs);
 #   PART=bench: TP1 vs TP2 in-process benches (step: eager, graphs, floor; decode: eager, graph,
 #     and from a profile the all-reduce share of the step's GPU time and the gaps between
-#     kernels), TP2 once more with --disable-custom-all-reduce (NCCL only).
+#     kernels; each worker's host time per step: BREAKGRAPH_TP_TRACE), TP2 once more with
+#     --disable-custom-all-reduce (NCCL only).
 # No PART: both. Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 if [ "${PART:-tests}" = tests ]; then  # PART unset: both parts
@@ -17,7 +18,8 @@ if [ "${PART:-tests}" = tests ]; then  # PART unset: both parts
   timeout 120 python3 -m breakgraph.bench.allreduce 2>&1 | tee "$OUT/allreduce.log"
 fi
 if [ "${PART:-bench}" = bench ]; then
-  bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
+  bg() { BREAKGRAPH_TP_TRACE=1 python3 -m breakgraph.cli bench "$@" 2>&1 \
+    | grep -v -e Loading -e Capturing -e Warning -e warn; }
   m=${MODELS:-llama-3.1-8b}
   for arm in "1" "2" "2 --disable-custom-all-reduce"; do
     tag=tp${arm// --disable-custom-all-reduce/_nccl}
