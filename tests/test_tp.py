@@ -191,6 +191,31 @@ def test_worker_dying_mid_generation_stops_the_engine_at_once(checkpoints, caplo
     assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
 
 
+def test_trace_reports_every_ranks_host_time_per_step(checkpoints, monkeypatch, capfd, caplog):
+    """BREAKGRAPH_TP_TRACE=1: at shutdown rank 0 logs its sends and each worker its pipe,
+    build and launch times per step, as percentiles in µs (the worker's on its stderr)."""
+    import re
+
+    from breakgraph.engine import tp_worker
+
+    monkeypatch.setenv("BREAKGRAPH_TP_TRACE", "1")  # the spawned worker reads it
+    monkeypatch.setattr(tp_worker, "TRACE", True)
+    engine = Engine(make_args(checkpoints["llama"], tp_size=2))
+    engine.generate(prompts([8]), greedy(3))
+    engine.shutdown()
+    err = capfd.readouterr().err
+    rank0 = r"TP rank 0 trace, \d+ steps, us: send p50 \d+ p90 \d+ p99 \d+"
+    assert re.search(rank0, caplog.text), caplog.text
+    pattern = r"TP rank 1 trace, \d+ steps, us: pipe p50 \d+ .*; build p50 \d+ .*; launch p50"
+    assert re.search(pattern, err), err
+    trace = tp_worker._StepTrace(1, ("a", "b"))
+    trace.add(0.0, 1e-6, 3e-6)
+    trace.add(0.0, 2e-6, 3e-6)
+    assert (
+        trace.report() == "TP rank 1 trace, 2 steps, us: a p50 2 p90 2 p99 2; b p50 2 p90 2 p99 2"
+    )
+
+
 def test_shutdown_stops_workers(checkpoints):
     engine = Engine(make_args(checkpoints["llama"], tp_size=2))
     procs = list(engine.tp_driver.procs)

@@ -138,6 +138,7 @@ class TPDriver:
                 "daemonic processes children): start the engine process with daemon=False"
             )
         self.custom_all_reduce = not args.disable_custom_all_reduce
+        self._trace = _StepTrace(0, ("send",)) if TRACE else None
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs: list = []
@@ -239,6 +240,8 @@ class TPDriver:
         )
         msg.sent_at = time.perf_counter()
         self._send(msg)
+        if self._trace is not None:
+            self._trace.add(msg.sent_at, time.perf_counter())
         try:
             _broadcast_inputs(self.group, batch.input_ids, rows, targets)
             yield
@@ -283,6 +286,9 @@ class TPDriver:
         """Stop the workers and leave the TP group. Every rank tears the group down at once
         (NCCL's teardown waits for its peers): the workers at the stop message, rank 0 right
         after sending it, then rank 0 reaps them (terminating one that does not exit)."""
+        if self._trace is not None and self._trace.samples["send"]:
+            logger.warning("%s", self._trace.report())
+            self._trace.samples["send"].clear()
         _signal_stop(self._watch_stop)  # the workers exit now: not a failure
         if self._watchdog is not None:
             self._watchdog.join(_JOIN_S)
@@ -444,19 +450,18 @@ def _recv(conn, parent_pid: int, spin_s: float = 0.0):
 
 
 class _StepTrace:
-    """Host time of a worker's steps (``BREAKGRAPH_TP_TRACE=1``), in µs."""
+    """Host time of a rank's steps between consecutive stamps (``BREAKGRAPH_TP_TRACE=1``):
+    rank 0 sends (stamped before and after its pipe writes); a worker's pipe (rank 0's stamp
+    to its receive), build and launch."""
 
-    STAGES = ("pipe", "build", "launch")
-
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, stages: tuple[str, ...]):
         self.rank = rank
-        self.samples: dict[str, list[float]] = {s: [] for s in self.STAGES}
+        self.samples: dict[str, list[float]] = {s: [] for s in stages}
 
-    def add(self, sent_at: float, received: float, built: float, launched: float) -> None:
-        for stage, (a, b) in zip(
-            self.STAGES, ((sent_at, received), (received, built), (built, launched)), strict=True
-        ):
-            self.samples[stage].append((b - a) * 1e6)
+    def add(self, *stamps: float) -> None:
+        """One step's ``time.perf_counter()`` stamps, one more than the stages."""
+        for xs, a, b in zip(self.samples.values(), stamps[:-1], stamps[1:], strict=True):
+            xs.append((b - a) * 1e6)
 
     def report(self) -> str:
         parts = []
@@ -465,7 +470,7 @@ class _StepTrace:
                 xs = sorted(xs)
                 p = [xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.5, 0.9, 0.99)]
                 parts.append(f"{stage} p50 {p[0]:.0f} p90 {p[1]:.0f} p99 {p[2]:.0f}")
-        n = len(self.samples["pipe"])
+        n = len(next(iter(self.samples.values())))
         return f"TP rank {self.rank} trace, {n} steps, us: " + "; ".join(parts)
 
 
@@ -528,7 +533,7 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     if device.type == "cuda":
         capture_graphs(args, runner, req_pool, setup.max_running_requests, setup.context_len)
     whole = None  # the replay of the step last captured whole
-    trace = _StepTrace(rank) if TRACE else None
+    trace = _StepTrace(rank, ("pipe", "build", "launch")) if TRACE else None
     spin_s = SPIN_S if device.type == "cuda" else 0.0  # the CPU's ranks share its cores
     while (msg := _recv(conn, parent_pid, spin_s)) is not None:
         if isinstance(msg, ReplayWhole):
