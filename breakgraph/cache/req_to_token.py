@@ -90,7 +90,9 @@ class ReqToTokenPool:
             vals = vals.pin_memory()
         self.table.index_put_((r, c), vals.to(self.device, non_blocking=True))
 
-    def write_decode(self, req_pool_indices: torch.Tensor, positions, out_cache_loc) -> None:
+    def write_decode(
+        self, req_pool_indices: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor
+    ) -> None:
         """A decode step's new slot per request, ``table[req_pool_indices, positions] =
         out_cache_loc``, from the step's device tensors (int64 [B]): no upload, and no log:
         every TP rank writes it from its own copy of the step."""
