@@ -20,7 +20,9 @@ import torch
 
 
 def _time_us(fn, ops: int, reps: int = 20) -> float:
-    """µs per op: ``ops`` calls of ``fn`` captured in one CUDA graph, median of ``reps``."""
+    """µs per op: ``ops`` calls of ``fn`` captured in one CUDA graph, median of ``reps``. Not
+    bench.gemm's ``graph_us`` (Triton's do_bench_cudagraph): it sizes its repetitions from
+    each rank's own estimate, and collectives must be issued alike on every rank."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

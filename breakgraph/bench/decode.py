@@ -16,7 +16,6 @@ runs them: what is left there is the GPU's own time, or a host slower than the G
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -46,18 +45,6 @@ KERNEL_KINDS = (
     ("attention", ("_decode_", "_extend_", "attention", "flash")),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "sm90_xmma", "splitk", "_moe_")),
 )
-
-
-def back_to_back_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Mean wall time of ``reps`` calls of ``fn`` with no device sync between them."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def kernel_kind(name: str) -> str:
@@ -207,7 +194,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 count_launches(graph) if has_graph else None,
             )
             if has_graph and device == "cuda":
-                pt.back_to_back_ms = back_to_back_ms(graph, args.reps)
+                pt.back_to_back_ms = time_ms(graph, args.reps, back_to_back=True)
             if pt.eager_launches is not None:
                 pt.kernels_per_layer = round(pt.eager_launches / num_layers, 1)
             if bandwidth:

@@ -44,12 +44,21 @@ class PointResult:
         return next((a.ms for a in self.arms if a.arm == arm), None)
 
 
-def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of ``fn`` with a device sync before and after each call."""
+def time_ms(
+    fn: Callable[[], object], reps: int, warmup: int = 3, back_to_back: bool = False
+) -> float:
+    """Median wall time of ``fn`` with a device sync before and after each call; with
+    ``back_to_back`` the mean over ``reps`` calls with no sync between them."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
+    if back_to_back:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - start) * 1e3 / reps
     samples = []
     for _ in range(reps):
         sync()

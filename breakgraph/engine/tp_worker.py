@@ -51,8 +51,9 @@ _ABORT_S = 10.0  # how long a dead worker's group abort may take before rank 0 e
 # all-reduce waits for the worker's launch). Costs one busy core per worker while serving;
 # CUDA only.
 SPIN_S = float(os.environ.get("BREAKGRAPH_TP_SPIN_MS", 50)) / 1e3
-# BREAKGRAPH_TP_TRACE=1: each worker logs at exit where its steps' host time went (rank 0's
-# send -> the worker's receive -> its batch built -> its forward launched), as percentiles
+# BREAKGRAPH_TP_TRACE=1: at shutdown rank 0 logs its sends' host time and each worker where
+# its steps' went (rank 0's send -> its receive -> its batch built -> its forward launched),
+# as percentiles
 TRACE = os.environ.get("BREAKGRAPH_TP_TRACE", "0") == "1"
 
 
@@ -358,8 +359,15 @@ def _exit_engine(procs, why: str) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once, without finalizers, the logs and output flushed first."""
     logging.shutdown()
-    os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _destroy_quietly(group: TPGroup) -> None:
@@ -391,10 +399,7 @@ def exit_if_stuck(code: int) -> None:
     TEARDOWN_STUCK): its finalizers would abort the process instead."""
     if TEARDOWN_STUCK:
         logger.warning("exiting without finalizers: a TP group's teardown is still running")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
 
 
 def _signal_stop(watch_stop) -> None:
