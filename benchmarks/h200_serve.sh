@@ -3,7 +3,9 @@
 # (Qwen3-0.6B shape), and the first 8K requests after ready with and without warm-up on a cold
 # Triton cache. Stages: warmup, prefill (default both); gemma: gemma-4-e2b in four arms, graphs
 # on/off x KV-sharing fast prefill on/off (issue 12); moe: qwen3-30b-a3b with and without
-# prefill graphs (issue 13). Results under ${OUT:-results}.
+# prefill graphs (issue 13); host: the host path around the forward (issue 14), the server's
+# workloads beside the in-process steps they should approach, in one run (MODEL picks the
+# shape, qwen3-0.6b by default). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
@@ -27,9 +29,13 @@ r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"m
 print(f"  8K request {i}: {1e3 * (time.perf_counter() - t):.0f} ms (status {r.status_code})")
 PY
   done
-  curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k})" | tee -a "$OUT/serve.log"
+  compilations
 }
 bench() { python3 -m breakgraph.cli bench prefill "$@" --url $URL 2>&1 | grep -v -e Warning | tee -a "$OUT/serve.log"; }
+inproc() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/serve.log"; }
+compilations() {
+  curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k})" | tee -a "$OUT/serve.log"
+}
 
 warmup_stage() {  # first 8K requests after ready, cold Triton cache, without and with warm-up
   export TRITON_CACHE_DIR=/tmp/triton_cold_a
@@ -64,6 +70,25 @@ gemma_stage() {
 }
 moe_stage() {
   MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"
+}
+host_stage() {  # issue 14's ratios: server workloads against in-process steps of the same run
+  local m=${MODEL:-qwen3-0.6b}
+  inproc step --models $m -N 256 1024 8192 -P 0 65536 --reps 5 --no-hf --no-compile \
+    --json "$OUT/host_step_$m.json"
+  inproc decode --models $m --batch-sizes 1 8 --context 8192 --json "$OUT/host_decode_$m.json"
+  serve "host_$m" --context-length 70000
+  first3
+  bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"
+  bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"
+  bench cold 256 1 --json "$OUT/host_cold256_$m.json"
+  python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
+    --output-len 256 --rounds 1 --json "$OUT/host_serving_$m.json" 2>&1 | tee -a "$OUT/serve.log"
+  compilations
+  stop
+  serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule
+  python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
+    --output-len 256 --rounds 1 --json "$OUT/host_serving_${m}_no_overlap.json" 2>&1 | tee -a "$OUT/serve.log"
+  stop
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done

@@ -103,7 +103,22 @@ def check_prefill_json(path: Path, mode: str, new_tokens: int) -> dict:
         assert w["input_tok_s"] > 0
     assert 0 < d["ttft_p50_ms"] <= d["ttft_p90_ms"]
     assert d["input_tok_s"] > 0 and d["new_input_tok_s"] > 0
+    # the server's timeline of each request: its stages up to the first token cover the TTFT
+    stages = d["timeline_p50_ms"]
+    assert list(stages)[:6] == ["validate", "send", "ipc", "queue", "schedule", "forward"]
+    for w in d["waves"]:
+        assert len(w["timelines_ms"]) == 2
+        for t, ttft in zip(w["timelines_ms"], w["ttft_ms"], strict=True):
+            assert all(v >= 0 for v in t.values())
+            assert sum(t.values()) <= ttft + 1.0  # the server's stamps lie within the client's
     return d
+
+
+def summary_line(out: str) -> str:
+    """The summary's first line; the second lists the timeline's stages."""
+    first, second = out.strip().splitlines()
+    assert second.strip().startswith("timeline p50 (ms): validate ")
+    return first
 
 
 def test_prefill_cold(server, tmp_path):
@@ -112,7 +127,7 @@ def test_prefill_cold(server, tmp_path):
         "--json", str(tmp_path / "cold.json"), "--plot", str(tmp_path / "cold.png"),
     )  # fmt: skip
     m = re.fullmatch(
-        rf"cold 64 x2: TTFT p50 {NUM} ms, p90 {NUM} ms, input (\d+) tok/s", out.strip()
+        rf"cold 64 x2: TTFT p50 {NUM} ms, p90 {NUM} ms, input (\d+) tok/s", summary_line(out)
     )
     assert m, out
     d = check_prefill_json(tmp_path / "cold.json", "cold", 64)
@@ -128,7 +143,7 @@ def test_prefill_hit(server, tmp_path):
     )  # fmt: skip
     m = re.fullmatch(
         rf"hit 64\+32 x2: TTFT p50 {NUM} ms, p90 {NUM} ms, input (\d+) tok/s, cached (\d+) tok/req",
-        out.strip(),
+        summary_line(out),
     )
     assert m, out
     d = check_prefill_json(tmp_path / "hit.json", "hit", 32)
@@ -160,6 +175,8 @@ def test_serving(server, tmp_path):
             assert r[key] > 0, (key, r)
         # 8 tokens per request, 2 requests: the aggregate rate is output / wall time
         assert r["output_tok_s"] == pytest.approx(16 / r["wall_s"])
+        assert r["timeline_p50_ms"]["decode"] > 0  # the server's stages, decode included
+    assert out.count("round 2, concurrency 1: validate ") == 1
     assert_png(tmp_path / "serving.png")
 
 

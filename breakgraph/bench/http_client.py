@@ -36,6 +36,7 @@ class RequestResult:
     decode_ms: float  # first event to last event: the request's decode phase
     itl_ms: list[float] = field(default_factory=list)  # one per token after the first
     finish_reason: dict | None = None
+    timeline_ms: dict[str, float] = field(default_factory=dict)  # the server's, by stage
 
     @property
     def tok_s(self) -> float | None:
@@ -58,6 +59,16 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return percentile(values, 50)
+
+
+def stage_medians(timelines: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each timeline stage over the requests that report it (ms)."""
+    stages = dict.fromkeys(k for t in timelines for k in t)  # first-seen order: the server's
+    return {k: median([t[k] for t in timelines if k in t]) for k in stages}
+
+
+def format_stages(stages: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in stages.items()) or "not reported"
 
 
 def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -121,7 +132,8 @@ class ServerClient:
             await asyncio.sleep(0.05)
 
     async def generate(self, input_ids: list[int], max_new_tokens: int) -> RequestResult:
-        """One streamed greedy request that ignores EOS, timed from sending."""
+        """One streamed greedy request that ignores EOS, timed from sending; with the server's
+        per-stage timeline of the request (``return_timeline``) where it reports one."""
         body = {
             "input_ids": input_ids,
             "sampling_params": {
@@ -130,6 +142,7 @@ class ServerClient:
                 "ignore_eos": True,
             },
             "stream": True,
+            "return_timeline": True,
         }
         t0 = time.perf_counter()
         first = last = None
@@ -171,4 +184,5 @@ class ServerClient:
             decode_ms=((last or first) - first) * 1e3,
             itl_ms=itl,
             finish_reason=meta.get("finish_reason"),
+            timeline_ms={k: v * 1e3 for k, v in (meta.get("timeline") or {}).items()},
         )

@@ -24,6 +24,7 @@ class Wave:
     wall_ms: float
     prompt_tokens: int
     cached_tokens: int
+    timelines_ms: list[dict[str, float]] = field(default_factory=list)  # per request
 
     @property
     def input_tok_s(self) -> float:
@@ -45,6 +46,7 @@ class PrefillResult:
     input_tok_s: float = 0.0  # all prompt tokens, cached ones included
     new_input_tok_s: float = 0.0  # uncached prompt tokens only
     cached_tokens_per_req: float = 0.0
+    timeline_p50_ms: dict[str, float] = field(default_factory=dict)  # the server's, by stage
 
     @property
     def label(self) -> str:
@@ -58,7 +60,9 @@ class PrefillResult:
         )
         if self.mode == "hit":
             line += f", cached {self.cached_tokens_per_req:.0f} tok/req"
-        return line
+        from breakgraph.bench.http_client import format_stages
+
+        return line + f"\n  timeline p50 (ms): {format_stages(self.timeline_p50_ms)}"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -76,6 +80,7 @@ async def _wave(client, prompts: list[list[int]]) -> Wave:
         wall_ms=wall_ms,
         prompt_tokens=sum(r.prompt_tokens for r in results),
         cached_tokens=sum(r.cached_tokens for r in results),
+        timelines_ms=[r.timeline_ms for r in results if r.timeline_ms],
     )
 
 
@@ -95,6 +100,7 @@ async def run_prefill(
         median,
         percentile,
         random_ids,
+        stage_medians,
     )
 
     if min(tokens, concurrency, waves, hit_new_tokens) < 1 or warmup_waves < 0:
@@ -132,6 +138,7 @@ async def run_prefill(
         [(w.prompt_tokens - w.cached_tokens) / (w.wall_ms / 1e3) for w in res.waves]
     )
     res.cached_tokens_per_req = sum(w.cached_tokens for w in res.waves) / n_reqs
+    res.timeline_p50_ms = stage_medians([t for w in res.waves for t in w.timelines_ms])
     return res
 
 

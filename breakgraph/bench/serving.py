@@ -36,6 +36,7 @@ class LevelResult:
     ttft_p50_ms: float
     ttft_p90_ms: float
     e2e_p50_ms: float
+    timeline_p50_ms: dict[str, float]  # the server's per-request stages (ms)
 
     def row(self) -> str:
         return (
@@ -54,7 +55,7 @@ async def run_level(
     vocab: int,
     rng: random.Random,
 ) -> LevelResult:
-    from breakgraph.bench.http_client import percentile, random_ids
+    from breakgraph.bench.http_client import percentile, random_ids, stage_medians
 
     prompts = [random_ids(rng, input_len, vocab) for _ in range(n_requests)]
     pending = iter(prompts)
@@ -83,6 +84,7 @@ async def run_level(
         ttft_p50_ms=percentile(ttft, 50),
         ttft_p90_ms=percentile(ttft, 90),
         e2e_p50_ms=percentile([r.e2e_ms for r in results], 50),
+        timeline_p50_ms=stage_medians([r.timeline_ms for r in results if r.timeline_ms]),
     )
 
 
@@ -154,6 +156,13 @@ def run_serving_bench(args) -> dict:
         )
     except BenchError as e:
         raise SystemExit(f"error: {e}") from None
+    from breakgraph.bench.http_client import format_stages
+
+    print("\nserver timeline p50 per request (ms)")
+    for lv in levels:
+        print(
+            f"  round {lv.round}, concurrency {lv.concurrency}: {format_stages(lv.timeline_p50_ms)}"
+        )
     result = {
         "bench": "serving",
         "url": args.url,
