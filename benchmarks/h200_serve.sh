@@ -12,12 +12,19 @@ serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift
   local t0=$(date +%s)
   python3 -m breakgraph.cli serve --model-path "${MODEL:-qwen3-0.6b}" --load-format dummy --port $PORT \
-    --mem-fraction-static 0.6 "$@" > "$OUT/server_$name.log" 2>&1 &
+    --mem-fraction-static 0.6 ${SERVE_FLAGS:-} "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 600); do curl -sf $URL/health >/dev/null && break; sleep 0.5; done
+  for _ in $(seq 1200); do
+    curl -sf $URL/health >/dev/null && break
+    if ! kill -0 $SERVER 2>/dev/null; then  # died starting: say why, skip the stage's benches
+      echo "$name: server exited: $(tail -1 "$OUT/server_$name.log")" | tee -a "$OUT/serve.log"
+      return 1
+    fi
+    sleep 0.5
+  done
   echo "$name: ready after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/serve.log"
 }
-stop() { kill -TERM $SERVER; wait $SERVER; }
+stop() { kill -TERM $SERVER 2>/dev/null; wait $SERVER; }
 first3() {  # time the first three 8K-token requests after ready
   for i in 1 2 3; do
     python3 - "$URL" "$i" <<'PY' | tee -a "$OUT/serve.log"
@@ -57,14 +64,15 @@ arms() {  # arms PREFIX "NAME FLAGS" ...: cold 8192 x8 and hit 65536 x1 per serv
   local prefix=$1; shift
   for arm in "$@"; do
     set -- $arm; local name=$1; shift
-    serve "${prefix}_$name" --context-length 70000 "$@"
+    serve "${prefix}_$name" --context-length 70000 "$@" || continue
     bench cold 8192 8 --json "$OUT/prefill_cold_${prefix}_$name.json"
     bench hit 65536 1 --json "$OUT/prefill_hit_${prefix}_$name.json"
     stop
   done
 }
 gemma_stage() {
-  MODEL=gemma-4-e2b arms gemma "graphs_fast" "graphs_all --no-kv-sharing-fast-prefill" \
+  # the benches' own warm-up waves stand in for the server's warm-up (four starts fit one run)
+  MODEL=gemma-4-e2b SERVE_FLAGS=--skip-server-warmup arms gemma "graphs_fast" "graphs_all --no-kv-sharing-fast-prefill" \
     "eager_fast --cuda-graph-backend-prefill disabled" \
     "eager_all --cuda-graph-backend-prefill disabled --no-kv-sharing-fast-prefill"
 }
@@ -76,7 +84,7 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   inproc step --models $m -N 256 1024 8192 -P 0 65536 --reps 5 --no-hf --no-compile \
     --json "$OUT/host_step_$m.json"
   inproc decode --models $m --batch-sizes 1 8 --context 8192 --json "$OUT/host_decode_$m.json"
-  serve "host_$m" --context-length 70000
+  serve "host_$m" --context-length 70000 || return
   first3
   bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"
   bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"
@@ -85,7 +93,7 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
     --output-len 256 --rounds 1 --json "$OUT/host_serving_$m.json" 2>&1 | tee -a "$OUT/serve.log"
   compilations
   stop
-  serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule
+  serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule || return
   python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
     --output-len 256 --rounds 1 --json "$OUT/host_serving_${m}_no_overlap.json" 2>&1 | tee -a "$OUT/serve.log"
   stop
