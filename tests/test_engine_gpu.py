@@ -297,7 +297,7 @@ from breakgraph.kernels import jit_watch
 
 eng = Engine(EngineArgs(model_path=sys.argv[1], load_format="dummy", device="cuda",
     max_total_tokens=60000, chunked_prefill_size=1024, max_running_requests=48,
-    cuda_graph_max_bs=32, warmups=sys.argv[2]))
+    cuda_graph_max_bs=32, context_length=20000, warmups=sys.argv[2]))
 report = eng.run_warmups()
 jit_watch.mark_ready()
 rng = random.Random(7)
@@ -307,6 +307,8 @@ sp = [SamplingParams(max_new_tokens=3, temperature=t, ignore_eos=True) for t in 
 eng.generate([base], sp[0])
 work = [[base + rand(e)] for e in (1, 32, 5, 700)] + [[rand(n)] for n in (2500, 900, 48, 3)]
 work += [[rand(9) for _ in range(40)], [rand(20) for _ in range(12)]]
+long = rand(12000)  # past DIRECT_MIN_KEYS: the split kernel split and unsplit (2K new tokens)
+work += [[long], [long + rand(1)], [long + rand(77)], [long + rand(1000)], [long + rand(2000)]]
 for prompts in work:
     eng.generate(prompts, [sp[i % 2] for i in range(len(prompts))])
 st = jit_watch.stats()

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from breakgraph.engine.request import SamplingParams
+from breakgraph.kernels.extend_attention import DIRECT_MIN_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,15 @@ def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
     sizes = sorted(set(buckets) | {1, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
     for n in sizes:
         go([rand(min(n, chunk))])
-    # prefix hits with 1-token, multiple-of-16, odd and long extends, over a short and a
-    # long prefix (attention splits the keys of a long prefix: other kernel variants)
-    for prefix in (600, 4096):
-        base = rand(min(prefix, cap // 8))
+    # prefix hits with 1-token, multiple-of-16, odd and long extends, over a short, a long
+    # and a very long prefix (attention splits the keys of a long prefix; past
+    # DIRECT_MIN_KEYS a small grid takes the split kernel unsplit: other kernel variants)
+    longest = min(2 * DIRECT_MIN_KEYS, cap // 2, engine.context_len - 1100)
+    for prefix in (600, 4096, longest) if longest > 4096 else (600, 4096):
+        base = rand(prefix if prefix == longest else min(prefix, cap // 8))
         go([base])
-        go([base + rand(e) for e in (1, 16, 7, 256, min(1000, cap // 8))])
+        for e in (1, 16, 7, 256, min(1000, cap // 8), min(3000, cap // 8)):
+            go([base + rand(e)])  # one at a time: a lone request's grid picks the split path
     # a chunked prompt (longer than one prefill step), if the pool holds it
     if 2 * chunk + 10 < min(cap, engine.context_len):
         go([rand(chunk + chunk // 2)])

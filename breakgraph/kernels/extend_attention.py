@@ -17,6 +17,13 @@ except ImportError:
     triton = None
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+# the split path's counts follow the step (splits, query blocks): no variant per value class
+# (1, multiple of 16, other), so a new prefix length never compiles after the warm-up
+_jit_split = (
+    (lambda fn: triton.jit(fn, do_not_specialize=["num_splits", "num_m_blocks"]))
+    if triton is not None
+    else (lambda fn: fn)
+)
 _LOG2E = math.log2(math.e)
 
 
@@ -243,7 +250,7 @@ def _extend_attention_kernel(
         tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-@_jit
+@_jit_split
 def _extend_split_kernel(
     q,
     o,
@@ -363,7 +370,7 @@ def _extend_split_kernel(
                 tl.store(part_lse + ws_rows, lse, mask=mask_m)
 
 
-@_jit
+@_jit_split
 def _extend_merge_kernel(
     part_o,
     part_lse,
@@ -454,7 +461,7 @@ _SPLIT_COST = 0.01  # per split, as a fraction of the one-pass time: workspace a
 # 0.819 ms); an earlier variant that walked the query blocks in ascending order measured
 # 0.768 ms there, including the merge: a lead for this path. Below it, small grids (P=0
 # prefills up to 2K tokens) keep the one-pass kernel.
-_DIRECT_MIN_KEYS = 8192
+DIRECT_MIN_KEYS = 8192
 _MERGE_M = 16  # rows per merge program
 
 
@@ -502,7 +509,7 @@ def num_kv_splits(
         cost = triton.cdiv(programs * splits, num_sms) / splits + _SPLIT_COST * splits
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
-    if best == 1 and max_seq_len < _DIRECT_MIN_KEYS:
+    if best == 1 and max_seq_len < DIRECT_MIN_KEYS:
         return 0
     return best
 
