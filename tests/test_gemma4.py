@@ -206,6 +206,29 @@ def test_fast_prefill_on_and_off_give_the_same_logits(gemma4_text_dir):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_prompt_logprobs_with_fast_prefill_match_hf(gemma4_text_dir):
+    """A step with prompt logprobs takes the full path (the KV-shared layers on every prompt
+    row): the logprobs equal HF's, whole and chunked in a ragged batch, and from
+    logprob_start_len over a cached prefix, with fast prefill on."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_logprobs import check_prompt, greedy, hf_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(gemma4_text_dir, dtype=torch.float32).eval()
+    engine = make_engine(gemma4_text_dir, chunked_prefill_size=24)
+    assert engine.model.kv_sharing_fast_prefill
+    p, other = prompts(2, [40, 11], seed=9)
+    ref = hf_logprobs(hf, p)
+    res, res_other = engine.generate([p, other], greedy(1), return_logprob=True,
+                                     logprob_start_len=0, top_logprobs_num=3)  # fmt: skip
+    check_prompt(res, ref, p, 0, 3)  # 40 rows over two chunks of 24
+    check_prompt(res_other, hf_logprobs(hf, other), other, 0, 3)
+    (hit,) = engine.generate([p], greedy(1), return_logprob=True,
+                             logprob_start_len=25, top_logprobs_num=0)  # fmt: skip
+    assert hit.cached_tokens > 0
+    check_prompt(hit, ref, p, 25, 0)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_greedy_decode_matches_hf_generate(gemma4_text_dir, mixed):
     from transformers import AutoModelForCausalLM
