@@ -201,24 +201,53 @@ def test_no_host_sync_inside_a_step(small_dir):
         eng.generate([[5, 6, 7]] * 3, sp, return_logprob=True)
 
 
-def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir):
-    """Penalties, logit_bias and min_new_tokens (device-side after the graph's logits): no
-    host sync inside a step, and the same greedy tokens with graphs as eager (float32)."""
+def counting(obj, name: str, keep=lambda x: x) -> list:
+    """Wrap ``obj.name`` so that each call appends ``keep(first argument)`` to the returned
+    list."""
+    calls: list = []
+    fn = getattr(obj, name)
+    setattr(obj, name, lambda first, *a, **k: calls.append(keep(first)) or fn(first, *a, **k))
+    return calls
+
+
+def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir, monkeypatch):
+    """Penalties, logit_bias and min_new_tokens applied inside the decode graphs (their
+    own bank, reading the fixed penalty pool): no host sync inside a step, and the same
+    greedy tokens and penalized logits with graphs as eager (float32); a batch with no
+    such request replays the plain bank."""
+    import breakgraph.engine.scheduler as scheduler_mod
+
     sp = SamplingParams(
         max_new_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
         frequency_penalty=0.5, presence_penalty=0.3, logit_bias={"7": 5.0, "9": -100.0},
         min_new_tokens=4, stop_token_ids=[11],
     )  # fmt: skip
     prompts = [[5, 6, 7, 8, 9] * 3, [7] * 20, list(range(100, 140))]
-    outs = []
+    outs, sampled = [], []
+    sample = scheduler_mod.sample
     for graphs in (True, False):
         eng = engine(small_dir, graphs=graphs)
+        pool = eng.scheduler.penalties
+        assert pool.fixed == graphs and pool.capacity == (64 if graphs else 4)
+        monkeypatch.setattr(scheduler_mod, "sample", sample)  # restored after the test
+        # the (penalized) logits each step samples; a graph's output buffer is reused: copy
+        sampled.append(counting(scheduler_mod, "sample", keep=torch.Tensor.clone))
         if graphs:
             forbid_host_syncs_in_steps(eng)
+            replays = counting(eng.runner.decode_graphs.penalized_bank, "run")
         outs.append([r.output_ids for r in eng.generate(prompts, sp)])
-        assert eng.scheduler.penalties.rows_in_use == 0
+        assert pool.rows_in_use == 0
+        if graphs:  # every decode step replayed the penalized bank; plain steps the plain one
+            steps = eng.runner.step_counts["decode_graph"]
+            assert replays and len(replays) == steps
+            eng.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0.0))
+            assert eng.runner.step_counts["decode_graph"] == steps + 2 and len(replays) == steps
+            del sampled[-1][len(replays) + 1 :]  # the prefill, the decode steps
     assert outs[0] == outs[1]
     assert all(9 not in ids for ids in outs[0])
+    assert len(sampled[0]) == len(sampled[1])
+    for a, b in zip(*sampled, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_prompt_logprobs_with_prefill_graphs_equal_without(small_dir):

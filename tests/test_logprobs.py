@@ -148,6 +148,78 @@ def test_penalties_in_the_engine_match_a_replay(tiny_llama_dir, freq, pres, rep)
     assert engine.stats()["kv_tokens_used"] == 0
 
 
+def test_penalty_pool_apply_and_record():
+    """Neutral rows come out bit-identical; a request's row applies its penalties, bias and
+    min_new_tokens mask; record counts sampled ids on held rows only; rows are reused."""
+    from breakgraph.engine.penalties import PenaltyPool
+    from breakgraph.engine.request import Req
+
+    pool = PenaltyPool(10, torch.device("cpu"), eos_token_ids={3}, capacity=2)
+    sp = greedy(4, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5,
+                logit_bias={"8": 2.0}, min_new_tokens=1, stop_token_ids=[9])  # fmt: skip
+    req, plain = (
+        Req(rid="a", input_ids=[1, 2], sampling=sp),
+        Req(rid="b", input_ids=[4], sampling=greedy()),
+    )
+    for r in (req, plain):
+        assert pool.has_room(r)
+        pool.acquire(r)
+    assert plain.penalty_row is None and req.penalty_row is not None and pool.rows_in_use == 1
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(1)) * 3
+    rows = pool.rows([plain, req])
+    out = pool.apply(logits, rows)
+    assert torch.equal(out[0], logits[0])  # neutral
+    counts = torch.zeros(1, 10)
+    seen = torch.zeros(1, 10, dtype=torch.bool)
+    seen[0, [1, 2]] = True
+    ref = apply_penalties(logits[1:], counts, seen, torch.tensor([[0.5, 0.25, 1.5]]))[0]
+    ref[8] += 2.0
+    ref[9] = float("-inf")  # min_new_tokens: stop ids masked until 1 is out (EOS: ignored)
+    torch.testing.assert_close(out[1], ref)
+    pool.record(rows, torch.tensor([5, 7]))
+    assert pool.counts[0].sum() == 0 and pool.counts[req.penalty_row, 7] == 1
+    out = pool.apply(logits, rows)[1]  # one token out: the mask lifts, token 7 is penalized
+    seen[0, 7], counts[0, 7] = True, 1
+    ref = apply_penalties(logits[1:], counts, seen, torch.tensor([[0.5, 0.25, 1.5]]))[0]
+    ref[8] += 2.0
+    torch.testing.assert_close(out, ref)
+    others = [Req(rid=f"c{i}", input_ids=[1], sampling=sp) for i in range(2)]
+    pool.acquire(others[0])
+    assert pool.rows_in_use == 2 and not pool.has_room(others[1])  # fixed: the queue waits
+    pool.release(req)
+    assert pool.has_room(others[1])
+    pool.acquire(others[1])
+    assert pool.counts[others[1].penalty_row].sum() == 0  # a reused row starts clean
+
+
+def watch_rows(pool) -> list[int]:
+    """The pool's rows in use after each acquire, appended to the returned list."""
+    seen: list[int] = []
+    acquire = pool.acquire
+    pool.acquire = lambda r: acquire(r) or seen.append(pool.rows_in_use)
+    return seen
+
+
+def test_fixed_penalty_pool_queues_requests_and_matches_a_growing_one(tiny_llama_dir):
+    """With one row, penalized requests run one at a time (the others wait in the queue);
+    outputs equal those of a pool that grows, and a plain request is never held back."""
+    from breakgraph.engine.penalties import PenaltyPool
+
+    ps = prompts(4, [11, 7, 9, 5], seed=3)
+    sps = [greedy(6, frequency_penalty=0.7, logit_bias={"3": 1.5}), greedy(6, min_new_tokens=3),
+           greedy(6, repetition_penalty=1.4), greedy(6)]  # fmt: skip
+    outs = []
+    for capacity in (None, 1):
+        engine = make_engine(tiny_llama_dir)
+        pool = PenaltyPool(engine.vocab_size, engine.device, engine.eos_token_ids, capacity)
+        engine.scheduler.penalties = engine.runner.penalties = pool
+        most = watch_rows(pool)
+        outs.append([r.output_ids for r in engine.generate(ps, sps)])
+        assert pool.rows_in_use == 0 and engine.stats()["kv_tokens_used"] == 0
+        assert max(most) == (3 if capacity is None else 1)
+    assert outs[0] == outs[1]
+
+
 def test_logit_bias_in_the_engine(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (p,) = prompts(1, [11], seed=7)

@@ -36,6 +36,9 @@ class EngineArgs:
     # symmetric memory unless this is set; larger ones and the CPU (gloo) use the collective
     disable_custom_all_reduce: bool = False
     cuda_graph_max_bs: int = 160
+    # requests with penalties, logit_bias or min_new_tokens running at once when the decode
+    # graphs apply them (rows of device state a graph reads by address); more wait in queue
+    max_penalized_requests: int = 64
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256
@@ -123,6 +126,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")
+    g.add_argument(
+        "--max-penalized-requests",
+        type=int,
+        default=d.max_penalized_requests,
+        help="with decode graphs: requests with penalties, logit_bias or min_new_tokens "
+        "running at once, applied inside the graphs (about 10 bytes x vocabulary each on the "
+        "device; more such requests wait in the queue); 0: applied after the graph instead, "
+        "without that bound",
+    )
     g.add_argument(
         "--cuda-graph-backend-prefill",
         choices=["auto", "breakable", "disabled"],

@@ -69,10 +69,12 @@ class _GraphsBase:
         max_pad_factor: float = float("inf"),
         split_at_breaks: bool = True,
         capture_context=None,
+        fn=None,
     ) -> GraphBank:
-        """A bank over ``self._forward``, guarded and compile-checked like every bank here."""
+        """A bank over ``fn`` (default ``self._forward``), guarded and compile-checked like
+        every bank here."""
         return GraphBank(
-            self._forward,
+            fn or self._forward,
             inputs,
             sizes,
             self.device,
@@ -112,26 +114,49 @@ class _GraphsBase:
 
 
 class DecodeGraphs(_GraphsBase):
-    """One whole-forward CUDA graph per decode batch size (attention captured inline)."""
+    """One whole-forward CUDA graph per decode batch size (attention captured inline).
+
+    With a fixed ``penalties`` pool (engine/penalties.py) a second bank captures the same
+    forward followed by the pool's ``apply`` on each row's pool row (a static input, padding
+    rows on the neutral row 0): steps with penalties, logit_bias or min_new_tokens replay it
+    and get both logits; the others replay the plain bank and pay nothing for it."""
 
     def __init__(
-        self, model, kv_pool, req_to_token, pad_req_idx, max_bs: int, pool, check_addresses=None
+        self,
+        model,
+        kv_pool,
+        req_to_token,
+        pad_req_idx,
+        max_bs: int,
+        pool,
+        check_addresses=None,
+        penalties=None,
     ):
         super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        self.penalties = penalties
+        inputs = [
+            StaticInput("input_ids", torch.int64),
+            StaticInput("positions", torch.int64),
+            StaticInput("out_cache_loc", torch.int64),
+            StaticInput("req_pool_indices", torch.int64, pad_value=pad_req_idx),
+            StaticInput("seq_lens", torch.int32, pad_value=1),
+        ]
+        sizes = decode_batch_sizes(max_bs)
         self.bank = self._bank(
-            [
-                StaticInput("input_ids", torch.int64),
-                StaticInput("positions", torch.int64),
-                StaticInput("out_cache_loc", torch.int64),
-                StaticInput("req_pool_indices", torch.int64, pad_value=pad_req_idx),
-                StaticInput("seq_lens", torch.int32, pad_value=1),
-            ],
-            decode_batch_sizes(max_bs),
-            pool,
-            check_addresses,
-            name="decode graphs",
-            split_at_breaks=False,
+            inputs, sizes, pool, check_addresses, name="decode graphs", split_at_breaks=False
         )
+        self.penalized_bank = None
+        if penalties is not None:
+            assert penalties.fixed, "graphs read the pool by address: it must not grow"
+            self.penalized_bank = self._bank(
+                [*inputs, StaticInput("penalty_rows", torch.int64, pad_value=0)],
+                sizes,
+                pool,
+                check_addresses,
+                name="decode graphs with penalties",
+                split_at_breaks=False,
+                fn=self._forward_penalized,
+            )
         n = self.bank.max_size
         self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
         self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -159,20 +184,45 @@ class DecodeGraphs(_GraphsBase):
             hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden)
 
+    def _forward_penalized(
+        self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, penalty_rows
+    ):
+        logits = self._forward(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
+        return logits, self.penalties.apply(logits, penalty_rows)
+
+    def _guard_tensors(self):
+        yield from super()._guard_tensors()
+        if self.penalties is not None:
+            yield from self.penalties.tensors()
+
     def capture(self) -> None:
         self.bank.capture()
+        if self.penalized_bank is not None:
+            self.penalized_bank.capture()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        bs = batch.batch_size
-        logits = self.bank.run(
-            bs,
+    def _live(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        return dict(
             input_ids=batch.input_ids,
             positions=batch.positions,
             out_cache_loc=batch.out_cache_loc,
             req_pool_indices=batch.req_pool_indices,
             seq_lens=batch.seq_lens,
         )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        bs = batch.batch_size
+        logits = self.bank.run(bs, **self._live(batch))
         return None if logits is None else logits[:bs]
+
+    def run_penalized(
+        self, batch: ForwardBatch, penalty_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, logits with the penalty pool applied), or None (no bank or no bucket)."""
+        if self.penalized_bank is None:
+            return None
+        bs = batch.batch_size
+        out = self.penalized_bank.run(bs, **self._live(batch), penalty_rows=penalty_rows)
+        return None if out is None else (out[0][:bs], out[1][:bs])
 
 
 class PrefillGraphs(_GraphsBase):

@@ -22,6 +22,7 @@ from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
+from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -165,6 +166,12 @@ class Engine:
             args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
 
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self.penalties = self._penalty_pool()  # before the KV pool takes what is left
+
         # each rank sizes its own pool; the engine holds what the smallest one holds
         num_slots = self._num_kv_slots()
         if self.tp_driver is not None:
@@ -183,13 +190,10 @@ class Engine:
             )
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table, tp=self.tp_driver)
+        self.runner.penalties = self.penalties
         if self.device.type == "cuda":
             jit_watch.install()
             self._capture_graphs()
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = eos
         self.scheduler = Scheduler(
             self.runner.forward,
             self.allocator,
@@ -211,6 +215,8 @@ class Engine:
             self.device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
             prompt_forward=self.runner.forward_prompt,
+            penalties=self.penalties,
+            penalized_forward=self.runner.forward_penalized,
         )
         logger.info(
             "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
@@ -239,6 +245,24 @@ class Engine:
         capture_graphs(
             self.args, self.runner, self.req_pool, self.max_running_requests, self.context_len
         )
+
+    def _penalty_pool(self) -> PenaltyPool:
+        """Fixed (``--max-penalized-requests`` rows) where the decode graphs apply it, else
+        growing on demand. Under TP it is applied after the graph: capturing a second bank
+        runs its collectives on rank 0 alone (the workers would have to capture it too)."""
+        args = self.args
+        if args.max_penalized_requests < 0:
+            raise ValueError(
+                f"--max-penalized-requests must be >= 0, got {args.max_penalized_requests}"
+            )
+        in_graphs = (
+            self.device.type == "cuda"
+            and not args.disable_cuda_graph
+            and args.max_penalized_requests > 0
+            and self.tp_driver is None
+        )
+        capacity = args.max_penalized_requests if in_graphs else None
+        return PenaltyPool(self.vocab_size, self.device, self.eos_token_ids, capacity)
 
     def _num_kv_slots(self) -> int:
         return num_kv_slots(self.args, self.model, self.dtype, self.device)

@@ -42,6 +42,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.step_counts: Counter[str] = Counter()  # "decode_graph", "extend_eager", ...
+        # per-request sampling state (engine/penalties.py); a fixed one is captured into a
+        # second decode bank (rank 0 only: the TP workers' logits are not sampled)
+        self.penalties = None
 
     @torch.inference_mode()
     def capture_graphs(
@@ -63,9 +66,11 @@ class ModelRunner:
             )  # fmt: skip
             self.prefill_graphs.capture()
         if decode_max_bs:
+            fixed = self.penalties if self.penalties is not None and self.penalties.fixed else None
             self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_pool, self.req_to_token, pad_req_idx, decode_max_bs, pool
-            )
+                self.model, self.kv_pool, self.req_to_token, pad_req_idx, decode_max_bs, pool,
+                penalties=fixed,
+            )  # fmt: skip
             self.decode_graphs.capture()
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
@@ -87,6 +92,27 @@ class ModelRunner:
                 return logits
         self.step_counts[f"{batch.mode.value}_eager"] += 1
         return self._forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_penalized(
+        self, batch: ForwardBatch, penalty_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits, logits with the penalty pool applied at ``penalty_rows``): a decode
+        step replays the bank that applies it inside the graph; other steps apply it after
+        the forward, with the same ops. TP workers run the plain forward (same collectives)."""
+        if self.tp is not None:
+            with self.tp.step(batch):
+                return self._forward_penalized(batch, penalty_rows)
+        return self._forward_penalized(batch, penalty_rows)
+
+    def _forward_penalized(self, batch: ForwardBatch, penalty_rows: torch.Tensor):
+        if batch.mode is ForwardMode.DECODE and self.decode_graphs is not None:
+            out = self.decode_graphs.run_penalized(batch, penalty_rows)
+            if out is not None:
+                self.step_counts["decode_graph"] += 1
+                return out
+        logits = self._forward(batch)
+        return logits, self.penalties.apply(logits, penalty_rows)
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,8 +1,17 @@
 """Repetition, frequency and presence penalties, logit_bias and min_new_tokens on the device.
 
-A request with penalties owns a row of ``PenaltyPool``: its output-token counts and a mask of
-its prompt's tokens, both on the device. A step gathers the batch's rows, applies the
-penalties to all of them at once, and adds the sampled ids back with one scatter: no host sync.
+A request with any of them owns a row of ``PenaltyPool``: its output-token counts, a mask of
+its prompt's tokens, its penalty parameters, its logit_bias as a dense row, the tokens
+min_new_tokens masks and how many tokens it has generated, all on the device. Row 0 is
+neutral (no penalty, no bias, nothing masked): requests without a row and padding rows read
+it. A step maps its batch rows to pool rows (one upload) and ``apply`` gathers and applies
+everything with device ops only: no host sync, and capture-safe, so the decode graphs run it
+inside their replay (``DecodeGraphs``) reading the pool by address. ``record`` adds the
+sampled ids back with one scatter.
+
+With CUDA graphs the pool is fixed (``capacity`` rows, allocated once: a graph reads its
+tensors by address); a request needing a row waits in the queue while none is free. Without
+graphs it grows on demand.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ import torch
 
 from breakgraph.engine.request import Req
 from breakgraph.forward_batch import upload_many
+
+NEUTRAL_ROW = 0
 
 
 def apply_penalties(
@@ -27,120 +38,139 @@ def apply_penalties(
     return logits - counts * freq - (counts > 0).to(logits.dtype) * pres
 
 
-class PenaltyPool:
-    """Per-request token counts on the device, rows handed out to requests with penalties."""
+def needs_row(req: Req) -> bool:
+    """Whether the request's sampling reads pool state (penalties, bias, min_new_tokens)."""
+    sp = req.sampling
+    return sp.has_penalties or bool(sp.logit_bias) or sp.min_new_tokens > 0
 
-    def __init__(self, vocab_size: int, device: torch.device):
+
+class PenaltyPool:
+    """Per-request sampling state on the device; row 0 neutral, rows handed out to requests."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: set[int],
+        capacity: int | None = None,
+    ):
+        """``capacity``: a fixed number of request rows (CUDA graphs read the tensors by
+        address); None: start small and grow."""
         self.vocab_size = vocab_size
         self.device = device
-        self.counts = torch.zeros(0, vocab_size, device=device)
+        self.eos_token_ids = eos_token_ids
+        self.fixed = capacity is not None
+        self.counts = torch.zeros(0, vocab_size, device=device)  # output tokens, per token
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(0, vocab_size, device=device)  # logit_bias
+        self.banned = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.params = torch.zeros(0, 3, device=device)  # frequency, presence, repetition
+        self.min_new = torch.zeros(0, dtype=torch.int32, device=device)
+        self.generated = torch.zeros(0, dtype=torch.int32, device=device)
         self.free: list[int] = []
-        # the step's (batch rows, pool rows) on the device: uploaded once, by ``process`` or
-        # ``record``, for the step's request list (the same list object in both)
+        self._grow(1 + (capacity if capacity is not None else 4))
+        self.free.remove(NEUTRAL_ROW)
+        # the step's batch rows -> pool rows on the device: uploaded once per request list
         self._step_reqs: list[Req] | None = None
-        self._step_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_rows: torch.Tensor | None = None
 
-    def _rows(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows in the batch, rows in the pool) of the requests holding a row; None: none."""
-        if reqs is not self._step_reqs:
-            pen = [i for i, r in enumerate(reqs) if r.penalty_row is not None]
-            self._step_reqs, self._step_rows = reqs, None
-            if pen:
-                rows = upload_many(
-                    [pen, [reqs[i].penalty_row for i in pen]], torch.int64, self.device
-                )
-                self._step_rows = (rows[0], rows[1])
-        return self._step_rows
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer ``apply`` reads (their addresses stay fixed in a fixed pool)."""
+        return [
+            self.counts, self.prompt_seen, self.bias, self.banned, self.params, self.min_new,
+            self.generated,
+        ]  # fmt: skip
+
+    def _grow(self, rows: int) -> None:
+        start = self.counts.shape[0]
+        grown = []
+        for t in self.tensors():
+            extra = t.new_zeros(rows, *t.shape[1:])
+            grown.append(torch.cat([t, extra]))
+        (self.counts, self.prompt_seen, self.bias, self.banned, self.params, self.min_new,
+         self.generated) = grown  # fmt: skip
+        self.params[start:, 2] = 1.0  # repetition 1: neutral
+        self.free.extend(range(start + rows - 1, start - 1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.counts.shape[0] - 1
 
     @property
     def rows_in_use(self) -> int:
-        return self.counts.shape[0] - len(self.free)
+        return self.capacity - len(self.free)
+
+    def has_room(self, req: Req) -> bool:
+        """Whether ``req`` can start: it needs no row, holds one, or one is free (or can be)."""
+        return (
+            not needs_row(req) or req.penalty_row is not None or bool(self.free) or not self.fixed
+        )
 
     def acquire(self, req: Req) -> None:
-        """A row for ``req``: zero counts and its prompt's tokens marked (once per request)."""
-        if req.penalty_row is not None:
+        """A row for ``req`` if it needs one and holds none: its state written once."""
+        if req.penalty_row is not None or not needs_row(req):
             return
         if not self.free:
-            grow = max(self.counts.shape[0], 4)
-            start = self.counts.shape[0]
-            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab_size)])
-            self.prompt_seen = torch.cat(
-                [self.prompt_seen, self.prompt_seen.new_zeros(grow, self.vocab_size)]
-            )
-            self.free.extend(range(start + grow - 1, start - 1, -1))
+            assert not self.fixed, "has_room() is checked at admission"
+            self._grow(max(self.capacity, 4))
         row = self.free.pop()
         req.penalty_row = row
+        sp = req.sampling
         self.counts[row].zero_()
         self.prompt_seen[row].zero_()
-        (prompt,) = upload_many([req.input_ids], torch.int64, self.device)
+        self.bias[row].zero_()
+        self.banned[row].zero_()
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+        banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
+        bias = sorted((int(t), float(b)) for t, b in (sp.logit_bias or {}).items())
+        prompt, out, bias_ids, ban_ids = upload_many(
+            [req.input_ids, req.output_ids, [t for t, _ in bias], banned], torch.int64, self.device
+        )
+        (row_params,) = upload_many(
+            [[sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty]
+             + [b for _, b in bias]],
+            torch.float32,
+            self.device,
+        )  # fmt: skip
+        self.params[row] = row_params[:3]
         self.prompt_seen[row].index_fill_(0, prompt, True)
-        if req.output_ids:  # a retracted request keeps its counts: it comes back with outputs
-            (out,) = upload_many([req.output_ids], torch.int64, self.device)
-            self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=self.counts.dtype))
+        self.bias[row].index_copy_(0, bias_ids, row_params[3:])
+        self.banned[row].index_fill_(0, ban_ids, True)
+        # a retracted request keeps its counts: it comes back with outputs
+        self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=self.counts.dtype))
+        self.min_new[row] = sp.min_new_tokens
+        self.generated[row] = len(req.output_ids)
 
     def release(self, req: Req) -> None:
         if req.penalty_row is not None:
             self.free.append(req.penalty_row)
             req.penalty_row = None
 
-    def process(
-        self, logits: torch.Tensor, reqs: list[Req], eos_token_ids: set[int]
-    ) -> torch.Tensor:
-        """The batch's logits with penalties, logit_bias and min_new_tokens applied (device)."""
-        pen = [i for i, r in enumerate(reqs) if r.penalty_row is not None]
-        bias_rows, bias_cols, bias_vals = [], [], []
-        for i, r in enumerate(reqs):
-            sp = r.sampling
-            for tok, b in (sp.logit_bias or {}).items():
-                bias_rows.append(i)
-                bias_cols.append(int(tok))
-                bias_vals.append(b)
-            if r.num_generated < sp.min_new_tokens:
-                banned = set(sp.stop_token_ids)
-                if not sp.ignore_eos:
-                    banned |= eos_token_ids
-                for tok in sorted(banned):
-                    bias_rows.append(i)
-                    bias_cols.append(tok)
-                    bias_vals.append(float("-inf"))
-        if not pen and not bias_rows:
-            return logits
-        logits = logits.clone()
-        if pen:
-            rows_b, rows_pool = self._rows(reqs)
-            (params,) = upload_many(
-                [
-                    [
-                        x
-                        for i in pen
-                        for x in (
-                            reqs[i].sampling.frequency_penalty,
-                            reqs[i].sampling.presence_penalty,
-                            reqs[i].sampling.repetition_penalty,
-                        )
-                    ]
-                ],
-                torch.float32,
-                self.device,
-            )
-            counts = self.counts[rows_pool]
-            seen = self.prompt_seen[rows_pool] | (counts > 0)
-            penalized = apply_penalties(logits[rows_b], counts, seen, params.view(-1, 3))
-            logits.index_copy_(0, rows_b, penalized)
-        if bias_rows:
-            rows, cols = upload_many([bias_rows, bias_cols], torch.int64, self.device)
-            (vals,) = upload_many([bias_vals], torch.float32, self.device)
-            # scatter_add_ on flat indices: sync-free on CUDA (-inf stays -inf)
-            logits.view(-1).scatter_add_(0, rows * logits.shape[-1] + cols, vals)
-        return logits
+    def rows(self, reqs: list[Req]) -> torch.Tensor | None:
+        """The pool row of each of ``reqs`` (device int64, 0: none); None when no request
+        holds a row. Uploaded once per request list (the step's list object)."""
+        if reqs is not self._step_reqs:
+            self._step_reqs, self._step_rows = reqs, None
+            held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
+            if any(held):
+                (self._step_rows,) = upload_many([held], torch.int64, self.device)
+        return self._step_rows
 
-    def record(self, reqs: list[Req], ids: torch.Tensor) -> None:
-        """Count the sampled ids (device tensor [B]) for the requests with a row; no sync."""
-        rows = self._rows(reqs)
-        if rows is None:
-            return
-        rows_b, rows_pool = rows
-        toks = ids[rows_b]
-        flat = rows_pool * self.vocab_size + toks
-        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(toks, dtype=self.counts.dtype))
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float and their pool rows [B] -> logits with penalties, logit_bias
+        and min_new_tokens applied. Device ops on fixed-shape gathers only (graph-safe);
+        neutral rows come out bit-identical."""
+        counts = self.counts[rows]
+        seen = self.prompt_seen[rows] | (counts > 0)
+        logits = apply_penalties(logits, counts, seen, self.params[rows]) + self.bias[rows]
+        masking = (self.generated[rows] < self.min_new[rows])[:, None]
+        return logits.masked_fill(self.banned[rows] & masking, float("-inf"))
+
+    def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Count the sampled ids [B] of the batch rows ``rows`` [B] (neutral rows stay zero);
+        device ops, no sync."""
+        held = (rows != NEUTRAL_ROW).to(torch.int32)
+        self.counts.view(-1).scatter_add_(
+            0, rows * self.vocab_size + ids, held.to(self.counts.dtype)
+        )
+        self.generated.scatter_add_(0, rows, held)

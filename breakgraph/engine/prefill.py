@@ -20,7 +20,7 @@ the radix tree and computes only its last token, so n samples cost one prompt pr
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,10 @@ class PrefillManager:
         self.device = device
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # mid-prefill: continues first next step
+        # admission hooks: room for the request beside its KV (a penalty-pool row), and
+        # what it takes once admitted
+        self.has_room: Callable[[Req], bool] = lambda req: True
+        self.on_admit: Callable[[Req], None] = lambda req: None
 
     # ---- queue ----
     def add(self, req: Req) -> None:
@@ -111,7 +115,7 @@ class PrefillManager:
             if waiting:
                 if len(running) + len(reqs) >= cfg.max_running_requests:
                     break
-                if _computes_same_prompt(reqs, req):
+                if _computes_same_prompt(reqs, req) or not self.has_room(req):
                     break
                 if req.sampling.max_new_tokens == 0 and req.prompt_rows_from is None:
                     finished.append(self.waiting.popleft())
@@ -132,6 +136,7 @@ class PrefillManager:
                 break
             if waiting:
                 self.waiting.popleft()
+                self.on_admit(req)
                 req.status = ReqStatus.RUNNING  # in flight; starts decoding after its last chunk
                 reserve += self.decode.reserved_tokens([req])
             reqs.append(req)

@@ -30,7 +30,7 @@ from breakgraph.engine.cache_manager import CacheManager
 from breakgraph.engine.decode import DecodeManager
 from breakgraph.engine.logprobs import ReadBack, token_logprobs
 from breakgraph.engine.output import OutputProcessor, StepOutput, fill_meta, finished_output
-from breakgraph.engine.penalties import PenaltyPool
+from breakgraph.engine.penalties import PenaltyPool, needs_row
 from breakgraph.engine.prefill import PrefillManager
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
@@ -39,6 +39,8 @@ from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "StepOutput"]
 
+# (batch, pool rows) -> (logits, logits with the penalty pool applied)
+PenalizedForward = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (batch, prompt rows [R], their target ids [R], top-k) ->
 #   (logits [B, V] of each request's last row, logprobs [R], top-k logprobs [R, k], ids [R, k])
 PromptForward = Callable[
@@ -116,15 +118,24 @@ class Scheduler:
         device: torch.device,
         stop_text: Callable[[list[int]], str] | None = None,
         prompt_forward: PromptForward | None = None,
+        penalties: PenaltyPool | None = None,
+        penalized_forward: PenalizedForward | None = None,
     ):
         self.forward = forward  # batch -> logits [batch size, vocab] of each request's last row
         self.prompt_forward = prompt_forward  # for steps with prompt rows (prompt logprobs)
-        self.penalties: PenaltyPool | None = None  # sized from the first logits
+        # per-request sampling state (penalties, logit_bias, min_new_tokens; fixed when the
+        # decode graphs read it)
+        self.penalties = penalties
+        # (batch, pool rows) -> (logits, logits with the pool applied): the decode graphs
+        # apply it inside their replay
+        self.penalized_forward = penalized_forward
         self.cfg = config
         self.device = device
         self.cache = CacheManager(allocator, tree, req_pool)
         self.decode = DecodeManager(self.cache, config, device)
         self.prefill = PrefillManager(self.cache, self.decode, config, device)
+        self.prefill.has_room = lambda req: self.penalties is None or self.penalties.has_room(req)
+        self.prefill.on_admit = self._on_admit
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
         self.last_step_tokens = 0
@@ -237,21 +248,23 @@ class Scheduler:
             batch.input_ids = self._resolve_pending(batch.input_ids)
         prompt = self._prompt_rows(reqs, batch)
         launched = Launched(done=[], readback=rb)
+        pen_rows = None if self.penalties is None else self.penalties.rows(reqs)
+        processed = None  # the logits with the penalty pool applied, where the forward did
+        fwd_start = self.timer.forward_begin()
         if prompt:
             rows, targets, k = self._prompt_plan(prompt)
-            fwd_start = self.timer.forward_begin()
             logits, lp, top_v, top_i = self.prompt_forward(batch, rows, targets, k)
-            fwd_end = self.timer.forward_end()
             launched.prompt, launched.prompt_top_k = prompt, k
             launched.prompt_handles = (
                 rb.add(lp),
                 None if top_v is None else rb.add(top_v),
                 None if top_i is None else rb.add(top_i),
             )
+        elif pen_rows is not None and self.penalized_forward is not None:
+            logits, processed = self.penalized_forward(batch, pen_rows)
         else:
-            fwd_start = self.timer.forward_begin()
             logits = self.forward(batch)
-            fwd_end = self.timer.forward_end()
+        fwd_end = self.timer.forward_end()
         if batch.mode is not ForwardMode.DECODE:  # a request's first forward is a prefill
             self._stamp_first_forward(reqs, fwd_start, fwd_end)
         chunked = self.prefill.chunked
@@ -260,21 +273,20 @@ class Scheduler:
             rb.start()
             return launched
         if len(done) != len(reqs):
-            rows = [i for i, r in enumerate(reqs) if r is not chunked]
-            logits = logits[upload_many([rows], torch.int64, logits.device)[0]]
-        processed = logits
-        if any(r.sampling.has_penalties for r in done) or any(
-            r.sampling.logit_bias or r.sampling.min_new_tokens for r in done
-        ):
-            if self.penalties is None:
-                self.penalties = PenaltyPool(logits.shape[-1], logits.device)
-            for r in done:
-                if r.sampling.has_penalties:
-                    self.penalties.acquire(r)
-            processed = self.penalties.process(logits, done, self.cfg.eos_token_ids)
-        ids, _ = sample(processed, [r.sampling for r in done], [r.generator for r in done])
-        if self.penalties is not None:
-            self.penalties.record(done, ids)
+            (sel,) = upload_many([[i for i, r in enumerate(reqs) if r is not chunked]],
+                                 torch.int64, logits.device)  # fmt: skip
+            logits = logits[sel]
+            processed = None if processed is None else processed[sel]
+            pen_rows = None if pen_rows is None else pen_rows[sel]
+        if pen_rows is not None and processed is None:  # eager: the same ops as the graphs'
+            processed = self.penalties.apply(logits, pen_rows)
+        ids, _ = sample(
+            logits if processed is None else processed,
+            [r.sampling for r in done],
+            [r.generator for r in done],
+        )
+        if pen_rows is not None:
+            self.penalties.record(pen_rows, ids)
         launched.ids, launched.sampled = rb.add(ids), ids
         for row, r in enumerate(done):
             r.num_pending += 1
@@ -407,6 +419,13 @@ class Scheduler:
         if req.logprob_start_len >= 0 and req.return_logprob:
             out.input_logprobs = list(req.input_logprobs)
             out.input_top_logprobs = list(req.input_top_logprobs) if req.top_logprobs_num else []
+
+    def _on_admit(self, req: Req) -> None:
+        """A request leaves the queue for its first prefill chunk: its penalty-pool row."""
+        if needs_row(req):
+            if self.penalties is None:
+                raise RuntimeError("penalties, logit_bias or min_new_tokens need a PenaltyPool")
+            self.penalties.acquire(req)
 
     def _finish(self, req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
         """Release the request's KV and table row, forget it, report it finished."""
