@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 # SGLang's prefill repro draws token ids from this range (clipped to the vocabulary)
@@ -149,7 +150,10 @@ class ServerClient:
         tokens = 0
         itl: list[float] = []
         meta: dict = {}
-        async with self.http.stream("POST", "/generate", json=body) as resp:
+        # orjson: a 64K-id body encodes in ~1 ms, not the stdlib's ~6 ms inside the TTFT
+        content = orjson.dumps(body)
+        headers = {"content-type": "application/json"}
+        async with self.http.stream("POST", "/generate", content=content, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise BenchError(f"/generate answered {resp.status_code}: {resp.text[:300]}")
