@@ -123,9 +123,12 @@ class PenaltyPool:
         banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
         bias = sorted((int(t), float(b)) for t, b in (sp.logit_bias or {}).items())
-        prompt, out, bias_ids, ban_ids = upload_many(
-            [req.input_ids, req.output_ids, [t for t, _ in bias], banned], torch.int64, self.device
-        )
+        prompt, out, bias_ids, ban_ids, ints = upload_many(
+            [req.input_ids, req.output_ids, [t for t, _ in bias], banned,
+             [sp.min_new_tokens, len(req.output_ids)]],
+            torch.int64,
+            self.device,
+        )  # fmt: skip
         (row_params,) = upload_many(
             [[sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty]
              + [b for _, b in bias]],
@@ -138,8 +141,9 @@ class PenaltyPool:
         self.banned[row].index_fill_(0, ban_ids, True)
         # a retracted request keeps its counts: it comes back with outputs
         self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=self.counts.dtype))
-        self.min_new[row] = sp.min_new_tokens
-        self.generated[row] = len(req.output_ids)
+        # device copies: assigning a Python number to a CUDA element would sync the host
+        self.min_new[row : row + 1].copy_(ints[0:1])
+        self.generated[row : row + 1].copy_(ints[1:2])
 
     def release(self, req: Req) -> None:
         if req.penalty_row is not None:
