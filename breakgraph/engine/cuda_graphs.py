@@ -191,9 +191,10 @@ class DecodeGraphs(_GraphsBase):
         return logits, self.penalties.apply(logits, penalty_rows)
 
     def _guard_tensors(self):
-        yield from super()._guard_tensors()
+        # the pool first: the base list ends with kernel workspaces, a list that may grow
         if self.penalties is not None:
             yield from self.penalties.tensors()
+        yield from super()._guard_tensors()
 
     def capture(self) -> None:
         self.bank.capture()
