@@ -192,6 +192,13 @@ def test_penalty_pool_apply_and_record():
     assert pool.counts[others[1].penalty_row].sum() == 0  # a reused row starts clean
 
 
+def test_max_penalized_requests_is_checked(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--max-penalized-requests must be >= 0, got -1"):
+        make_engine(tiny_llama_dir, max_penalized_requests=-1)
+    engine = make_engine(tiny_llama_dir, max_penalized_requests=0)  # CPU: grows on demand
+    assert not engine.scheduler.penalties.fixed
+
+
 def watch_rows(pool) -> list[int]:
     """The pool's rows in use after each acquire, appended to the returned list."""
     seen: list[int] = []
