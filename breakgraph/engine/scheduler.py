@@ -250,9 +250,10 @@ class Scheduler:
         launched = Launched(done=[], readback=rb)
         pen_rows = None if self.penalties is None else self.penalties.rows(reqs)
         processed = None  # the logits with the penalty pool applied, where the forward did
+        plan = self._prompt_plan(prompt) if prompt else None
         fwd_start = self.timer.forward_begin()
-        if prompt:
-            rows, targets, k = self._prompt_plan(prompt)
+        if plan is not None:
+            rows, targets, k = plan
             logits, lp, top_v, top_i = self.prompt_forward(batch, rows, targets, k)
             launched.prompt, launched.prompt_top_k = prompt, k
             launched.prompt_handles = (
