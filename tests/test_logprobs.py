@@ -222,7 +222,9 @@ def test_fixed_penalty_pool_queues_requests_and_matches_a_growing_one(tiny_llama
         engine.scheduler.penalties = engine.runner.penalties = pool
         most = watch_rows(pool)
         outs.append([r.output_ids for r in engine.generate(ps, sps)])
-        assert pool.rows_in_use == 0 and engine.stats()["kv_tokens_used"] == 0
+        stats = engine.stats()
+        assert pool.rows_in_use == stats["penalized_reqs"] == stats["kv_tokens_used"] == 0
+        assert stats["penalized_reqs_max"] == (capacity or 0)
         assert max(most) == (3 if capacity is None else 1)
     assert outs[0] == outs[1]
 

@@ -454,7 +454,7 @@ OLD_METRICS = (
     "prompt_tokens_total", "generation_tokens_total", "cached_tokens_total",
     'requests_total{reason="length"}', "num_requests_running", "num_requests_waiting",
     "kv_slots_used", "kv_slots_cached", "kv_slots_total", "kernel_compilations_after_ready",
-    "kernel_compilations_total",
+    "kernel_compilations_total", "num_requests_penalized", "num_requests_penalized_max",
 )  # fmt: skip
 
 

@@ -105,6 +105,10 @@ class SchedulerStats:
     kv_tokens_cached: int  # held only by the tree (evictable)
     kv_tokens_total: int
     num_retractions: int
+    # penalty-pool rows (penalties, logit_bias, min_new_tokens) held, and the fixed bound
+    # when the decode graphs apply them (0: no bound, the pool grows)
+    penalized_reqs: int = 0
+    penalized_reqs_max: int = 0
 
 
 class Scheduler:
@@ -171,6 +175,7 @@ class Scheduler:
         return any(self.reqs.get(r.rid) is r for r in reqs)
 
     def stats(self) -> SchedulerStats:
+        pool = self.penalties
         return SchedulerStats(
             num_running_reqs=len(self.decode.running) + self.prefill.num_in_prefill,
             num_queued_reqs=len(self.prefill.waiting),
@@ -178,6 +183,8 @@ class Scheduler:
             kv_tokens_cached=self.cache.kv_tokens_cached,
             kv_tokens_total=self.cache.kv_tokens_total,
             num_retractions=self.decode.num_retractions,
+            penalized_reqs=0 if pool is None else pool.rows_in_use,
+            penalized_reqs_max=pool.capacity if pool is not None and pool.fixed else 0,
         )
 
     # ---- one step ----

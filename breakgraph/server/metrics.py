@@ -41,6 +41,15 @@ GAUGES = {
     "kv_tokens_used": ("kv_slots_used", "KV slots held by requests (cached prefixes excluded)."),
     "kv_tokens_cached": ("kv_slots_cached", "KV slots held by evictable cached prefixes."),
     "kv_tokens_total": ("kv_slots_total", "KV slots in the pool."),
+    "penalized_reqs": (
+        "num_requests_penalized",
+        "Requests holding a penalty-pool row (penalties, logit_bias or min_new_tokens).",
+    ),
+    "penalized_reqs_max": (
+        "num_requests_penalized_max",
+        "Penalty-pool rows when the decode graphs apply them (--max-penalized-requests; "
+        "0: unbounded); a request needing one waits while all are held.",
+    ),
     "kernel_compilations_after_ready": (
         "kernel_compilations_after_ready",
         "JIT kernel compilations (Triton) since the server became ready: each is a stall.",
