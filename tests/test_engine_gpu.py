@@ -330,7 +330,8 @@ eng = Engine(EngineArgs(model_path=sys.argv[1], load_format="dummy", device="cud
 report = eng.run_warmups()
 jit_watch.mark_ready()
 rng = random.Random(7)
-rand = lambda n: [rng.randrange(5, 1000) for _ in range(n)]
+hi = min(1000, eng.vocab_size)
+rand = lambda n: [rng.randrange(5, hi) for _ in range(n)]
 base = rand(333)
 sp = [SamplingParams(max_new_tokens=3, temperature=t, ignore_eos=True) for t in (0.0, 0.9)]
 eng.generate([base], sp[0])

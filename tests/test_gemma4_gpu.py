@@ -1,6 +1,7 @@
 """Gemma 4 on the GPU: bounded replay (head bank per token bucket, tail bank per tail-row
 count) equals eager, logits and greedy tokens, over ragged, prefix-hit and chunked steps;
-every tail bucket replays equal to the eager tail."""
+every tail bucket replays equal to the eager tail; fast prefill on equals off, with no host
+sync inside a step; nothing compiles after the serving-shape warm-up."""
 
 from __future__ import annotations
 
@@ -78,3 +79,33 @@ def test_every_tail_bucket_replays_the_eager_tail(gemma4_dir):
             )
             got = graphs.tail.bank.run(n, **live)[:n]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_prefill_on_equals_off_with_graphs_and_no_host_sync(gemma4_dir):
+    """Graphs on: the KV-shared layers on the tail rows only (bounded replay) or on every
+    row give the same greedy tokens and logits (float32), and a bounded step never syncs
+    the host before its sampled ids exist."""
+    from tests.test_engine_gpu import forbid_host_syncs_in_steps
+
+    outs, taps = [], []
+    for fast in (True, False):
+        eng = gpu_engine(gemma4_dir, True)
+        eng.model.kv_sharing_fast_prefill = fast
+        if fast:
+            forbid_host_syncs_in_steps(eng)
+        taps.append(LogitsTap(eng))
+        outs.append(workload(eng))
+    assert outs[0] == outs[1]
+    assert len(taps[0].steps) == len(taps[1].steps)
+    for a, b in zip(taps[0].steps, taps[1].steps, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_no_compilation_after_serving_shape_warmup(gemma4_dir):
+    """The warm-up reaches every kernel variant of the head and tail banks, the eager tail
+    (more tail rows than the largest bucket) and long-prefix hits on sliding layers."""
+    from tests.test_engine_gpu import WARMUP_SCRIPT, run_script
+
+    result = run_script(WARMUP_SCRIPT, gemma4_dir, "serving-shapes")
+    assert result["warmup_requests"] > 20
+    assert result["after_ready"] == 0, result["names"]
