@@ -294,6 +294,37 @@ def test_outputs_are_what_the_model_dictates():
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_deferred_release_holds_kv_until_released_and_changes_no_output(overlap):
+    """With ``defer_release`` (the server's loop) a finished request keeps its KV until
+    ``release_finished`` (after its outputs are sent) or the next step; outputs and slot
+    accounting are those of the immediate release, nothing leaks, retraction included."""
+    results, held = [], []
+    for defer in (False, True):
+        sched, _ = make_scheduler(num_slots=120, chunk=32, overlap=overlap)
+        sched.defer_release = defer
+        prompts = rand_prompts(3, 8, 5, 30)
+        rids = [submit(sched, p, max_new_tokens=6) for p in prompts]
+        outs = {}
+        held_after_finish = []
+        for _ in range(10_000):
+            if not sched.has_work:
+                break
+            step = sched.step()
+            for o in step:
+                outs.setdefault(o.rid, []).append(o)
+            if any(o.finished for o in step):
+                held_after_finish.append(sched.stats().kv_tokens_used)
+                sched.release_finished()
+        results.append([tokens(outs[r]) for r in rids])
+        held.append(held_after_finish)
+        assert_all_free(sched)
+    assert results[0] == results[1]
+    # the same steps finish requests; deferred, their slots were still held at that point
+    assert len(held[0]) == len(held[1]) and sum(held[1]) > sum(held[0])
+    assert all(d >= i for d, i in zip(held[1], held[0], strict=True))
+
+
 def test_chunked_prefill_splits_a_long_prompt():
     sched, model = make_scheduler(chunk=16)
     prompt = rand_prompts(1, 1, 50, 51)[0]

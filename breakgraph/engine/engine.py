@@ -369,8 +369,17 @@ class Engine:
             "warmup_seconds": round(self.warmup_report.seconds, 2) if self.warmup_report else 0,
         }
 
+    def release_finished(self, defer: bool | None = None) -> None:
+        """Release finished requests' KV now; ``defer``: from now on, finished requests
+        keep it until this is called (the server's loop: after sending their outputs) or
+        the next step starts."""
+        if defer is not None:
+            self.scheduler.defer_release = defer
+        self.scheduler.release_finished()
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight."""
+        self.scheduler.release_finished()
         if self.has_work:
             return False
         return self.tree.flush()

@@ -142,6 +142,9 @@ class Scheduler:
         self.prefill.on_admit = self._on_admit
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
+        # finished requests whose KV is not yet released (see release_finished)
+        self._finished: list[Req] = []
+        self.defer_release = False
         self.last_step_tokens = 0
         self.in_flight: Launched | None = None  # overlap: launched, not yet read back
         self.timer = StepTimer(device)  # host vs GPU time of each step; timeline stamps
@@ -193,6 +196,7 @@ class Scheduler:
         """Schedule, launch (no host sync until here), then read the sampled ids back: this
         step's, or with overlap the previous step's (this one's stay in flight)."""
         self.timer.step_begin()
+        self.release_finished()
         outputs: list[StepOutput] = []
         scheduled = self.schedule(outputs)
         launched = None
@@ -231,6 +235,7 @@ class Scheduler:
         if self.in_flight is not None:
             # retraction must see every sampled token: read the step in flight back first
             outputs.extend(self.drain())
+            self.release_finished()  # and the KV of the requests it finished
             return self.schedule(outputs)
         retracted, exhausted = self.decode.make_room(
             others_hold_kv=self.prefill.chunked is not None
@@ -436,13 +441,24 @@ class Scheduler:
             self.penalties.acquire(req)
 
     def _finish(self, req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
-        """Release the request's KV and table row, forget it, report it finished."""
+        """Forget the request, release its KV, table row and penalty row (with
+        ``defer_release``: at ``release_finished``), report it finished."""
         self.decode.remove(req)
-        self.cache.release(req)
-        if self.penalties is not None:
-            self.penalties.release(req)
         self.reqs.pop(req.rid, None)
+        self._finished.append(req)
+        if not self.defer_release:
+            self.release_finished()
         return finished_output(req, reason, last)
+
+    def release_finished(self) -> None:
+        """Hand finished requests' KV to the tree and free their rows. The server's loop calls
+        it after sending a step's outputs, so a long prompt's radix insert does not sit
+        between its last token and the client; every ``step`` starts with it too."""
+        finished, self._finished = self._finished, []
+        for req in finished:
+            self.cache.release(req)
+            if self.penalties is not None:
+                self.penalties.release(req)
 
 
 def req_k(req: Req) -> int:

@@ -138,6 +138,8 @@ class EngineLoop:
         self._errors: list[RequestError] = []
         self._parent = multiprocessing.parent_process()
         self._last_parent_check = time.monotonic()
+        # finished requests' KV is released after their outputs are sent (below)
+        engine.release_finished(defer=True)
 
     def run(self) -> None:
         while not self._stop:
@@ -157,6 +159,7 @@ class EngineLoop:
                 self._outputs.extend(token_delta(o) for o in outs)
             if step_ms is not None or self._outputs or self._errors:
                 self._send_step(step_ms)
+            self.engine.release_finished()
             self._check_parent()
         logger.info("engine loop stopped")
 
