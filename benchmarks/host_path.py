@@ -1,6 +1,7 @@
 """Host time around the forward for long prompts (issue 14, item 2), on the CPU: API-side
-validation of a /generate body, the GenerateReq codec across the process boundary, and the
-radix tree's match + insert, for one 65,536-id prompt and for 8 x 8,192. Each stage runs
+validation of a /generate body, the GenerateReq codec across the process boundary, the
+engine's range check of the decoded ids, and the radix tree's match + insert, for one
+65,536-id prompt and for 8 x 8,192. Each stage runs
 against an inline copy of its former implementation in the same run (best of --reps).
 Usage: python benchmarks/host_path.py [--reps N]"""
 
@@ -142,6 +143,22 @@ def codec(prompts: list[list[int]], reps: int) -> list[tuple[str, float, float]]
     ]
 
 
+def engine_range_check(prompts: list[list[int]], reps: int) -> tuple[float, float]:
+    """The engine's backstop vocabulary check of decoded prompts: on the ids' ``id_range``
+    (found by the codec on the packed int32s) against a scan of the plain list."""
+    from breakgraph.engine.engine import Engine
+
+    engine = SimpleNamespace(vocab_size=VOCAB)
+    sampling = SamplingParams(max_new_tokens=1)
+    decoded = [decode(encode(GenerateReq(f"r{i}", p, sampling))).input_ids
+               for i, p in enumerate(prompts)]  # fmt: skip
+    plain = [list(ids) for ids in decoded]
+    assert all(Engine._ids_in_vocab(engine, ids) for ids in decoded + plain)
+    after = best_ms(lambda: [Engine._ids_in_vocab(engine, ids) for ids in decoded], reps)
+    before = best_ms(lambda: [Engine._ids_in_vocab(engine, ids) for ids in plain], reps)
+    return before, after
+
+
 class _NoFree:
     def free(self, slots: torch.Tensor) -> None:
         pass
@@ -192,6 +209,9 @@ def main() -> None:
             Row(case, "API validation (/generate body)", *validation(prompts, batch, args.reps))
         )
         rows += [Row(case, *stage) for stage in codec(prompts, args.reps)]
+        rows.append(
+            Row(case, "engine range check (decoded ids)", *engine_range_check(prompts, args.reps))
+        )
         radix_arms = {
             "hit (tree holds the prompts)": prompts,
             "miss (tree empty)": [],

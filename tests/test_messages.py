@@ -96,7 +96,8 @@ def test_long_prompts_round_trip_packed():
     the list of ints the engine takes; ids that are no int32 cannot be sent."""
     ids = [0, 1, 255, 256, 65_535, 65_536, 2**31 - 1] + list(range(0, 2**31 - 1, 32_771))[:65_000]
     back = decode(encode(GenerateReq("long", ids, SAMPLING)))
-    assert back.input_ids == ids and type(back.input_ids) is list
+    assert back.input_ids == ids and isinstance(back.input_ids, list)
+    assert back.input_ids.id_range == (min(ids), max(ids))  # the engine's range check reads it
     assert all(type(t) is int for t in back.input_ids[:10])
     unsendable = [
         ([1, 2**31], OverflowError),

@@ -276,8 +276,12 @@ class Engine:
         return self.model_config.vocab_size
 
     def _ids_in_vocab(self, input_ids: list[int]) -> bool:
-        """All ints in [0, vocab): one C conversion and a numpy min/max (~1 ms for 64K ids,
+        """All ints in [0, vocab): the ``id_range`` the server's codec found on the packed
+        ids (microseconds), else one C conversion and a numpy min/max (~1 ms for 64K ids,
         a third of a Python loop's time)."""
+        id_range = getattr(input_ids, "id_range", None)
+        if id_range is not None:
+            return 0 <= id_range[0] and id_range[1] < self.vocab_size
         try:
             ids = np.frombuffer(array.array("q", input_ids), dtype=np.int64)
         except (TypeError, OverflowError):  # a non-integer, or past int64

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from breakgraph.engine.sampling_params import SamplingParams
 
@@ -202,10 +203,21 @@ def _pack_ids(ids: list[int]) -> bytes:
     return array.array("i", ids).tobytes()
 
 
+class IdList(list):
+    """Unpacked token ids with their ``id_range`` (min, max), found on the packed int32s in
+    C: the engine's backstop range check reads it instead of scanning 64K Python ints."""
+
+    id_range: tuple[int, int] | None = None
+
+
 def _unpack_ids(data: Any) -> list[int]:
     if not isinstance(data, bytes):
         raise TypeError(f"packed token ids must be bytes, not {type(data).__name__}")
-    return memoryview(data).cast("i").tolist()  # TypeError unless a whole number of int32s
+    ids = IdList(memoryview(data).cast("i").tolist())  # TypeError unless whole int32s
+    if ids:
+        packed = np.frombuffer(data, dtype=np.int32)
+        ids.id_range = (int(packed.min()), int(packed.max()))
+    return ids
 
 
 def _build(cls: type, wire: dict[str, Any]) -> Any:
