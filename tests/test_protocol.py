@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from breakgraph.server.messages import ModelInfo
-from breakgraph.server.protocol import APIError, check_input_ids, parse_json
+from breakgraph.server.protocol import APIError, IntList, check_input_ids, parse_json
 
 INFO = ModelInfo("m", "LlamaForCausalLM", 256, 131_072, 64, 1 << 20, "float32", "cpu", 1)
 LONG = 65_536
@@ -77,3 +77,28 @@ def test_depth_is_checked_inside_long_lists():
             parse_json(orjson.dumps({"input_ids": ids}))
     batch = {"input_ids": [[1] * 8192 for _ in range(8)]}
     assert parse_json(orjson.dumps(batch)) == batch
+
+
+def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_plain_lists():
+    """The depth check marks arrays of plain ints (IntList); check_input_ids then checks
+    only their range and hands on a plain list. Arrays with a bool, a float or a nested
+    array stay plain lists and meet the full check (the same 400s)."""
+    body = parse_json(orjson.dumps({
+        "input_ids": [[5] * LONG, [1, True], [1, 2.0], [1, [2]], [256, 3]],
+        "sampling_params": {"stop_token_ids": [3, 4]},
+    }))  # fmt: skip
+    ints, with_bool, with_float, nested, out_of_range = body["input_ids"]
+    assert type(ints) is IntList and type(out_of_range) is IntList
+    assert type(body["sampling_params"]["stop_token_ids"]) is IntList
+    assert all(type(x) is list for x in (with_bool, with_float, nested))
+    got = check_input_ids(ints, INFO)
+    assert type(got) is list and got == [5] * LONG
+    for ids, words in [
+        (with_bool, "input_ids[1]: token id True is not an integer"),
+        (with_float, "input_ids[1]: token id 2.0 is not an integer"),
+        (nested, "input_ids[1]: token id [2] is not an integer"),
+        (out_of_range, "input_ids[0]: token id 256 is out of range [0, 256)"),
+    ]:
+        with pytest.raises(APIError) as e:
+            check_input_ids(ids, INFO)
+        assert e.value.message == words

@@ -6,6 +6,7 @@ engine reported when it became ready, so a bad request is answered 400 before it
 
 from __future__ import annotations
 
+import array
 import asyncio
 import functools
 from collections.abc import Callable
@@ -106,17 +107,26 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
+class IntList(list):
+    """A JSON array that ``_check_depth``'s one pass over its element types found to hold
+    plain ints only (no bool): ``check_input_ids`` skips that pass for a 64K-id prompt."""
+
+
 def _check_depth(body: Any) -> None:
+    """Raise past MAX_JSON_DEPTH; arrays of plain ints inside containers become IntList."""
     stack = [(body, 1)] if isinstance(body, list | dict) else []
     while stack:
         obj, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-        children = obj.values() if isinstance(obj, dict) else obj
-        if _CONTAINERS.isdisjoint(map(type, children)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        types = {*map(type, obj.values() if isinstance(obj, dict) else obj)}
+        if _CONTAINERS.isdisjoint(types):
             continue  # only scalars (a prompt of 64K ids): one pass in C, not a Python loop
-        for child in children:
-            if isinstance(child, list | dict):
+        for key, child in items:
+            if type(child) is list and child and {*map(type, child)} == {int}:
+                obj[key] = IntList(child)  # scalars only: nothing deeper to check
+            elif isinstance(child, list | dict):
                 stack.append((child, depth + 1))
 
 
@@ -259,13 +269,19 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
         raise APIError(f"{field} must be a list of integers, got {type(ids).__name__}")
     if not ids:
         raise APIError("the prompt is empty")
-    if {*map(type, ids)} == {int}:  # no bool, float, str, None, list
+    # no bool, float, str, None, list (an IntList: checked while parsing; converted by
+    # fromiter, which reads a list subclass as fast as array.array reads a list)
+    checked = type(ids) is IntList
+    if checked or {*map(type, ids)} == {int}:
         try:
-            arr = np.array(ids, dtype=np.int64)
+            if checked:
+                arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+            else:
+                arr = np.frombuffer(array.array("q", ids), dtype=np.int64)
         except OverflowError:  # beyond 64 bits: out of range, named below
             arr = None
         if arr is not None and arr.min() >= 0 and arr.max() < info.vocab_size:
-            return ids
+            return list(ids) if checked else ids  # a plain list from here on
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
