@@ -11,8 +11,14 @@ PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift
   local t0=$(date +%s)
-  python3 -m breakgraph.cli serve --model-path "${MODEL:-qwen3-0.6b}" --load-format dummy --port $PORT \
-    --mem-fraction-static 0.6 ${SERVE_FLAGS:-} "$@" > "$OUT/server_$name.log" 2>&1 &
+  # PROFILE=1: py-spy (carried in .whl) samples the API and engine processes, collapsed
+  # stacks in $OUT/pyspy_NAME.txt (written when the server exits)
+  local spy=()
+  if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
+    spy=(/tmp/site/bin/py-spy record --subprocesses --rate 500 --format raw -o "$OUT/pyspy_$name.txt" --)
+  fi
+  "${spy[@]}" python3 -m breakgraph.cli serve --model-path "${MODEL:-qwen3-0.6b}" --load-format dummy \
+    --port $PORT --mem-fraction-static 0.6 ${SERVE_FLAGS:-} "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1200); do
     curl -sf $URL/health >/dev/null && break
@@ -24,7 +30,10 @@ serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   done
   echo "$name: ready after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/serve.log"
 }
-stop() { kill -TERM $SERVER 2>/dev/null; wait $SERVER; }
+stop() {  # the server itself (under py-spy: its child), then wait for py-spy to write
+  local pid; pid=$(pgrep -P $SERVER -f "breakgraph.cli serve" || echo $SERVER)
+  kill -TERM $pid 2>/dev/null; wait $SERVER
+}
 first3() {  # time the first three 8K-token requests after ready
   for i in 1 2 3; do
     python3 - "$URL" "$i" <<'PY' | tee -a "$OUT/serve.log"
