@@ -24,12 +24,12 @@ def gemma4_dir(tmp_path_factory):
     return path
 
 
-def gpu_engine(path, graphs: bool):
+def gpu_engine(path, graphs: bool, **kw):
     return make_engine(
         path, device="cuda", chunked_prefill_size=128, max_running_requests=32,
         cuda_graph_max_bs=16, cuda_graph_bs_prefill=[16, 32, 64, 128],
         disable_cuda_graph=not graphs,
-        cuda_graph_backend_prefill="breakable" if graphs else "disabled",
+        cuda_graph_backend_prefill="breakable" if graphs else "disabled", **kw,
     )  # fmt: skip
 
 
@@ -88,9 +88,9 @@ def test_fast_prefill_on_equals_off_with_graphs_and_no_host_sync(gemma4_dir):
     from tests.test_engine_gpu import forbid_host_syncs_in_steps
 
     outs, taps = [], []
-    for fast in (True, False):
-        eng = gpu_engine(gemma4_dir, True)
-        eng.model.kv_sharing_fast_prefill = fast
+    for fast in (True, False):  # the flag decides which banks are captured: set it first
+        eng = gpu_engine(gemma4_dir, True, kv_sharing_fast_prefill=fast)
+        assert (eng.runner.prefill_graphs.tail is not None) == fast
         if fast:
             forbid_host_syncs_in_steps(eng)
         taps.append(LogitsTap(eng))
