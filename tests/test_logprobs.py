@@ -169,6 +169,11 @@ def test_penalty_pool_apply_and_record():
     rows = pool.rows([plain, req])
     out = pool.apply(logits, rows)
     assert torch.equal(out[0], logits[0])  # neutral
+    # the in-place apply is the reference formula, bit for bit
+    counts, seen = pool.counts[rows], pool.prompt_seen[rows] | (pool.counts[rows] > 0)
+    ref = apply_penalties(logits, counts, seen, pool.params[rows]) + pool.bias[rows]
+    masking = (pool.generated[rows] < pool.min_new[rows])[:, None]
+    assert torch.equal(out, ref.masked_fill(pool.banned[rows] & masking, float("-inf")))
     counts = torch.zeros(1, 10)
     seen = torch.zeros(1, 10, dtype=torch.bool)
     seen[0, [1, 2]] = True

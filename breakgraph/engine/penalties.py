@@ -164,11 +164,23 @@ class PenaltyPool:
         """logits [B, V] float and their pool rows [B] -> logits with penalties, logit_bias
         and min_new_tokens applied. Device ops on fixed-shape gathers only (graph-safe);
         neutral rows come out bit-identical."""
-        counts = self.counts[rows]
-        seen = self.prompt_seen[rows] | (counts > 0)
-        logits = apply_penalties(logits, counts, seen, self.params[rows]) + self.bias[rows]
-        masking = (self.generated[rows] < self.min_new[rows])[:, None]
-        return logits.masked_fill(self.banned[rows] & masking, float("-inf"))
+        # apply_penalties' formula, in place on the gathered copies: fewer [B, V] buffers
+        # (a graph's pool holds its peak); the same ops in the same order, bit-identical
+        params = self.params[rows]
+        freq, pres, rep = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+        counts = self.counts[rows]  # advanced indexing: a copy, free to overwrite
+        present = counts > 0
+        seen = self.prompt_seen[rows]
+        seen |= present
+        out = torch.where(logits > 0, logits / rep, logits * rep)
+        torch.where(seen, out, logits, out=out)
+        out -= counts.mul_(freq)
+        del counts
+        out -= present.to(out.dtype).mul_(pres)
+        out += self.bias[rows]
+        seen = self.banned[rows]
+        seen &= (self.generated[rows] < self.min_new[rows])[:, None]
+        return out.masked_fill_(seen, float("-inf"))
 
     def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Count the sampled ids [B] of the batch rows ``rows`` [B] (neutral rows stay zero);
