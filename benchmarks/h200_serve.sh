@@ -88,6 +88,10 @@ gemma_stage() {
 moe_stage() {
   MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"
 }
+serving() {  # serving NAME: concurrency 1 and 8, 8K in / 256 out, one round
+  python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
+    --output-len 256 --rounds 1 --json "$OUT/$1.json" 2>&1 | tee -a "$OUT/serve.log"
+}
 host_stage() {  # issue 14's ratios: server workloads against in-process steps of the same run
   local m=${MODEL:-qwen3-0.6b}
   inproc step --models $m -N 256 1024 8192 -P 0 65536 --reps 5 --no-hf --no-compile \
@@ -98,13 +102,11 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"
   bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"
   bench cold 256 1 --json "$OUT/host_cold256_$m.json"
-  python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
-    --output-len 256 --rounds 1 --json "$OUT/host_serving_$m.json" 2>&1 | tee -a "$OUT/serve.log"
+  serving "host_serving_$m"
   compilations
   stop
   serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule || return
-  python3 -m breakgraph.cli bench serving --url $URL --concurrency 1 8 --input-len 8192 \
-    --output-len 256 --rounds 1 --json "$OUT/host_serving_${m}_no_overlap.json" 2>&1 | tee -a "$OUT/serve.log"
+  serving "host_serving_${m}_no_overlap"
   stop
 }
 stages=${*:-warmup prefill}

@@ -70,9 +70,6 @@ class PenaltyPool:
         self.free: list[int] = []
         self._grow(1 + (capacity if capacity is not None else 4))
         self.free.remove(NEUTRAL_ROW)
-        # the step's batch rows -> pool rows on the device: uploaded once per request list
-        self._step_reqs: list[Req] | None = None
-        self._step_rows: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer ``apply`` reads (their addresses stay fixed in a fixed pool)."""
@@ -151,14 +148,10 @@ class PenaltyPool:
             req.penalty_row = None
 
     def rows(self, reqs: list[Req]) -> torch.Tensor | None:
-        """The pool row of each of ``reqs`` (device int64, 0: none); None when no request
-        holds a row. Uploaded once per request list (the step's list object)."""
-        if reqs is not self._step_reqs:
-            self._step_reqs, self._step_rows = reqs, None
-            held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
-            if any(held):
-                (self._step_rows,) = upload_many([held], torch.int64, self.device)
-        return self._step_rows
+        """The pool row of each of ``reqs`` (device int64, 0: none), in one upload; None
+        when no request holds a row. A step computes it once and hands it on."""
+        held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
+        return upload_many([held], torch.int64, self.device)[0] if any(held) else None
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float and their pool rows [B] -> logits with penalties, logit_bias
