@@ -416,6 +416,19 @@ def test_health_info_and_cache(server):
     assert info(server)["kv_tokens_cached"] == 0
 
 
+def test_both_processes_freeze_startup_objects_out_of_gc(server):
+    """Ready: each process froze its start-up objects (a full collection no longer walks
+    torch's and the model's); the engine's collections since are in /metrics."""
+    i = info(server)
+    assert i["gc_frozen_objects"] > 10_000 and i["api_gc_frozen_objects"] > 10_000
+    for p in ("gc_", "api_gc_"):
+        assert i[f"{p}collections_after_ready"] >= 0
+        assert 0 <= i[f"{p}max_pause_seconds_after_ready"] <= i[f"{p}pause_seconds_after_ready"]
+    values = metric_values(server)
+    for name in ("collections", "pause_seconds", "max_pause_seconds"):
+        assert values[f"breakgraph_engine_gc_{name}_after_ready"] >= 0
+
+
 def test_metrics_text_format(server):
     post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
     text = httpx.get(f"{server.url}/metrics").text

@@ -19,6 +19,7 @@ from breakgraph.cache.kv_pool import KVPool, SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.distributed import TPGroup
+from breakgraph.engine import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
@@ -371,6 +372,7 @@ class Engine:
             "kernel_compilations_after_ready": compiles.after_ready,
             "warmup_requests": self.warmup_report.requests if self.warmup_report else 0,
             "warmup_seconds": round(self.warmup_report.seconds, 2) if self.warmup_report else 0,
+            **gc_watch.report(),
         }
 
     def release_finished(self, defer: bool | None = None) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from breakgraph.engine import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.server.ipc import IpcPaths, make_socket
@@ -79,6 +80,8 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
             return
         signal.signal(signal.SIGTERM, _on_sigterm)  # while loading, SIGTERM just ends us
         engine.mark_ready()
+        frozen = gc_watch.freeze()  # start-up's objects out of every later collection
+        logger.info("ready; %d objects frozen out of garbage collection", frozen)
         outbox.send(encode(Ready(model_info(engine))))
         EngineLoop(engine, inbox, outbox, engine_args.shutdown_timeout + SIGTERM_GRACE_S).run()
     except Exception:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import breakgraph
+from breakgraph.engine import gc_watch
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.client import EngineError
 from breakgraph.server.generation import (
@@ -243,6 +244,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         "max_total_num_tokens": s.info.kv_capacity_tokens,
         "num_inflight_requests": s.client.num_inflight,
         **stats,
+        **gc_watch.report("api_gc_"),  # this (API) process's own collections
         "internal_states": [stats],
     }
 

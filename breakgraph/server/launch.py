@@ -24,6 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
+from breakgraph.engine import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
 from breakgraph.server.client import EngineClient
@@ -186,6 +187,7 @@ async def _serve_on(
             logging.getLogger("breakgraph.requests").setLevel(logging.INFO)
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         server = _GracefulServer(config, client, engine_args.shutdown_timeout)
+        gc_watch.freeze()  # the API process's start-up objects, likewise (engine_process)
 
         def on_engine_death() -> None:
             server.should_exit = True

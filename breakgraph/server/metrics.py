@@ -58,6 +58,19 @@ GAUGES = {
         "kernel_compilations_total",
         "JIT kernel compilations (Triton) since the engine started.",
     ),
+    "gc_collections_after_ready": (
+        "engine_gc_collections_after_ready",
+        "Python garbage collections in the engine process since ready.",
+    ),
+    "gc_pause_seconds_after_ready": (
+        "engine_gc_pause_seconds_after_ready",
+        "Host time the engine process spent in garbage collection since ready (a stall of "
+        "the step it falls in).",
+    ),
+    "gc_max_pause_seconds_after_ready": (
+        "engine_gc_max_pause_seconds_after_ready",
+        "The engine process's longest garbage-collection pause since ready.",
+    ),
 }
 
 
