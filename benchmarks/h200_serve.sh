@@ -50,7 +50,7 @@ PY
 bench() { python3 -m breakgraph.cli bench prefill "$@" --url $URL 2>&1 | grep -v -e Warning | tee -a "$OUT/serve.log"; }
 inproc() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/serve.log"; }
 compilations() {
-  curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k})" | tee -a "$OUT/serve.log"
+  curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k or 'gc_' in k})" | tee -a "$OUT/serve.log"
 }
 
 warmup_stage() {  # first 8K requests after ready, cold Triton cache, without and with warm-up

@@ -1,8 +1,8 @@
 """Host time around the forward for long prompts (issue 14, item 2), on the CPU: API-side
 validation of a /generate body, the GenerateReq codec across the process boundary, the
-engine's range check of the decoded ids, and the radix tree's match + insert, for one
-65,536-id prompt and for 8 x 8,192. Each stage runs
-against an inline copy of its former implementation in the same run (best of --reps).
+engine's range check of the decoded ids, an extend step's batch build, and the radix tree's
+match + insert, for one 65,536-id prompt and for 8 x 8,192. Each stage runs against an
+inline copy of its former implementation in the same run (best of --reps).
 Usage: python benchmarks/host_path.py [--reps N]"""
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgpack
+import numpy as np
 import orjson
 import torch
 
 from breakgraph.cache import radix_cache
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions, upload_many
 from breakgraph.server import protocol
 from breakgraph.server.http import _prepare_generate
 from breakgraph.server.messages import GenerateReq, ModelInfo, decode, encode
 
 VOCAB = 151_936
+CPU = torch.device("cpu")
 INFO = ModelInfo("bench", "Qwen3ForCausalLM", VOCAB, 131_072, 64, 1 << 20, "bfloat16", "cpu", 0)
 
 
@@ -74,6 +77,51 @@ def old_common_prefix_len(node_key: list[int], key: list[int], start: int) -> in
         if node_key[i] != key[start + i]:
             return i
     return n
+
+
+def old_upload(rows: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    flat = [x for r in rows for x in r]
+    return list(torch.split(torch.tensor(flat, dtype=dtype), [len(r) for r in rows]))
+
+
+def old_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
+    """The former extend-step build: Python lists of every token's row, column and position,
+    converted by torch.tensor (the table write's rows and columns, then the batch's ids)."""
+    input_ids: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(prompts):
+        input_ids.extend(p)
+        rows.extend([i] * len(p))
+        cols.extend(range(len(p)))
+    old_upload([rows, cols], torch.int64)
+    starts, positions, acc = [], [], 0
+    for p in prompts:
+        starts.append(acc)
+        positions.extend(range(len(p)))
+        acc += len(p)
+    ends = [s + len(p) - 1 for s, p in zip(starts, prompts, strict=True)]
+    old_upload([input_ids, positions, slots.tolist(), list(range(len(prompts))), ends], torch.int64)
+
+
+def new_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
+    """What PrefillManager._build does now (numpy rows and positions, slots as a tensor)."""
+    input_ids: list[int] = []
+    for p in prompts:
+        input_ids.extend(p)
+    ext = np.asarray([len(p) for p in prompts], dtype=np.int64)
+    zeros = np.zeros(len(prompts), dtype=np.int64)
+    cols = token_positions(zeros, ext)
+    upload_many([np.repeat(np.arange(len(prompts)), ext), cols], torch.int64, CPU)
+    ForwardBatch.build(ForwardMode.EXTEND, input_ids, slots, list(range(len(prompts))),
+                       zeros.tolist(), ext.tolist(), CPU)  # fmt: skip
+
+
+def batch_build(prompts: list[list[int]], reps: int) -> tuple[float, float]:
+    slots = torch.arange(sum(len(p) for p in prompts))
+    before = best_ms(lambda: old_batch(prompts, slots), reps)
+    after = best_ms(lambda: new_batch(prompts, slots), reps)
+    return before, after
 
 
 # ---- timing ----
@@ -211,6 +259,9 @@ def main() -> None:
         rows += [Row(case, *stage) for stage in codec(prompts, args.reps)]
         rows.append(
             Row(case, "engine range check (decoded ids)", *engine_range_check(prompts, args.reps))
+        )
+        rows.append(
+            Row(case, "extend batch build (ids, rows, positions)", *batch_build(prompts, args.reps))
         )
         radix_arms = {
             "hit (tree holds the prompts)": prompts,

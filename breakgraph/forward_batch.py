@@ -1,18 +1,23 @@
 """The forward metadata of one step and the forward context the attention break reads.
 
-A leaf module (imports only torch and the torch-only ``AttentionMeta``) so that layers
+A leaf module (imports only numpy, torch and the torch-only ``AttentionMeta``) so that layers
 below the engine can read it."""
 
 from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from breakgraph.kernels.attention_meta import AttentionMeta
+
+# token ids, slots, rows: a list of ints, a numpy int array or a CPU int tensor
+IntSeq = Sequence[int] | np.ndarray | torch.Tensor
 
 
 class ForwardMode(enum.Enum):
@@ -46,8 +51,8 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     # host copies of the slots and table rows (``build`` keeps them): what TP rank 0 sends the
     # other ranks so that they rebuild the step without reading device values
-    out_cache_loc_cpu: list[int] | None = None
-    req_pool_indices_cpu: list[int] | None = None
+    out_cache_loc_cpu: IntSeq | None = None
+    req_pool_indices_cpu: Sequence[int] | None = None
     # per-step state the attention break derives once and every layer reuses: launch plans
     # keyed by what they depend on besides the step (heads, head_dim, scale, window)
     attention_plans: dict[tuple, Any] = field(
@@ -118,30 +123,31 @@ class ForwardBatch:
     def build(
         cls,
         mode: ForwardMode,
-        input_ids: list[int],
-        out_cache_loc: list[int],
-        req_pool_indices: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
+        input_ids: IntSeq,
+        out_cache_loc: IntSeq,
+        req_pool_indices: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
         device: torch.device | str,
     ) -> ForwardBatch:
-        """Build on the host and upload with pinned, non-blocking copies."""
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        starts, positions, acc = [], [], 0
-        for p, e in zip(prefix_lens, extend_lens, strict=True):
-            starts.append(acc)
-            positions.extend(range(p, p + e))
-            acc += e
-        logits_rows = [s + e - 1 for s, e in zip(starts, extend_lens, strict=True)]
+        """Build on the host and upload with pinned, non-blocking copies. The per-token rows
+        (positions) are numpy ranges and the token lists are copied into the pinned buffer by
+        numpy: no Python loop over the step's tokens."""
+        pre = np.asarray(prefix_lens, dtype=np.int64)
+        ext = np.asarray(extend_lens, dtype=np.int64)
+        ends = np.cumsum(ext)
+        starts = ends - ext
+        positions = token_positions(pre, ext, starts)
         dev = torch.device(device)
         pin = dev.type == "cuda"
         i64 = upload_many(
-            [input_ids, positions, out_cache_loc, req_pool_indices, logits_rows],
+            [input_ids, positions, out_cache_loc, req_pool_indices, ends - 1],
             torch.int64,
             dev,
             pin,
         )
-        i32 = upload_many([seq_lens, prefix_lens, extend_lens, starts], torch.int32, dev, pin)
+        seq = pre + ext
+        i32 = upload_many([seq, pre, ext, starts], torch.int32, dev, pin)
         return cls(
             mode=mode,
             input_ids=i64[0],
@@ -153,25 +159,41 @@ class ForwardBatch:
             prefix_lens=i32[1],
             extend_lens=i32[2],
             extend_start_loc=i32[3],
-            seq_lens_cpu=seq_lens,
-            prefix_lens_cpu=list(prefix_lens),
-            extend_lens_cpu=list(extend_lens),
+            seq_lens_cpu=seq.tolist(),
+            prefix_lens_cpu=pre.tolist(),
+            extend_lens_cpu=ext.tolist(),
             out_cache_loc_cpu=out_cache_loc,
             req_pool_indices_cpu=req_pool_indices,
         )
 
 
+def token_positions(
+    prefix_lens: np.ndarray, extend_lens: np.ndarray, starts: np.ndarray | None = None
+) -> np.ndarray:
+    """Each new token's position (its column in the request table): request r's rows are
+    ``prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1``, concatenated (int64)."""
+    if starts is None:
+        starts = np.cumsum(extend_lens) - extend_lens
+    total = int(extend_lens.sum())
+    return np.arange(total, dtype=np.int64) + np.repeat(prefix_lens - starts, extend_lens)
+
+
 def upload_many(
-    rows: list[list], dtype: torch.dtype, device: torch.device, pin: bool | None = None
+    rows: Sequence[IntSeq], dtype: torch.dtype, device: torch.device, pin: bool | None = None
 ) -> list[torch.Tensor]:
-    """Upload int lists in one host tensor (pinned on CUDA) and one non-blocking copy."""
+    """Upload int (or float) rows in one host buffer (pinned on CUDA) and one non-blocking
+    copy. A row is a list, a numpy array or a CPU tensor; numpy copies each into the buffer
+    (a list converts in C; an array or tensor is a memcpy)."""
     if pin is None:
         pin = device.type == "cuda"
     lengths = [len(r) for r in rows]
-    flat = [x for r in rows for x in r]
-    host = torch.tensor(flat, dtype=dtype)
-    if pin:
-        host = host.pin_memory()
+    host = torch.empty(sum(lengths), dtype=dtype, pin_memory=pin)
+    buf = host.numpy()
+    off = 0
+    for r, n in zip(rows, lengths, strict=True):
+        if n:
+            buf[off : off + n] = r.numpy() if isinstance(r, torch.Tensor) else r
+        off += n
     dev = host.to(device, non_blocking=True)
     return list(torch.split(dev, lengths))
 

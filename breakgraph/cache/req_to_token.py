@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from breakgraph.forward_batch import upload_many
+from breakgraph.forward_batch import IntSeq, upload_many
 
 
 class ReqToTokenPool:
@@ -74,13 +74,13 @@ class ReqToTokenPool:
         else:
             dst.copy_(slots.reshape(-1))
 
-    def write_many(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+    def write_many(self, rows: IntSeq, cols: IntSeq, slots: torch.Tensor) -> None:
         """``table[rows[i], cols[i]] = slots[i]`` for all ``i`` (slots: host int tensor).
 
         One upload of the indices, one of the values (pinned, non-blocking on CUDA) and
         one scatter kernel, whatever the number of rows: a step's table writes in one go.
         """
-        if not rows:
+        if not len(rows):
             return
         if self.write_log is not None:
             self._log(np.asarray(rows, dtype=np.int32), np.asarray(cols, dtype=np.int32), slots)
@@ -117,4 +117,4 @@ class ReqToTokenPool:
         cells = rows.astype(np.int64) * self.max_context_len + cols
         _, last_rev = np.unique(cells[::-1], return_index=True)
         keep = len(cells) - 1 - last_rev
-        self.write_many(rows[keep].tolist(), cols[keep].tolist(), torch.from_numpy(slots[keep]))
+        self.write_many(rows[keep], cols[keep], torch.from_numpy(slots[keep]))

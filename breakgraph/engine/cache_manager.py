@@ -14,6 +14,7 @@ from breakgraph.cache.kv_pool import SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.engine.request import Req
+from breakgraph.forward_batch import IntSeq
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -51,7 +52,7 @@ class CacheManager:
             self.tree.evict(n - self.allocator.available)
         return self.allocator.alloc(n)
 
-    def write_table(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+    def write_table(self, rows: IntSeq, cols: IntSeq, slots: torch.Tensor) -> None:
         """``req_to_token[rows, cols] = slots``, in one upload and one kernel."""
         self.req_pool.write_many(rows, cols, slots)
 

@@ -109,7 +109,7 @@ class DecodeManager:
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
             [r.next_input_id for r in reqs],
-            slots.tolist(),
+            slots,
             rows,
             prefixes,
             [1] * len(reqs),

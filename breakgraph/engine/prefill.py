@@ -23,12 +23,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from breakgraph.engine.cache_manager import CacheManager
 from breakgraph.engine.decode import DecodeManager
 from breakgraph.engine.request import Req, ReqStatus
-from breakgraph.forward_batch import ForwardBatch, ForwardMode
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions
 
 if TYPE_CHECKING:
     from breakgraph.engine.scheduler import SchedulerConfig
@@ -183,28 +184,23 @@ class PrefillManager:
     ) -> ForwardBatch:
         """Give each request its new slots, write them to the table, upload the batch."""
         input_ids: list[int] = []
-        rows: list[int] = []
-        cols: list[int] = []
         for req, ext, pre, slots in zip(reqs, extends, prefixes, new_slots, strict=True):
             if req.decoding:  # a mixed step's decode row: its last token (maybe a placeholder)
                 input_ids.append(req.next_input_id)
             else:
                 input_ids.extend(req.fill_prefix(pre + ext, pre))
-            rows.extend([req.req_pool_idx] * ext)
-            cols.extend(range(pre, pre + ext))
             req.append_kv(slots)
             if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
         all_slots = torch.cat(new_slots)
-        self.cache.write_table(rows, cols, all_slots)
+        table_rows = [r.req_pool_idx for r in reqs]
+        ext = np.asarray(extends, dtype=np.int64)
+        cols = token_positions(np.asarray(prefixes, dtype=np.int64), ext)
+        self.cache.write_table(
+            np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots
+        )
         return ForwardBatch.build(
-            ForwardMode.EXTEND,
-            input_ids,
-            all_slots.tolist(),
-            [r.req_pool_idx for r in reqs],
-            prefixes,
-            extends,
-            self.device,
+            ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device
         )
 
 

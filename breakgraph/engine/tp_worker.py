@@ -558,11 +558,11 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device, trace=
     n = len(msg.out_cache_loc)
     batch = ForwardBatch.build(
         ForwardMode(msg.mode),
-        [0] * n,
-        msg.out_cache_loc.tolist(),
-        msg.req_pool_indices.tolist(),
-        msg.prefix_lens.tolist(),
-        msg.extend_lens.tolist(),
+        np.zeros(n, dtype=np.int64),
+        msg.out_cache_loc,
+        msg.req_pool_indices,
+        msg.prefix_lens,
+        msg.extend_lens,
         device,
     )
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)

@@ -123,14 +123,20 @@ class MoEConfig(NamedTuple):
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
-# bound is not exceeded). UNMEASURED: sane starting points, not yet tuned on the H200; to be
-# replaced by the sweep of `python -m breakgraph.bench.moe --sweep` (qwen3-30b-a3b and
-# gemma-4-26b-a4b expert shapes, M = 1..8192), recorded here with that command.
+# bound is not exceeded). Measured on the H200 (2026-12-01) with qwen3-30b-a3b's expert
+# shapes (E 128, top-8, hidden 2048, intermediate 768), each config timed by do_bench of the
+# eager layer (paced by the GPU from M = 32 on; M <= 8 is launch-bound either way), by
+#   python -m breakgraph.bench.moe --model qwen3-30b-a3b --tokens 1 8 32 64 256 1024 8192 --sweep
+# which prints these rows (benchmarks/h200-2026-12-01b/moe.log). Gains over the former
+# hand-picked table: 7% at M = 8, 3-4% at M = 64..256, 4% at M = 8192; M = 1024 kept its row
+# (the sweep's best was within noise). Gemma 4's MoE shapes are not swept yet.
 _CONFIGS = (
-    (2.0, MoEConfig(16, 1, (64, 128, 4, 4), (64, 128, 4, 4))),  # decode: ~1 row per expert
-    (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),
+    (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
+    (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
+    (4.0, MoEConfig(16, 1, (32, 128, 4, 4), (128, 128, 8, 3))),
+    (16.0, MoEConfig(32, 4, (128, 128, 8, 3), (64, 64, 4, 3))),
     (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3))),
-    (math.inf, MoEConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 3))),
+    (math.inf, MoEConfig(128, 8, (128, 64, 8, 3), (128, 64, 8, 3))),
 )
 
 
