@@ -174,14 +174,17 @@ def codec(prompts: list[list[int]], reps: int) -> list[tuple[str, float, float]]
     """GenerateReq encode (API process) and decode (engine process), timed apart."""
     sampling = SamplingParams(max_new_tokens=1)
     msgs = [GenerateReq(f"r{i}", p, sampling) for i, p in enumerate(prompts)]
-    new_wire = [encode(m) for m in msgs]
+    # as the server sends them: the ids the API validated, which carry their int32 bytes
+    validated = [GenerateReq(f"r{i}", protocol.check_input_ids(p, INFO), sampling)
+                 for i, p in enumerate(prompts)]  # fmt: skip
+    new_wire = [encode(m) for m in validated]
     old_wire = [old_encode(m) for m in msgs]
     assert [decode(w) for w in new_wire] == msgs == [old_decode(w) for w in old_wire]
     return [
         (
             "GenerateReq encode (API process)",
             best_ms(lambda: [old_encode(m) for m in msgs], reps),
-            best_ms(lambda: [encode(m) for m in msgs], reps),
+            best_ms(lambda: [encode(m) for m in validated], reps),
         ),
         (
             "GenerateReq decode (engine process)",

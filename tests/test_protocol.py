@@ -1,13 +1,16 @@
-"""API-side validation without a server: a 64K-id prompt is accepted as is, and a bad one is a
-one-line 400 naming the field, the index and the value of its first bad id."""
+"""API-side validation without a server: a 64K-id prompt is accepted with its int32 bytes,
+and a bad one is a one-line 400 naming the field, the index and the value of its first bad id."""
 
 from __future__ import annotations
 
+import array
 import enum
 
 import orjson
 import pytest
 
+from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server import messages
 from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import APIError, IntList, check_input_ids, parse_json
 
@@ -19,9 +22,14 @@ class _Tok(enum.IntEnum):
     A = 7
 
 
-def test_a_long_valid_prompt_is_returned_as_is():
+def test_a_long_valid_prompt_comes_back_with_its_int32_bytes():
+    """The ids, with the bytes the engine message carries (not packed a second time)."""
     ids = [i % 256 for i in range(LONG)]
-    assert check_input_ids(ids, INFO) is ids
+    out = check_input_ids(ids, INFO)
+    assert out == ids and out.id_range == (0, 255)
+    assert out.packed == array.array("i", ids).tobytes() == messages._pack_ids(out)
+    msg = messages.GenerateReq("r", out, SamplingParams(max_new_tokens=1))
+    assert messages.decode(messages.encode(msg)).input_ids == ids
     subclassed = [1, _Tok.A, 255]  # an int subclass is an int (not on the fast path)
     assert check_input_ids(subclassed, INFO) is subclassed
 
@@ -79,9 +87,9 @@ def test_depth_is_checked_inside_long_lists():
     assert parse_json(orjson.dumps(batch)) == batch
 
 
-def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_plain_lists():
+def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_id_lists():
     """The depth check marks arrays of plain ints (IntList); check_input_ids then checks
-    only their range and hands on a plain list. Arrays with a bool, a float or a nested
+    only their range and hands on an IdList with their int32 bytes. Arrays with a bool, a float or a nested
     array stay plain lists and meet the full check (the same 400s)."""
     body = parse_json(orjson.dumps({
         "input_ids": [[5] * LONG, [1, True], [1, 2.0], [1, [2]], [256, 3]],
@@ -92,7 +100,7 @@ def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_plain_lists():
     assert type(body["sampling_params"]["stop_token_ids"]) is IntList
     assert all(type(x) is list for x in (with_bool, with_float, nested))
     got = check_input_ids(ints, INFO)
-    assert type(got) is list and got == [5] * LONG
+    assert type(got) is messages.IdList and got == [5] * LONG and len(got.packed) == 4 * LONG
     for ids, words in [
         (with_bool, "input_ids[1]: token id True is not an integer"),
         (with_float, "input_ids[1]: token id 2.0 is not an integer"),

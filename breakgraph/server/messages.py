@@ -199,15 +199,30 @@ def _packed(cls: type) -> tuple[str, ...]:
 
 def _pack_ids(ids: list[int]) -> bytes:
     """Token ids as native int32 bytes (both processes share the host's byte order); a
-    non-integer is a TypeError, one past int32 an OverflowError (the engine checks ranges)."""
+    non-integer is a TypeError, one past int32 an OverflowError (the engine checks ranges).
+    An ``IdList`` the API validated carries its bytes already."""
+    packed = getattr(ids, "packed", None)
+    if packed is not None and len(packed) == 4 * len(ids):
+        return packed
     return array.array("i", ids).tobytes()
 
 
 class IdList(list):
-    """Unpacked token ids with their ``id_range`` (min, max), found on the packed int32s in
-    C: the engine's backstop range check reads it instead of scanning 64K Python ints."""
+    """Token ids with what was found on their packed int32s in C: ``id_range`` (min, max),
+    which the engine's backstop range check reads instead of scanning 64K Python ints, and,
+    on the API side, ``packed``, the int32 bytes the message carries (a 64K prompt is not
+    packed a second time). Never mutated once built: the bytes are a copy of the ids."""
 
     id_range: tuple[int, int] | None = None
+    packed: bytes | None = None
+
+
+def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
+    """``ids`` (valid, in int32 range) as an IdList carrying ``arr``'s int32 bytes and range."""
+    out = IdList(ids)
+    out.packed = arr.astype(np.int32, copy=False).tobytes()
+    out.id_range = (int(arr.min()), int(arr.max()))
+    return out
 
 
 def _unpack_ids(data: Any) -> list[int]:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationErr
 
 from breakgraph.engine.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
-from breakgraph.server.messages import ModelInfo
+from breakgraph.server.messages import ModelInfo, packed_id_list
 from breakgraph.tokenizer import Tokenizer
 
 # sampling parameters handled in the API process (detokenization), not by the engine
@@ -281,7 +281,7 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
         except OverflowError:  # beyond 64 bits: out of range, named below
             arr = None
         if arr is not None and arr.min() >= 0 and arr.max() < info.vocab_size:
-            return list(ids) if checked else ids  # a plain list from here on
+            return packed_id_list(ids, arr)  # its int32 bytes go to the engine as they are
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
