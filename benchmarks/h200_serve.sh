@@ -105,6 +105,7 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   serving "host_serving_$m"
   compilations
   stop
+  [ -n "${SKIP_NO_OVERLAP:-}" ] && return  # SKIP_NO_OVERLAP=1: without the overlap arm
   serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule || return
   serving "host_serving_${m}_no_overlap"
   stop
