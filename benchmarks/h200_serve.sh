@@ -12,9 +12,10 @@ serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
   local name=$1; shift
   local t0=$(date +%s)
   # PROFILE=1: py-spy (carried in .whl) samples the API and engine processes, collapsed
-  # stacks in $OUT/pyspy_NAME.txt (written when the server exits)
+  # stacks in $OUT/pyspy_NAME.txt (written when the server exits); PROFILE=workloads: see
+  # spy_on
   local spy=()
-  if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
+  if [ "${PROFILE:-}" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then
     spy=(/tmp/site/bin/py-spy record --subprocesses --rate 500 --format raw -o "$OUT/pyspy_$name.txt" --)
   fi
   "${spy[@]}" python3 -m breakgraph.cli serve --model-path "${MODEL:-qwen3-0.6b}" --load-format dummy \
@@ -48,6 +49,27 @@ PY
   compilations
 }
 bench() { python3 -m breakgraph.cli bench prefill "$@" --url $URL 2>&1 | grep -v -e Warning | tee -a "$OUT/serve.log"; }
+SPIES=()
+spy_on() {  # spy_on NAME: PROFILE=workloads samples the engine and API processes (py-spy
+  # --pid, 1 kHz) during one workload only, into $OUT/pyspy_NAME_{engine,api}.txt (collapsed
+  # stacks, written at spy_off); rank them with benchmarks/pyspy_top.py. More than 8 files do
+  # not come back from the device: tar them.
+  [ "${PROFILE:-}" = workloads ] && [ -x /tmp/site/bin/py-spy ] || return 0
+  local name=$1 engine
+  engine=$(curl -s $URL/get_server_info | python3 -c "import sys,json; print(json.load(sys.stdin)['engine_pid'])")
+  # the API process spawned the engine (SERVER may be a launcher in front of it)
+  for who in "engine $engine" "api $(ps -o ppid= -p "$engine" | tr -d ' ')"; do
+    set -- $who
+    /tmp/site/bin/py-spy record --pid "$2" --rate 1000 --format raw \
+      -o "$OUT/pyspy_${name}_$1.txt" > "$OUT/pyspy_log_$1.txt" 2>&1 &
+    SPIES+=($!)
+  done
+  sleep 1  # attached before the workload starts
+}
+spy_off() {
+  [ ${#SPIES[@]} -gt 0 ] || return 0
+  kill -INT "${SPIES[@]}" 2>/dev/null; wait "${SPIES[@]}" 2>/dev/null; SPIES=()
+}
 inproc() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/serve.log"; }
 compilations() {
   curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k or 'gc_' in k})" | tee -a "$OUT/serve.log"
@@ -99,9 +121,9 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   inproc decode --models $m --batch-sizes 1 8 --context 8192 --json "$OUT/host_decode_$m.json"
   serve "host_$m" --context-length 70000 || return
   first3
-  bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"
-  bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"
-  bench cold 256 1 --json "$OUT/host_cold256_$m.json"
+  spy_on cold8k; bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"; spy_off
+  spy_on hit64k; bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"; spy_off
+  spy_on cold256; bench cold 256 1 --json "$OUT/host_cold256_$m.json"; spy_off
   serving "host_serving_$m"
   compilations
   stop
