@@ -100,7 +100,7 @@ def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_id_lists():
     assert type(body["sampling_params"]["stop_token_ids"]) is IntList
     assert all(type(x) is list for x in (with_bool, with_float, nested))
     got = check_input_ids(ints, INFO)
-    assert type(got) is messages.IdList and got == [5] * LONG and len(got.packed) == 4 * LONG
+    assert got is ints and got == [5] * LONG and len(got.packed) == 4 * LONG  # no copy
     for ids, words in [
         (with_bool, "input_ids[1]: token id True is not an integer"),
         (with_float, "input_ids[1]: token id 2.0 is not an integer"),

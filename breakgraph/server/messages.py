@@ -218,8 +218,9 @@ class IdList(list):
 
 
 def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
-    """``ids`` (valid, in int32 range) as an IdList carrying ``arr``'s int32 bytes and range."""
-    out = IdList(ids)
+    """``ids`` (valid, in int32 range) as an IdList carrying ``arr``'s int32 bytes and range
+    (``ids`` itself when it is one already: the parser's own copy, not shared)."""
+    out = ids if isinstance(ids, IdList) else IdList(ids)
     out.packed = arr.astype(np.int32, copy=False).tobytes()
     out.id_range = (int(arr.min()), int(arr.max()))
     return out
@@ -228,7 +229,7 @@ def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
 def _unpack_ids(data: Any) -> list[int]:
     if not isinstance(data, bytes):
         raise TypeError(f"packed token ids must be bytes, not {type(data).__name__}")
-    ids = IdList(memoryview(data).cast("i").tolist())  # TypeError unless whole int32s
+    ids = IdList(memoryview(data).cast("i"))  # one C pass; TypeError unless whole int32s
     if ids:
         packed = np.frombuffer(data, dtype=np.int32)
         ids.id_range = (int(packed.min()), int(packed.max()))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationErr
 
 from breakgraph.engine.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
-from breakgraph.server.messages import ModelInfo, packed_id_list
+from breakgraph.server.messages import IdList, ModelInfo, packed_id_list
 from breakgraph.tokenizer import Tokenizer
 
 # sampling parameters handled in the API process (detokenization), not by the engine
@@ -107,9 +107,10 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-class IntList(list):
+class IntList(IdList):
     """A JSON array that ``_check_depth``'s one pass over its element types found to hold
-    plain ints only (no bool): ``check_input_ids`` skips that pass for a 64K-id prompt."""
+    plain ints only (no bool): ``check_input_ids`` skips that pass for a 64K-id prompt, and
+    hands the array on with its int32 bytes (no copy: the parser made it)."""
 
 
 def _check_depth(body: Any) -> None:
