@@ -31,8 +31,9 @@ class ForwardBatch:
 
     Token rows of all requests are concatenated (request r owns rows
     ``extend_start_loc[r] : extend_start_loc[r] + extend_lens[r]``). Device tensors
-    are on the model's device; the ``*_cpu`` lists are host copies the scheduler
-    already had, so nothing reads device values back during a step.
+    are on the model's device; the ``*_cpu`` fields are host copies the scheduler
+    already had (lists, or the slots as a CPU tensor), so nothing reads device values back
+    during a step.
     """
 
     mode: ForwardMode
@@ -49,8 +50,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    # host copies of the slots and table rows (``build`` keeps them): what TP rank 0 sends the
-    # other ranks so that they rebuild the step without reading device values
+    # host copies of the slots and table rows (``build`` keeps them as given: lists, numpy
+    # arrays or a CPU tensor): what TP rank 0 sends the other ranks so that they rebuild the
+    # step without reading device values
     out_cache_loc_cpu: IntSeq | None = None
     req_pool_indices_cpu: Sequence[int] | None = None
     # per-step state the attention break derives once and every layer reuses: launch plans
