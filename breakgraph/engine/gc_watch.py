@@ -8,7 +8,7 @@ allocated, and request handling allocates them (decoded messages, lists of ids).
 
 ``freeze()`` runs once the process is ready. It collects, then moves every surviving object
 to the permanent generation (``gc.freeze``), so later collections only walk what serving
-allocates. vLLM's engine does the same after start-up. ``install()`` times each collection
+allocates. vLLM's engine does the same after start-up. It also times each collection
 through ``gc.callbacks``. The pauses after ready are reported with the engine's stats, so a
 stall from the collector is a number in /metrics, not a guess.
 """
@@ -61,17 +61,12 @@ def _on_gc(phase: str, info: dict) -> None:
         )  # fmt: skip
 
 
-def install() -> None:
-    """Time every collection of this process (idempotent)."""
-    if _on_gc not in gc.callbacks:
-        gc.callbacks.append(_on_gc)
-
-
 def freeze() -> int:
     """Serving starts: collect once, freeze the survivors out of later collections, and count
     the pauses from now on. Returns the number of objects frozen."""
     global _READY
-    install()
+    if _on_gc not in gc.callbacks:  # time every collection of this process, once
+        gc.callbacks.append(_on_gc)
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()

@@ -217,12 +217,13 @@ class IdList(list):
     packed: bytes | None = None
 
 
-def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
-    """``ids`` (valid, in int32 range) as an IdList carrying ``arr``'s int32 bytes and range
+def packed_id_list(ids: list[int], arr: np.ndarray, id_range: tuple[int, int]) -> IdList:
+    """``ids`` (valid, in int32 range; ``arr`` their values, ``id_range`` their min and max,
+    as the caller's check found them) as an IdList carrying their int32 bytes and range
     (``ids`` itself when it is one already: the parser's own copy, not shared)."""
     out = ids if isinstance(ids, IdList) else IdList(ids)
     out.packed = arr.astype(np.int32, copy=False).tobytes()
-    out.id_range = (int(arr.min()), int(arr.max()))
+    out.id_range = id_range
     return out
 
 

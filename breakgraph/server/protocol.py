@@ -281,8 +281,10 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
                 arr = np.frombuffer(array.array("q", ids), dtype=np.int64)
         except OverflowError:  # beyond 64 bits: out of range, named below
             arr = None
-        if arr is not None and arr.min() >= 0 and arr.max() < info.vocab_size:
-            return packed_id_list(ids, arr)  # its int32 bytes go to the engine as they are
+        if arr is not None:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo >= 0 and hi < info.vocab_size:  # its int32 bytes go to the engine as they are
+                return packed_id_list(ids, arr, (lo, hi))
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
