@@ -17,7 +17,5 @@ s=$(date +%s)
 BREAKGRAPH_GRAPH_GUARD=1 BREAKGRAPH_GRAPH_DEBUG=1 timeout -k 5 "${T:-570}" python3 -m pytest -v -m gpu \
   -p no:cacheprovider -rfE --durations=40 -o faulthandler_timeout=100 $FILES > "$L" 2>&1
 echo "=== rc=$? in $(( $(date +%s) - s )) s" >> "$L"
-# at most 4 parts of 15 MB: within the 8 files that come back and, with .whl, the 64 MiB that travel
-(cd "$TRITON_CACHE_DIR" && tar czf /tmp/tcache.tgz .) \
-  && [ "$(stat -c %s /tmp/tcache.tgz)" -lt 55000000 ] && split -b 15000000 -d /tmp/tcache.tgz "$OUT/tcache.tgz."
+save_tcache
 grep -E "FAILED|ERROR|Timeout|rc=|passed|failed" "$L" | tail -n 40 | cut -c1-200

@@ -1,6 +1,6 @@
 """MoE layer benchmark: the fused Triton MoE against references measured in the same run.
 
-    python -m breakgraph.bench.moe [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 8192] [--sweep]
+    python -m breakgraph.bench.moe [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 8192] [--sweep] [--breakdown]
 
 Per token count M, one MoE layer of the model's expert shapes (bf16, routing from random
 logits: about uniform over the experts): routing + experts (what ``ops`` runs) against
@@ -32,7 +32,7 @@ from breakgraph.models.config import ModelConfig
 from breakgraph.models.qwen3_moe import num_experts
 from breakgraph.models.sources import CONFIG_DIR
 
-GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]  # fmt: skip
+GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3)]  # fmt: skip
 BLOCK_M_CANDIDATES = [(16, 1), (32, 4), (64, 8), (128, 8)]  # (BLOCK_M, GROUP_M)
 
 
@@ -144,8 +144,9 @@ def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
             return float("inf")
 
     fuse_options = (True, False) if layer.s["activation"] == "silu" else (True,)
-    for (block_m, group_m), fuse in itertools.product(BLOCK_M_CANDIDATES, fuse_options):
-        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse)
+    variants = itertools.product(BLOCK_M_CANDIDATES, fuse_options, (False, True))
+    for (block_m, group_m), fuse, sorted_h in variants:
+        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse, sorted_h)
         up = min(GEMM_CANDIDATES, key=lambda c, b=base: timed(b._replace(gate_up=c)))
         for down in GEMM_CANDIDATES:
             cfg = base._replace(gate_up=up, down=down)
@@ -155,11 +156,65 @@ def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
     return best, best_ms
 
 
+def kernel_breakdown(layer: Layer, cfg: fm.MoEConfig, calls: int = 20) -> list[tuple[str, float]]:
+    """Mean GPU ms per kernel of one eager layer call under ``cfg`` (torch.profiler), in
+    launch order: routing, alignment, gate/up GEMM, down GEMM, top-k sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with_config(cfg, layer)  # compiled outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with_config(cfg, layer)
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    per_call = len(kernels) // calls
+    return [
+        (kernels[i].name[:24], sum(k.device_time for k in kernels[i::per_call]) / calls / 1e3)
+        for i in range(per_call)
+    ]
+
+
+def dense_halves(m: int, s: dict) -> tuple[float, float]:
+    """cuBLAS ms of each of :func:`dense_reference`'s two GEMMs alone."""
+    rows, h, i = m * s["top_k"], s["hidden"], s["inter"]
+    a = torch.randn(rows, h, device="cuda").bfloat16()
+    w1 = torch.randn(h, 2 * i, device="cuda").bfloat16()
+    w2 = torch.randn(i, h, device="cuda").bfloat16()
+    h1 = torch.randn(rows, i, device="cuda").bfloat16()
+    return bench_ms(lambda: torch.mm(a, w1)), bench_ms(lambda: torch.mm(h1, w2))
+
+
+def breakdown(layer: Layer) -> None:
+    """Per-kernel times at the table's config and with each variant flag flipped, beside
+    the dense GEMM each MoE GEMM stands against."""
+    default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
+    up, down = dense_halves(layer.m, layer.s)
+    print(f"  dense gate/up {up:.3f} ms, dense down {down:.3f} ms")
+    for name, cfg in (
+        ("table", default),
+        ("sorted_h flipped", default._replace(sorted_h=not default.sorted_h)),
+        ("fuse_act flipped", default._replace(fuse_act=not default.fuse_act)),
+    ):
+        if layer.s["activation"] != "silu" and cfg.fuse_act is False:
+            continue
+        parts = kernel_breakdown(layer, cfg)
+        total = sum(ms for _, ms in parts)
+        cells = "  ".join(f"{k} {ms:.3f}" for k, ms in parts)
+        print(f"  {name:<16} {total:.3f} ms: {cells}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 8192])
     parser.add_argument("--sweep", action="store_true", help="also search launch configs")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time each kernel of the layer (profiler)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("breakgraph.bench.moe needs a CUDA device; nothing to measure here.")
@@ -183,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         floor = layer.touched_bytes() / bw
         print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
               f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip
+        if args.breakdown:
+            breakdown(layer)
         if args.sweep:
             cfg, ms = sweep(layer)
             mean_rows = m * s["top_k"] / s["experts"]

@@ -113,13 +113,16 @@ class MoEConfig(NamedTuple):
     """One step's launch config. ``block_m`` is shared by the alignment and both GEMMs;
     each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages); ``fuse_act``: the activation and
     product in the gate/up GEMM's epilogue (two accumulators per tile), or a plain GEMM
-    writing [rows, 2I] and then SiLU-and-mul (SiLU only: GELU is always fused)."""
+    writing [rows, 2I] and then SiLU-and-mul (SiLU only: GELU is always fused); ``sorted_h``:
+    the gate/up GEMM writes its rows in sorted (expert-grouped, padded) order, so the down
+    GEMM reads them contiguously instead of gathering them by row id."""
 
     block_m: int
     group_m: int
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
     fuse_act: bool = True
+    sorted_h: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -393,6 +396,8 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
     GATED: tl.constexpr,
     GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -400,7 +405,10 @@ def _moe_gemm_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
-    c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight."""
+    c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight. A_SORTED / C_SORTED:
+    a's / c's rows are in sorted order (row i of the tile is sorted position i), not row ids;
+    a padding position's c row holds act(0) * 0 or whatever its a row held, and no
+    row-id-indexed output ever reads it."""
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
@@ -417,10 +425,15 @@ def _moe_gemm_kernel(
     rows = tl.load(sorted_ids + offs_m)
     row_ok = rows < num_rows
     expert = tl.load(expert_ids + pid_m).to(tl.int64)
-    if A_PER_TOKEN:
+    if A_SORTED:
+        a_rows = offs_m
+        a_ok = offs_m >= 0  # every sorted position is a row of a
+    elif A_PER_TOKEN:
         a_rows = rows // top_k
+        a_ok = row_ok
     else:
         a_rows = rows
+        a_ok = row_ok
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
@@ -431,7 +444,7 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
-        x = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
@@ -461,8 +474,12 @@ def _moe_gemm_kernel(
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         out = out * tl.load(topk_weights + rows, mask=row_ok, other=0.0)[:, None]
-    c_ptrs = c + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+    if C_SORTED:
+        c_ptrs = c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, out.to(dtype), mask=n_ok[None, :])
+    else:
+        c_ptrs = c + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _launch_gemm(a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, **flags):
@@ -543,24 +560,27 @@ def fused_experts_triton(
     block_m, group_m = cfg.block_m, cfg.group_m
     align = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts, block_m)
     rows = m * top_k
+    h_rows = align[0].shape[0] if cfg.sorted_h else rows
     gelu = activation == "gelu_tanh"
+    where = dict(A_SORTED=False, C_SORTED=cfg.sorted_h)
     if cfg.fuse_act or gelu:
-        h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, **where,
         )  # fmt: skip
     else:
-        h2 = torch.empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
+        h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
     y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
-        A_PER_TOKEN=False, GATED=False, GELU=False, MUL_WEIGHT=True,
+        A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=False, GATED=False, GELU=False,
+        MUL_WEIGHT=True,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
