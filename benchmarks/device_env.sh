@@ -15,3 +15,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".tcache/tcache.tgz*" > /dev/null; then
   cat .tcache/tcache.tgz* | tar xzf - -C "$TRITON_CACHE_DIR" || echo "device_env: .tcache unreadable, compiling afresh"
 fi
+save_tcache() {  # Triton's cache back in $OUT as tcache.tgz.NN parts: at most 4 of 15 MB,
+  # within the 8 files that come back and, with .whl, the 64 MiB that travel
+  (cd "$TRITON_CACHE_DIR" && tar czf /tmp/tcache.tgz .) \
+    && [ "$(stat -c %s /tmp/tcache.tgz)" -lt 55000000 ] && split -b 15000000 -d /tmp/tcache.tgz "$OUT/tcache.tgz."
+}

@@ -129,7 +129,7 @@ def with_config(cfg: fm.MoEConfig, fn):
         fm.moe_config = saved
 
 
-def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
+def sweep(layer: Layer, block_ms: list[int] | None = None) -> tuple[fm.MoEConfig, float]:
     """Best config at this M: per BLOCK_M and gate/up variant (fused activation, or for SiLU
     also a plain GEMM then SiLU-and-mul) the best gate/up GEMM with the default down GEMM,
     then the best down GEMM; a candidate that fails to compile is skipped."""
@@ -144,13 +144,15 @@ def sweep(layer: Layer) -> tuple[fm.MoEConfig, float]:
             return float("inf")
 
     fuse_options = (True, False) if layer.s["activation"] == "silu" else (True,)
-    variants = itertools.product(BLOCK_M_CANDIDATES, fuse_options, (False, True))
+    block_m_options = [c for c in BLOCK_M_CANDIDATES if not block_ms or c[0] in block_ms]
+    variants = itertools.product(block_m_options, fuse_options, (False, True))
     for (block_m, group_m), fuse, sorted_h in variants:
         base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse, sorted_h)
         up = min(GEMM_CANDIDATES, key=lambda c, b=base: timed(b._replace(gate_up=c)))
         for down in GEMM_CANDIDATES:
             cfg = base._replace(gate_up=up, down=down)
             ms = timed(cfg)
+            print(f"    {cfg}: {ms:.3f} ms", flush=True)
             if ms < best_ms:
                 best, best_ms = cfg, ms
     return best, best_ms
@@ -213,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 8192])
     parser.add_argument("--sweep", action="store_true", help="also search launch configs")
     parser.add_argument(
+        "--sweep-block-m", type=int, nargs="+", help="the sweep's BLOCK_M values (default: all)"
+    )
+    parser.add_argument(
         "--breakdown", action="store_true", help="also time each kernel of the layer (profiler)"
     )
     args = parser.parse_args(argv)
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.breakdown:
             breakdown(layer)
         if args.sweep:
-            cfg, ms = sweep(layer)
+            cfg, ms = sweep(layer, args.sweep_block_m)
             mean_rows = m * s["top_k"] / s["experts"]
             rows.append((mean_rows, cfg, ms, moe))
             print(f"  best {cfg}: {ms:.3f} ms (default {moe:.3f})", flush=True)
