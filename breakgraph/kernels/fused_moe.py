@@ -135,14 +135,16 @@ class MoEConfig(NamedTuple):
 # config: M = 1024 (the sweep's best was within noise) and M = 256 (its best gate/up tile,
 # BLOCK_N = BLOCK_K = 128, failed the float32 GPU tests; 3% in bf16). A sweep times bf16
 # only, so a new row must pass tests/test_fused_moe.py in both dtypes before it lands.
-# Gemma 4's MoE shapes are not swept yet.
+# Gemma 4's MoE shapes are not swept yet. sorted_h (the intermediate rows in sorted order)
+# from M = 8192: 1.411 vs 1.550 ms per layer there (gate/up 0.838 vs 0.915 ms, down 0.465
+# vs 0.524), equal at M <= 1024 (``bench.moe --breakdown``, h200-2026-12-01c/moe/moe.log).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
     (4.0, MoEConfig(16, 1, (32, 128, 4, 4), (128, 128, 8, 3))),
     (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),  # the former row (above)
     (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3))),
-    (math.inf, MoEConfig(128, 8, (128, 64, 8, 3), (128, 64, 8, 3))),
+    (math.inf, MoEConfig(128, 8, (128, 64, 8, 3), (128, 64, 8, 3), sorted_h=True)),
 )
 
 
