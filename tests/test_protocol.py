@@ -87,6 +87,18 @@ def test_depth_is_checked_inside_long_lists():
     assert parse_json(orjson.dumps(batch)) == batch
 
 
+def test_bools_in_int_arrays_are_found_whatever_else_the_body_holds():
+    """Int arrays are converted by array('q'), which takes a bool for 0 or 1: a bool inside
+    one is still found, beside ids 0 and 1 and other bools in the body."""
+    for extra in ({}, {"stream": True}, {"stream": False, "x": [True]}):
+        body = parse_json(orjson.dumps({"input_ids": [[1, 0, 2], [3, 1, True], [False]], **extra}))
+        clean, with_bool, only_bool = body["input_ids"]
+        assert type(clean) is IntList and clean.values.tolist() == [1, 0, 2], extra
+        assert type(with_bool) is list and type(only_bool) is list, extra
+        with pytest.raises(APIError, match=r"input_ids\[2\]: token id True is not an integer"):
+            check_input_ids(with_bool, INFO)
+
+
 def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_id_lists():
     """The depth check marks arrays of plain ints (IntList); check_input_ids then checks
     only their range and hands on an IdList with their int32 bytes. Arrays with a bool, a float or a nested

@@ -108,9 +108,26 @@ def parse_json(raw: bytes) -> Any:
 
 
 class IntList(IdList):
-    """A JSON array that ``_check_depth``'s one pass over its element types found to hold
-    plain ints only (no bool): ``check_input_ids`` skips that pass for a 64K-id prompt, and
-    hands the array on with its int32 bytes (no copy: the parser made it)."""
+    """A JSON array that the parser found to hold plain ints only (no bool), with their
+    values as int64 (``values``, converted in the same C pass that checked them):
+    ``check_input_ids`` checks only the range of a 64K-id prompt, and hands the array on
+    with its int32 bytes (no copy: the parser made it)."""
+
+    values: np.ndarray
+
+
+def _int_values(items: list) -> np.ndarray | None:
+    """``items`` as int64 in one C pass, or None unless all are plain ints. ``array('q')``
+    refuses floats, strings, None, containers and ints past 64 bits; a bool it takes for 0
+    or 1, so only the items that came out 0 or 1 (few in a prompt) are looked at again."""
+    try:
+        arr = np.frombuffer(array.array("q", items), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+    for i in np.flatnonzero((arr == 0) | (arr == 1)).tolist():
+        if type(items[i]) is bool:
+            return None
+    return arr
 
 
 def _check_depth(body: Any) -> None:
@@ -125,8 +142,9 @@ def _check_depth(body: Any) -> None:
         if _CONTAINERS.isdisjoint(types):
             continue  # only scalars (a prompt of 64K ids): one pass in C, not a Python loop
         for key, child in items:
-            if type(child) is list and child and {*map(type, child)} == {int}:
+            if type(child) is list and child and (arr := _int_values(child)) is not None:
                 obj[key] = IntList(child)  # scalars only: nothing deeper to check
+                obj[key].values = arr
             elif isinstance(child, list | dict):
                 stack.append((child, depth + 1))
 
@@ -270,21 +288,17 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
         raise APIError(f"{field} must be a list of integers, got {type(ids).__name__}")
     if not ids:
         raise APIError("the prompt is empty")
-    # no bool, float, str, None, list (an IntList: checked while parsing; converted by
-    # fromiter, which reads a list subclass as fast as array.array reads a list)
-    checked = type(ids) is IntList
-    if checked or {*map(type, ids)} == {int}:
-        try:
-            if checked:
-                arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
-            else:
-                arr = np.frombuffer(array.array("q", ids), dtype=np.int64)
-        except OverflowError:  # beyond 64 bits: out of range, named below
-            arr = None
-        if arr is not None:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo >= 0 and hi < info.vocab_size:  # its int32 bytes go to the engine as they are
-                return packed_id_list(ids, arr, (lo, hi))
+    # no bool, float, str, None, list (an IntList: checked and converted while parsing)
+    if type(ids) is IntList:
+        arr = ids.values
+    elif {*map(type, ids)} == {int}:
+        arr = _int_values(ids)  # None beyond 64 bits: out of range, named below
+    else:
+        arr = None
+    if arr is not None:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo >= 0 and hi < info.vocab_size:  # its int32 bytes go to the engine as they are
+            return packed_id_list(ids, arr, (lo, hi))
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
