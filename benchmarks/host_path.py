@@ -20,7 +20,6 @@ import numpy as np
 import orjson
 import torch
 
-from breakgraph.cache import radix_cache
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions, upload_many
@@ -69,16 +68,6 @@ def old_decode(data: bytes) -> GenerateReq:
     return GenerateReq(**wire)
 
 
-def old_common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
-    n = min(len(node_key), len(key) - start)
-    if node_key[:n] == key[start : start + n]:
-        return n
-    for i in range(n):
-        if node_key[i] != key[start + i]:
-            return i
-    return n
-
-
 def old_upload(rows: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
     flat = [x for r in rows for x in r]
     return list(torch.split(torch.tensor(flat, dtype=dtype), [len(r) for r in rows]))
@@ -104,11 +93,19 @@ def old_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
     old_upload([input_ids, positions, slots.tolist(), list(range(len(prompts))), ends], torch.int64)
 
 
-def new_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
-    """What PrefillManager._build does now (numpy rows and positions, slots as a tensor)."""
+def list_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
+    """The eighth session's build: numpy rows and positions, the prompts Python lists."""
     input_ids: list[int] = []
     for p in prompts:
         input_ids.extend(p)
+    new_batch(prompts, slots, input_ids)
+
+
+def new_batch(prompts: list, slots: torch.Tensor, input_ids=None) -> None:
+    """What PrefillManager._build does now (numpy rows and positions, slots as a tensor,
+    the prompts int32 arrays concatenated)."""
+    if input_ids is None:
+        input_ids = np.concatenate(prompts)
     ext = np.asarray([len(p) for p in prompts], dtype=np.int64)
     zeros = np.zeros(len(prompts), dtype=np.int64)
     cols = token_positions(zeros, ext)
@@ -117,11 +114,13 @@ def new_batch(prompts: list[list[int]], slots: torch.Tensor) -> None:
                        zeros.tolist(), ext.tolist(), CPU)  # fmt: skip
 
 
-def batch_build(prompts: list[list[int]], reps: int) -> tuple[float, float]:
+def batch_build(prompts: list[list[int]], reps: int) -> tuple[float, float, float]:
     slots = torch.arange(sum(len(p) for p in prompts))
+    arrays = [np.array(p, dtype=np.int32) for p in prompts]
     before = best_ms(lambda: old_batch(prompts, slots), reps)
-    after = best_ms(lambda: new_batch(prompts, slots), reps)
-    return before, after
+    lists = best_ms(lambda: list_batch(prompts, slots), reps)
+    after = best_ms(lambda: new_batch(arrays, slots), reps)
+    return before, lists, after
 
 
 # ---- timing ----
@@ -179,7 +178,8 @@ def codec(prompts: list[list[int]], reps: int) -> list[tuple[str, float, float]]
                  for i, p in enumerate(prompts)]  # fmt: skip
     new_wire = [encode(m) for m in validated]
     old_wire = [old_encode(m) for m in msgs]
-    assert [decode(w) for w in new_wire] == msgs == [old_decode(w) for w in old_wire]
+    assert [decode(w).input_ids.tolist() for w in new_wire] == prompts
+    assert [old_decode(w) for w in old_wire] == msgs
     return [
         (
             "GenerateReq encode (API process)",
@@ -203,7 +203,7 @@ def engine_range_check(prompts: list[list[int]], reps: int) -> tuple[float, floa
     sampling = SamplingParams(max_new_tokens=1)
     decoded = [decode(encode(GenerateReq(f"r{i}", p, sampling))).input_ids
                for i, p in enumerate(prompts)]  # fmt: skip
-    plain = [list(ids) for ids in decoded]
+    plain = [ids.tolist() for ids in decoded]
     assert all(Engine._ids_in_vocab(engine, ids) for ids in decoded + plain)
     after = best_ms(lambda: [Engine._ids_in_vocab(engine, ids) for ids in decoded], reps)
     before = best_ms(lambda: [Engine._ids_in_vocab(engine, ids) for ids in plain], reps)
@@ -216,7 +216,9 @@ class _NoFree:
 
 
 def radix(prompts: list[list[int]], stored: list[list[int]], reps: int) -> tuple[float, float]:
-    """match_prefix + insert of each prompt into a fresh tree holding ``stored``."""
+    """match_prefix + insert of each prompt into a fresh tree holding ``stored``: the prompt
+    as a Python list (converted on entry; the tree's keys were lists until the ninth
+    session) against the int32 array the engine now holds."""
 
     def setup() -> RadixCache:
         tree = RadixCache(_NoFree())
@@ -226,15 +228,16 @@ def radix(prompts: list[list[int]], stored: list[list[int]], reps: int) -> tuple
 
     slots = [torch.arange(len(p)) for p in prompts]
 
-    def run(tree: RadixCache) -> None:
-        for p, s in zip(prompts, slots, strict=True):
-            tree.match_prefix(p)
-            tree.insert(p, s)
+    def run(keys) -> Callable[[RadixCache], None]:
+        def go(tree: RadixCache) -> None:
+            for p, s in zip(keys, slots, strict=True):
+                tree.match_prefix(p)
+                tree.insert(p, s)
 
-    after = best_ms(run, reps, setup)
-    with patched(radix_cache, _common_prefix_len=old_common_prefix_len):
-        before = best_ms(run, reps, setup)
-    return before, after
+        return go
+
+    arrays = [np.array(p, dtype=np.int32) for p in prompts]
+    return best_ms(run(prompts), reps, setup), best_ms(run(arrays), reps, setup)
 
 
 def diverged(key: list[int], at: int) -> list[int]:
@@ -263,9 +266,9 @@ def main() -> None:
         rows.append(
             Row(case, "engine range check (decoded ids)", *engine_range_check(prompts, args.reps))
         )
-        rows.append(
-            Row(case, "extend batch build (ids, rows, positions)", *batch_build(prompts, args.reps))
-        )
+        before, lists, after = batch_build(prompts, args.reps)
+        rows.append(Row(case, "extend batch build (ids, rows, positions)", before, lists))
+        rows.append(Row(case, "extend batch build, prompts as int32 arrays", lists, after))
         radix_arms = {
             "hit (tree holds the prompts)": prompts,
             "miss (tree empty)": [],
@@ -274,7 +277,7 @@ def main() -> None:
         }
         for arm, stored in radix_arms.items():
             rows.append(
-                Row(case, f"radix match + insert, {arm}", *radix(prompts, stored, args.reps))
+                Row(case, f"radix, list -> array keys, {arm}", *radix(prompts, stored, args.reps))
             )
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} intra-op threads; best of {args.reps} runs")

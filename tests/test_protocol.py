@@ -26,10 +26,10 @@ def test_a_long_valid_prompt_comes_back_with_its_int32_bytes():
     """The ids, with the bytes the engine message carries (not packed a second time)."""
     ids = [i % 256 for i in range(LONG)]
     out = check_input_ids(ids, INFO)
-    assert out == ids and out.id_range == (0, 255)
+    assert out == ids
     assert out.packed == array.array("i", ids).tobytes() == messages._pack_ids(out)
     msg = messages.GenerateReq("r", out, SamplingParams(max_new_tokens=1))
-    assert messages.decode(messages.encode(msg)).input_ids == ids
+    assert messages.decode(messages.encode(msg)).input_ids.tolist() == ids
     subclassed = [1, _Tok.A, 255]  # an int subclass is an int (not on the fast path)
     assert check_input_ids(subclassed, INFO) is subclassed
 

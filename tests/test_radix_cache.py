@@ -4,6 +4,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ def _contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
         node, prefix = stack.pop()
         for child in node.children.values():
             p = prefix
-            for tok, slot in zip(child.key, child.value.tolist(), strict=True):
+            for tok, slot in zip(child.key.tolist(), child.value.tolist(), strict=True):
                 p = (*p, tok)
                 out[p] = slot
             stack.append((child, p))
@@ -54,7 +55,7 @@ def test_insert_then_match_full_and_partial():
 
     m = cache.match_prefix([1, 2, 3, 9])  # ends inside the node: split
     assert m.slots.tolist() == slots[:3].tolist()
-    assert m.node.key == [1, 2, 3] and m.node.parent is cache.root
+    assert m.node.key.tolist() == [1, 2, 3] and m.node.parent is cache.root
     assert cache.match_prefix([1, 2, 3, 4, 5]).slots.tolist() == slots.tolist()
     assert cache.match_prefix([2]).slots.numel() == 0
     assert cache.total_size() == 5
@@ -397,4 +398,5 @@ def test_common_prefix_len_matches_a_token_by_token_scan():
         if tail and rng.random() < 0.8:
             tail[rng.randrange(len(tail))] += 1  # one difference, anywhere
         key = [rng.randrange(4) for _ in range(start)] + tail + [9] * rng.randint(0, 3)
-        assert _common_prefix_len(node_key, key, start) == reference(node_key, key, start)
+        got = _common_prefix_len(np.array(node_key, np.int32), np.array(key, np.int32), start)
+        assert got == reference(node_key, key, start)

@@ -29,21 +29,29 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from breakgraph.cache.kv_pool import SlotAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_KEY = np.empty(0, dtype=np.int32)
+
+
+def _as_key(key: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as an int32 array (an int32 array as it is: no copy)."""
+    return np.asarray(key, dtype=np.int32)
 
 
 class TreeNode:
-    """One edge of the radix tree: a run of tokens and their KV slots."""
+    """One edge of the radix tree: a run of tokens (int32 array) and their KV slots."""
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None):
+    def __init__(self, node_id: int, key: np.ndarray, value: torch.Tensor, parent: TreeNode | None):
         self.id = node_id
         self.children: dict[int, TreeNode] = {}  # first token of the child's key -> child
         self.parent = parent
@@ -68,29 +76,12 @@ class MatchResult:
         return self.slots.numel()
 
 
-_SCAN_TOKENS = 64  # below this many candidates, find the first difference token by token
-
-
-def _common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
-    """Length of the common prefix of ``node_key`` and ``key[start:]``.
-
-    Keys run to 64K+ tokens: slices are compared in C, halving the range that holds the first
-    difference (about two passes over the prefix in all), and only the last few candidates
-    are compared one by one in Python."""
+def _common_prefix_len(node_key: np.ndarray, key: np.ndarray, start: int) -> int:
+    """Length of the common prefix of ``node_key`` and ``key[start:]``: one vectorized
+    compare (keys run to 64K+ tokens)."""
     n = min(len(node_key), len(key) - start)
-    if node_key[:n] == key[start : start + n]:
-        return n
-    lo, hi = 0, n  # invariant: the first ``lo`` tokens match, the first difference is < hi
-    while hi - lo > _SCAN_TOKENS:
-        mid = (lo + hi) // 2
-        if node_key[lo:mid] == key[start + lo : start + mid]:
-            lo = mid
-        else:
-            hi = mid
-    for i in range(lo, hi):
-        if node_key[i] != key[start + i]:
-            return i
-    raise AssertionError("unreachable: the keys differ before hi")
+    differ = np.flatnonzero(node_key[:n] != key[start : start + n])
+    return int(differ[0]) if differ.size else n
 
 
 class RadixCache:
@@ -102,7 +93,7 @@ class RadixCache:
         self._ids = itertools.count()
         self._clock = itertools.count(1)  # LRU time: a counter, so ties are deterministic
         # the root outlives flushes: requests that matched nothing hold it as their node
-        self.root = TreeNode(next(self._ids), [], _EMPTY, None)
+        self.root = TreeNode(next(self._ids), _NO_KEY, _EMPTY, None)
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -124,19 +115,20 @@ class RadixCache:
 
     # ---- lookup and insertion ------------------------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int] | np.ndarray) -> MatchResult:
         """Longest cached prefix of ``key``; refreshes LRU time along the path.
 
         If the match ends inside a node, the node is split so that ``node`` ends exactly
         at the prefix. The returned slots stay owned by the tree: lock ``node`` to keep
         them from being evicted.
         """
-        if self.disable or not key:
+        if self.disable or not len(key):
             return MatchResult(_EMPTY, self.root)
+        key = _as_key(key)
         now = next(self._clock)
         node, i, values = self.root, 0, []
         while i < len(key):
-            child = node.children.get(key[i])
+            child = node.children.get(int(key[i]))
             if child is None:
                 break
             n = _common_prefix_len(child.key, key, i)
@@ -151,7 +143,7 @@ class RadixCache:
         slots = torch.cat(values) if values else _EMPTY
         return MatchResult(slots, node)
 
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int] | np.ndarray, slots: torch.Tensor) -> int:
         """Cache ``key`` with KV ``slots`` (same length); return how much of it was already cached.
 
         Ownership: let ``r`` be the return value. The tree keeps its own slots for
@@ -168,21 +160,23 @@ class RadixCache:
         return present
 
     def _insert(
-        self, key: list[int], slots: torch.Tensor
+        self, key: Sequence[int] | np.ndarray, slots: torch.Tensor
     ) -> tuple[int, TreeNode, list[torch.Tensor]]:
         """Insert; return (already-present length, node ending at len(key), tree's values on the path)."""
         if len(key) != slots.numel():
             raise ValueError(f"key has {len(key)} tokens but {slots.numel()} slots were given")
+        key = _as_key(key)
         slots = slots.to(device="cpu", dtype=torch.int64).reshape(-1)
         now = next(self._clock)
         node, i, values = self.root, 0, []
         while i < len(key):
-            child = node.children.get(key[i])
+            child = node.children.get(int(key[i]))
             if child is None:
-                # the caller's array may be reused: the tree keeps its own copy
-                leaf = TreeNode(next(self._ids), key[i:], slots[i:].clone(), node)
+                # the caller's arrays may be reused (and a key may view a whole message's
+                # prompt): the tree keeps its own copies
+                leaf = TreeNode(next(self._ids), key[i:].copy(), slots[i:].clone(), node)
                 leaf.last_access = now
-                node.children[key[i]] = leaf
+                node.children[int(key[i])] = leaf
                 self._evictable_size += len(leaf.key)
                 values.append(leaf.value)
                 return i, leaf, values
@@ -196,7 +190,7 @@ class RadixCache:
 
     def cache_tokens(
         self,
-        key: list[int],
+        key: Sequence[int] | np.ndarray,
         slots: torch.Tensor,
         owned_from: int,
         old_node: TreeNode,
@@ -253,8 +247,8 @@ class RadixCache:
         upper = TreeNode(next(self._ids), child.key[:n], child.value[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        upper.children[child.key[n]] = child
-        parent.children[child.key[0]] = upper
+        upper.children[int(child.key[n])] = child
+        parent.children[int(child.key[0])] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
@@ -307,7 +301,7 @@ class RadixCache:
             freed += len(leaf.key)
             self._evictable_size -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
+            del parent.children[int(leaf.key[0])]
             leaf.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
@@ -351,7 +345,7 @@ class RadixCache:
         evictable = protected = 0
         for node in self._nodes():
             for first, child in node.children.items():
-                if child.parent is not node or not child.key or child.key[0] != first:
+                if child.parent is not node or not len(child.key) or child.key[0] != first:
                     raise RuntimeError(f"bad edge {node} -> {child}")
                 if child.lock_ref > node.lock_ref and node is not self.root:
                     raise RuntimeError(f"{child} is locked more than its parent {node}")
@@ -374,8 +368,8 @@ class RadixCache:
         lines = [f"root  evictable={self._evictable_size} protected={self._protected_size}"]
 
         def visit(node: TreeNode, depth: int) -> None:
-            for child in sorted(node.children.values(), key=lambda c: c.key[0]):
-                head = child.key[:max_tokens]
+            for child in sorted(node.children.values(), key=lambda c: int(c.key[0])):
+                head = child.key[:max_tokens].tolist()
                 more = "..." if len(child.key) > max_tokens else ""
                 lines.append(
                     f"{'  ' * depth}{head}{more} len={len(child.key)} "

@@ -183,12 +183,12 @@ class PrefillManager:
         new_slots: list[torch.Tensor],
     ) -> ForwardBatch:
         """Give each request its new slots, write them to the table, upload the batch."""
-        input_ids: list[int] = []
+        parts: list[np.ndarray] = []  # int32 views of the prompts: one copy into the upload
         for req, ext, pre, slots in zip(reqs, extends, prefixes, new_slots, strict=True):
             if req.decoding:  # a mixed step's decode row: its last token (maybe a placeholder)
-                input_ids.append(req.next_input_id)
+                parts.append(np.array([req.next_input_id], dtype=np.int32))
             else:
-                input_ids.extend(req.fill_prefix(pre + ext, pre))
+                parts.append(req.fill_prefix(pre + ext, pre))
             req.append_kv(slots)
             if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
@@ -199,6 +199,7 @@ class PrefillManager:
         self.cache.write_table(
             np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots
         )
+        input_ids = np.concatenate(parts)
         return ForwardBatch.build(
             ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device
         )
@@ -208,6 +209,8 @@ def _computes_same_prompt(batch: list[Req], req: Req) -> bool:
     """Whether a request of the batch computes ``req``'s prompt (not a cache hit of it)."""
     n = len(req.input_ids)
     return any(
-        len(m.input_ids) == n and m.cached_len < n - 1 and m.input_ids == req.input_ids
+        len(m.input_ids) == n
+        and m.cached_len < n - 1
+        and np.array_equal(m.input_ids, req.input_ids)
         for m in batch
     )

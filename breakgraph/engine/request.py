@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # re-exported: engine code imports SamplingParams from here
@@ -24,7 +25,9 @@ class ReqStatus(enum.Enum):
 @dataclass(eq=False)
 class Req:
     rid: str
-    input_ids: list[int]
+    # the prompt, int32: a view of the message's packed bytes when it came from the API (a
+    # 64K prompt reaches the radix tree and the step's upload without a Python int per id)
+    input_ids: np.ndarray
     sampling: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
@@ -67,17 +70,18 @@ class Req:
         return max(self.logprob_start_len - 1, 0)
 
     @property
-    def fill_ids(self) -> list[int]:
-        """All tokens that will have KV: the prompt and the output so far."""
-        return self.input_ids + self.output_ids
+    def fill_ids(self) -> np.ndarray:
+        """All tokens that will have KV: the prompt and the output so far (int32)."""
+        return self.fill_prefix(self.fill_len)
 
-    def fill_prefix(self, n: int, start: int = 0) -> list[int]:
-        """``fill_ids[start:n]`` without building ``fill_ids`` (a 64K prompt is not copied
-        whole to take one chunk of it)."""
+    def fill_prefix(self, n: int, start: int = 0) -> np.ndarray:
+        """``fill_ids[start:n]`` (int32) without building ``fill_ids``: within the prompt a
+        view of it, past it a copy of the part taken."""
         k = len(self.input_ids)
         if n <= k:
             return self.input_ids[start:n]
-        return self.input_ids[start:] + self.output_ids[max(start - k, 0) : n - k]
+        out = np.asarray(self.output_ids[max(start - k, 0) : n - k], dtype=np.int32)
+        return np.concatenate((self.input_ids[start:], out)) if start < k else out
 
     @property
     def fill_len(self) -> int:

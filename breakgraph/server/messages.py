@@ -14,7 +14,7 @@ import array
 import dataclasses
 import functools
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from breakgraph.engine.sampling_params import SamplingParams
 
-# field metadata: a list[int] of token ids that travels packed (see the module docstring)
+# field metadata: token ids that travel packed (see the module docstring)
 PACKED_IDS = {"wire": "int32"}
 
 
@@ -33,7 +33,8 @@ class GenerateReq:
     """Add a request; the API process validated it, the engine checks again (the backstop)."""
 
     rid: str
-    input_ids: list[int] = field(metadata=PACKED_IDS)
+    # a list on the API side; on the engine side, as decoded, a read-only int32 array
+    input_ids: Sequence[int] = field(metadata=PACKED_IDS)
     sampling: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position with a logprob (-1: none)
@@ -208,33 +209,30 @@ def _pack_ids(ids: list[int]) -> bytes:
 
 
 class IdList(list):
-    """Token ids with what was found on their packed int32s in C: ``id_range`` (min, max),
-    which the engine's backstop range check reads instead of scanning 64K Python ints, and,
-    on the API side, ``packed``, the int32 bytes the message carries (a 64K prompt is not
-    packed a second time). Never mutated once built: the bytes are a copy of the ids."""
+    """Token ids the API validated, with ``packed``, their int32 bytes, which the message
+    carries as they are (a 64K prompt is not packed a second time). Never mutated once
+    built: the bytes are a copy of the ids."""
 
-    id_range: tuple[int, int] | None = None
     packed: bytes | None = None
 
 
-def packed_id_list(ids: list[int], arr: np.ndarray, id_range: tuple[int, int]) -> IdList:
-    """``ids`` (valid, in int32 range; ``arr`` their values, ``id_range`` their min and max,
-    as the caller's check found them) as an IdList carrying their int32 bytes and range
-    (``ids`` itself when it is one already: the parser's own copy, not shared)."""
+def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
+    """``ids`` (valid, in int32 range; ``arr`` their values, as the caller's check found
+    them) as an IdList carrying their int32 bytes (``ids`` itself when it is one already:
+    the parser's own copy, not shared)."""
     out = ids if isinstance(ids, IdList) else IdList(ids)
     out.packed = arr.astype(np.int32, copy=False).tobytes()
-    out.id_range = id_range
     return out
 
 
-def _unpack_ids(data: Any) -> list[int]:
+def _unpack_ids(data: Any) -> np.ndarray:
+    """Packed ids as the engine takes them: a read-only int32 array over the message's
+    bytes (no Python int per id)."""
     if not isinstance(data, bytes):
         raise TypeError(f"packed token ids must be bytes, not {type(data).__name__}")
-    ids = IdList(memoryview(data).cast("i"))  # one C pass; TypeError unless whole int32s
-    if ids:
-        packed = np.frombuffer(data, dtype=np.int32)
-        ids.id_range = (int(packed.min()), int(packed.max()))
-    return ids
+    if len(data) % 4:
+        raise TypeError(f"packed token ids must be whole int32s, not {len(data)} bytes")
+    return np.frombuffer(data, dtype=np.int32)
 
 
 def _build(cls: type, wire: dict[str, Any]) -> Any:

@@ -298,7 +298,7 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
     if arr is not None:
         lo, hi = int(arr.min()), int(arr.max())
         if lo >= 0 and hi < info.vocab_size:  # its int32 bytes go to the engine as they are
-            return packed_id_list(ids, arr, (lo, hi))
+            return packed_id_list(ids, arr)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise APIError(f"{field}[{i}]: token id {_short(t)} is not an integer")
