@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     s = expert_shapes(args.model)
     bw = copy_bandwidth_bytes_per_ms()
-    print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e9:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e6:.0f} GB/s")
     print(
         "M      moe ms  graph ms   dense ms  graph/dense  floor ms  graph/floor  |moe - twin|/|twin|"
     )
