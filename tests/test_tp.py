@@ -634,3 +634,21 @@ def test_serve_tp2_worker_death_is_503_and_exit(checkpoints, tmp_path):
     while not (_gone(engine_pid) and _gone(worker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _gone(engine_pid) and _gone(worker)
+
+
+def test_a_cuda_process_runs_host_ops_on_one_thread(monkeypatch):
+    """On CUDA the engine's host-side torch ops are bookkeeping: one intra-op thread, so a
+    busy core never stalls a 64K-slot table write for an OS time slice. The CPU keeps its
+    threads (the forward runs there)."""
+    from breakgraph.engine.tp_worker import claim_device
+
+    threads = torch.get_num_threads()
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    try:
+        claim_device(torch.device("cpu"))
+        assert torch.get_num_threads() == threads and chosen == []
+        claim_device(torch.device("cuda", 1))
+        assert torch.get_num_threads() == 1 and chosen == [1]
+    finally:
+        torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from breakgraph.engine.step_timer import StepTiming
-from breakgraph.engine.tp_worker import TPDriver, WorkerSetup, rank_device
+from breakgraph.engine.tp_worker import TPDriver, WorkerSetup, claim_device, rank_device
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
 from breakgraph.models.loader import load_model, peek_config, resolve_dtype
@@ -150,8 +150,7 @@ class Engine:
         self.device = torch.device(args.resolved_device())
         if self.tp_driver is not None:
             self.device = rank_device(self.device, 0)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device.index or 0)
+        claim_device(self.device)
         torch.manual_seed(args.seed)
         self.tp_group = (
             self.tp_driver.join_group(self.device)

@@ -126,6 +126,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+def claim_device(device: torch.device) -> None:
+    """Make ``device`` this process's own. On CUDA the host's torch ops are bookkeeping
+    (slots, table rows: up to 64K elements), which torch would split over an OpenMP thread
+    per core; one busy core then holds up the whole op for an OS time slice (a 64K-slot
+    table write: 0.24 ms on one thread, 6 ms on two with one core busy; on the H200 every
+    other 64K-prefix hit spent ~10 ms more in scheduling). So one intra-op thread there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+        torch.set_num_threads(1)
+
+
 class TPDriver:
     """Rank 0's side: spawns the workers, sends them each step, stops them."""
 
@@ -510,8 +521,7 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     from breakgraph.models.loader import load_model, resolve_dtype
 
     device = rank_device(torch.device(args.resolved_device()), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    claim_device(device)
     torch.manual_seed(args.seed)
     conn.send(WorkerUp())
     group = init_tp_group(
