@@ -25,8 +25,8 @@ class ReqStatus(enum.Enum):
 @dataclass(eq=False)
 class Req:
     rid: str
-    # the prompt, int32: a view of the message's packed bytes when it came from the API (a
-    # 64K prompt reaches the radix tree and the step's upload without a Python int per id)
+    # the prompt, int32 and read-only (the engine's copy of the message's packed ids): a 64K
+    # prompt reaches the radix tree and the step's upload without a Python int per id
     input_ids: np.ndarray
     sampling: SamplingParams
     return_logprob: bool = False
