@@ -131,15 +131,19 @@ class ForwardBatch:
         prefix_lens: Sequence[int],
         extend_lens: Sequence[int],
         device: torch.device | str,
+        positions: np.ndarray | None = None,
     ) -> ForwardBatch:
         """Build on the host and upload with pinned, non-blocking copies. The per-token rows
         (positions) are numpy ranges and the token lists are copied into the pinned buffer by
-        numpy: no Python loop over the step's tokens."""
+        numpy: no Python loop over the step's tokens. ``positions``: the step's
+        :func:`token_positions` where the caller has them already (its table write's
+        columns)."""
         pre = np.asarray(prefix_lens, dtype=np.int64)
         ext = np.asarray(extend_lens, dtype=np.int64)
         ends = np.cumsum(ext)
         starts = ends - ext
-        positions = token_positions(pre, ext, starts)
+        if positions is None:
+            positions = token_positions(pre, ext, starts)
         dev = torch.device(device)
         pin = dev.type == "cuda"
         i64 = upload_many(

@@ -201,8 +201,9 @@ class PrefillManager:
         )
         input_ids = np.concatenate(parts)
         return ForwardBatch.build(
-            ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device
-        )
+            ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device,
+            positions=cols,
+        )  # fmt: skip
 
 
 def _computes_same_prompt(batch: list[Req], req: Req) -> bool:
