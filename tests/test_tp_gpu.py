@@ -150,3 +150,24 @@ def test_worker_death_mid_decode_fails_at_once_not_at_the_nccl_timeout(small_dir
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["error"] and "TP worker rank 1" in result["error"], out.stderr[-3000:]
     assert result["waited_s"] < 30, result
+
+
+def test_one_shot_all_reduce_paths_equal_nccl_bitwise_in_graphs():
+    """bench.allreduce on two GPUs: the one-shot all-reduce, with torch's fused staging copy
+    and with a copy kernel in front, equals NCCL bitwise at decode's and prefill's sizes,
+    each captured 4 times in one CUDA graph and replayed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "breakgraph.bench.allreduce", "--kib", "8", "64", "1024",
+         "--ops", "4"],
+        capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [
+        line.split()
+        for line in out.stdout.splitlines()
+        if line.split()[:1] in (["8"], ["64"], ["1024"])
+    ]
+    assert len(rows) == 3 and all(r[-1] == "True" for r in rows), out.stdout

@@ -1,5 +1,6 @@
 """All-reduce per message size on the GPUs of one host: NCCL against the one-shot all-reduce
-over symmetric memory (the engine's default on CUDA), same run, both as the decode graphs
+over symmetric memory (the engine's default on CUDA; also with a copy kernel staging its
+input, the path before torch's fused-copy op), same run, both as the decode graphs
 run them: ``--ops`` consecutive all-reduces captured in one CUDA graph, replayed; µs per op.
 
     python -m breakgraph.bench.allreduce [--tp 2] [--kib 8 16 32 64 128 256 512 1024 4096]
@@ -52,21 +53,24 @@ def _rank(rank: int, size: int, port: int, args) -> None:
     torch.cuda.set_device(device)
     init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", device)
     one_shot = OneShotAllReduce(device, max(args.kib) << 10)  # room for the largest size
+    staged = OneShotAllReduce(device, max(args.kib) << 10, fused_copy=False)
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x{size}  torch {torch.__version__}  "
               f"{args.ops} all-reduces per graph replay, bf16", flush=True)  # fmt: skip
-        print(f"{'KiB':>6} {'NCCL us':>9} {'one-shot us':>12} {'ratio':>6}  equal")
+        print(f"{'KiB':>6} {'NCCL us':>9} {'one-shot us':>12} {'ratio':>6} "
+              f"{'copy kernel + one-shot us':>26}  equal")  # fmt: skip
     for kib in args.kib:
         n = (kib << 10) // 2
         x = torch.randn(n, dtype=torch.bfloat16, device=device) * (rank + 1)
         a, b = x.clone(), x.clone()
         dist.all_reduce(a)
-        one_shot(b)
-        same = torch.equal(a, b)
+        same = torch.equal(a, one_shot(b)) and torch.equal(a, staged(x.clone()))
         nccl = _time_us(lambda x=x: dist.all_reduce(x), args.ops)
         mine = _time_us(lambda x=x: one_shot(x), args.ops)
+        two = _time_us(lambda x=x: staged(x), args.ops)
         if rank == 0:
-            print(f"{kib:>6} {nccl:>9.2f} {mine:>12.2f} {mine / nccl:>5.2f}x  {same}", flush=True)
+            print(f"{kib:>6} {nccl:>9.2f} {mine:>12.2f} {mine / nccl:>5.2f}x {two:>26.2f}  {same}",
+                  flush=True)  # fmt: skip
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()

@@ -34,6 +34,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 # at 4 MB; larger messages (long prefills) go to NCCL, whose ring bandwidth wins as the size
 # grows and ranks add (not measured past 4 MB).
 ONE_SHOT_MAX_BYTES = 4 << 20
+# The one-shot kernel that stages its input into the symmetric buffer itself (torch >= 2.8's
+# ``one_shot_all_reduce_copy_out``) instead of a copy kernel in front of it: one launch per
+# all-reduce instead of two (a TP2 decode step of Llama-3.1-8B makes 64). BREAKGRAPH_AR_COPY=0
+# keeps the copy kernel (the earlier path, for measuring one against the other).
+AR_FUSED_COPY = os.environ.get("BREAKGRAPH_AR_COPY", "1") != "0"
 
 
 class OneShotAllReduce:
@@ -46,11 +51,18 @@ class OneShotAllReduce:
     reset their own flags). Float32 and bfloat16, contiguous, up to ``max_bytes``; NVLink
     multicast is not used."""
 
-    def __init__(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
+    def __init__(
+        self,
+        device: torch.device,
+        max_bytes: int = ONE_SHOT_MAX_BYTES,
+        fused_copy: bool = AR_FUSED_COPY,
+    ):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
         self.max_bytes = max_bytes
+        # the op stages the input itself where this torch has it (every rank alike: one torch)
+        self.fused_copy = fused_copy and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         # torch before 2.13 wants the group registered (cached by name: a name reused by a
         # later engine's group must not find the store of an earlier one); 2.13 needs nothing
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -72,9 +84,16 @@ class OneShotAllReduce:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (``fits(x)``)."""
+        """The sum of ``x`` over the ranks (``fits(x)``): a new tensor with the fused copy,
+        else ``x`` summed in place."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
+        if self.fused_copy:  # the output apart from the input: the kernel copies, then sums
+            out = torch.empty_like(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+                staged, flat, "sum", self.group_name, out
+            )
+            return out.view_as(x)
         staged.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
         return x
@@ -93,7 +112,8 @@ class TPGroup:
         return self.size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
+        """Sum over ranks: ``x`` summed in place, or a new tensor (the one-shot path); use
+        the returned tensor."""
         if self.size > 1:
             if self.one_shot is not None and self.one_shot.fits(x):
                 return self.one_shot(x)
