@@ -15,6 +15,7 @@ NVLink multicast.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import torch
@@ -53,7 +54,8 @@ def _rank(rank: int, size: int, port: int, args) -> None:
     torch.cuda.set_device(device)
     init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", device)
     one_shot = OneShotAllReduce(device, max(args.kib) << 10)  # room for the largest size
-    staged = OneShotAllReduce(device, max(args.kib) << 10, fused_copy=False)
+    staged = copy.copy(one_shot)  # its buffer, a copy kernel in front (a group registers once)
+    staged.fused_copy = False
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x{size}  torch {torch.__version__}  "
               f"{args.ops} all-reduces per graph replay, bf16", flush=True)  # fmt: skip

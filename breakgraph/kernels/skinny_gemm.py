@@ -64,6 +64,15 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (28672, 4096): [(1, None), (4, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # llama:gate_up
     (4096, 14336): [(16, _C(32, 128, 4)), (64, _C(64, 256, 2))],  # llama-3.1-8b:down
     (128256, 4096): [(1, _C(64, 128, 1)), (16, _C(64, 256, 1)), (64, _C(64, 128, 1))],  # lm_head
+    # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
+    # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS)
+    (3072, 4096): [
+        (4, _C(64, 128, 8, fuse_norm=False)),
+        (16, _C(32, 128, 4, fuse_norm=False)),
+        (64, None),
+    ],  # llama-3.1-8b/tp2:qkv (9.35 -> 6.68 us at M=1)
+    (4096, 7168): [(1, _C(64, 128, 4)), (16, _C(32, 128, 4)), (64, None)],  # llama/tp2:down
+    (64128, 4096): [(4, _C(64, 256, 1)), (16, None), (64, _C(64, 128, 1))],  # llama/tp2:lm_head
 }
 del _C
 
