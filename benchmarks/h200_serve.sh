@@ -3,7 +3,7 @@
 # (Qwen3-0.6B shape), and the first 8K requests after ready with and without warm-up on a cold
 # Triton cache. Stages: warmup, prefill (default both); gemma: gemma-4-e2b in four arms, graphs
 # on/off x KV-sharing fast prefill on/off (issue 12); moe: qwen3-30b-a3b with and without
-# prefill graphs (issue 13); host: the host path around the forward (issue 14), the server's
+# prefill graphs (issue 13); tp: llama-3.1-8b at TP1 and TP2 (issue 17); host: the host path around the forward (issue 14), the server's
 # workloads beside the in-process steps they should approach, in one run (MODEL picks the
 # shape, qwen3-0.6b by default). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
@@ -114,6 +114,9 @@ gemma_stage() {
   MODEL=gemma-4-e2b SERVE_FLAGS=--skip-server-warmup arms gemma "graphs_fast" "graphs_all --no-kv-sharing-fast-prefill" \
     "eager_fast --cuda-graph-backend-prefill disabled" \
     "eager_all --cuda-graph-backend-prefill disabled --no-kv-sharing-fast-prefill"
+}
+tp_stage() {  # issue 17: llama-3.1-8b at TP1 and TP2 (needs nvidia-h200-x2)
+  MODEL=${MODEL:-llama-3.1-8b} arms tp "tp1" "tp2 --tp 2"
 }
 moe_stage() {
   MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"

@@ -4,15 +4,15 @@
 # py-spy of the TP2 decode bench's processes (where the host time of a step goes)
 source "$(dirname "$0")/device_env.sh"
 R=/tmp/r; rm -rf $R; mkdir -p $R
-timeout 60 python3 -m breakgraph.bench.allreduce --kib 8 16 64 512 4096 2>&1 | grep -v Warn | tee "$R/allreduce.log"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_tp_gpu.py tests/test_kernels.py \
+[ "${SKIP_AR:-0}" = 1 ] || timeout 60 python3 -m breakgraph.bench.allreduce --kib 8 16 64 512 4096 2>&1 | grep -v Warn | tee "$R/allreduce.log"
+[ "${SKIP_AR:-0}" = 1 ] || timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_tp_gpu.py tests/test_kernels.py \
   -k "bitwise or skinny_table" > "$R/tests.log" 2>&1; tail -4 "$R/tests.log"
-bg() { python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
-BREAKGRAPH_TP_TRACE=1 timeout 120 bg decode --models llama-3.1-8b --batch-sizes 1 8 32 --context 1024 \
+bg() { local t=$1; shift; timeout "$t" python3 -m breakgraph.cli bench "$@" 2>&1 | grep -v -e Loading -e Capturing -e Warning -e warn; }
+BREAKGRAPH_TP_TRACE=1 bg 120 decode --models llama-3.1-8b --batch-sizes 1 8 32 --context 1024 \
   --profile --tp 2 --json "$R/decode_tp2.json" | tee -a "$R/decode.log"
-timeout 100 bg decode --models llama-3.1-8b --batch-sizes 1 8 32 --context 1024 --profile \
+bg 100 decode --models llama-3.1-8b --batch-sizes 1 8 32 --context 1024 --profile \
   --json "$R/decode_tp1.json" | tee -a "$R/decode.log"
-if [ -x /tmp/site/bin/py-spy ]; then
+if [ "${SKIP_AR:-0}" != 1 ] && [ -x /tmp/site/bin/py-spy ]; then
   timeout 150 /tmp/site/bin/py-spy record --subprocesses --nonblocking --rate 500 --format raw \
     -o "$R/pyspy_tp2_decode.txt" -- python3 -m breakgraph.cli bench decode --models llama-3.1-8b \
     --batch-sizes 1 --context 1024 --tp 2 --reps 400 > "$R/pyspy_run.log" 2>&1

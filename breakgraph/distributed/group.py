@@ -35,10 +35,14 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
 # grows and ranks add (not measured past 4 MB).
 ONE_SHOT_MAX_BYTES = 4 << 20
 # The one-shot kernel that stages its input into the symmetric buffer itself (torch >= 2.8's
-# ``one_shot_all_reduce_copy_out``) instead of a copy kernel in front of it: one launch per
-# all-reduce instead of two (a TP2 decode step of Llama-3.1-8B makes 64). BREAKGRAPH_AR_COPY=0
-# keeps the copy kernel (the earlier path, for measuring one against the other).
+# ``one_shot_all_reduce_copy_out``) instead of a copy in front of it, for messages up to
+# FUSED_COPY_MAX_BYTES: one launch per all-reduce instead of two (a TP2 decode step of
+# Llama-3.1-8B makes 64). On two H200s (`python -m breakgraph.bench.allreduce`, 2026-12-01),
+# µs per op fused / copy in front: 6.57 / 7.56 at 8 KB, 6.98 / 7.94 at 64 KB, 11.19 / 10.96 at
+# 512 KB, 35.3 / 32.9 at 4 MB (the copy engine stages a large message faster than the kernel).
+# BREAKGRAPH_AR_COPY=0: always the copy in front (for measuring one against the other).
 AR_FUSED_COPY = os.environ.get("BREAKGRAPH_AR_COPY", "1") != "0"
+FUSED_COPY_MAX_BYTES = 256 << 10
 
 
 class OneShotAllReduce:
@@ -88,7 +92,8 @@ class OneShotAllReduce:
         else ``x`` summed in place."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
-        if self.fused_copy:  # the output apart from the input: the kernel copies, then sums
+        if self.fused_copy and staged.numel() * staged.element_size() <= FUSED_COPY_MAX_BYTES:
+            # the output apart from the input: the kernel copies, then sums
             out = torch.empty_like(flat)
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(
                 staged, flat, "sum", self.group_name, out
