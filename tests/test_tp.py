@@ -652,3 +652,36 @@ def test_a_cuda_process_runs_host_ops_on_one_thread(monkeypatch):
         assert torch.get_num_threads() == 1 and chosen == [1]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
+    """The server's engine process exits right after its shutdown: it stops the workers
+    (they exit at once, code 0) without tearing the group down on any rank (NCCL's teardown
+    waited 10 s and more on two H200s), then ends through ``exit_if_stuck`` with its code."""
+    out = _run_script(
+        tmp_path,
+        f"""
+        import time
+        from breakgraph.engine import tp_worker
+        from breakgraph.engine.args import EngineArgs
+        from breakgraph.engine.engine import Engine
+        def hang(*a, **k):
+            time.sleep(3600)
+        tp_worker.destroy_tp_group = hang  # rank 0 must not tear down (nor wait on it)
+        tp_worker._leave_group = hang
+        if __name__ == "__main__":
+            e = Engine(EngineArgs(model_path={str(checkpoints["llama"])!r}, device="cpu",
+                                  dtype="float32", max_total_tokens=512, tp_size=2))
+            e.generate([[1, 2, 3]], None)
+            start = time.monotonic()
+            e.shutdown(leave_group=False)
+            print("stopped in", round(time.monotonic() - start, 1), "codes",
+                  *[p.exitcode for p in e.tp_driver.procs])
+            tp_worker.exit_if_stuck(5)
+            print("not reached")
+        """,
+    )
+    assert out.returncode == 5, out.stderr
+    words = out.stdout.split()
+    assert words[:2] == ["stopped", "in"] and float(words[2]) < 5, out.stdout
+    assert words[3:] == ["codes", "0"], out.stdout

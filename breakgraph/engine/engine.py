@@ -156,10 +156,11 @@ class Engine:
             self.shutdown()
             raise
 
-    def shutdown(self) -> None:
-        """Stop the TP workers, if any (idempotent; a TP 1 engine holds none)."""
+    def shutdown(self, leave_group: bool = True) -> None:
+        """Stop the TP workers, if any (idempotent; a TP 1 engine holds none).
+        ``leave_group=False`` where the process exits next: see ``TPDriver.shutdown``."""
         if self.tp_driver is not None:
-            self.tp_driver.shutdown()
+            self.tp_driver.shutdown(leave_group)
 
     def _init(self, args: EngineArgs) -> None:
         self.warmup_report: WarmupReport | None = None

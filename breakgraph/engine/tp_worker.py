@@ -81,6 +81,12 @@ class ReplayWhole:
 
 
 @dataclass
+class ExitNow:
+    """Rank 0's process exits next: exit at once, without tearing the group down (NCCL's
+    teardown waits for every peer's, and on two H200s it did not return in 10 s)."""
+
+
+@dataclass
 class WorkerSetup:
     """What rank 0 decides once and every worker must agree on."""
 
@@ -294,20 +300,30 @@ class TPDriver:
                 self._raise_dead(e, wait_s=2.0)
                 raise RuntimeError(f"TP worker rank {rank} is unreachable: {e}") from e
 
-    def shutdown(self) -> None:
+    def shutdown(self, leave_group: bool = True) -> None:
         """Stop the workers and leave the TP group. Every rank tears the group down at once
         (NCCL's teardown waits for its peers): the workers at the stop message, rank 0 right
-        after sending it, then rank 0 reaps them (terminating one that does not exit)."""
+        after sending it, then rank 0 reaps them (terminating one that does not exit).
+
+        ``leave_group=False`` where this process exits next (the server's engine process):
+        no rank tears the group down (the OS frees what NCCL holds); the workers exit at once
+        and this process must end through ``exit_if_stuck`` (its finalizers would tear down)."""
+        global TEARDOWN_SKIPPED
         if self._trace is not None and self._trace.samples["send"]:
             logger.warning("%s", self._trace.report())
             self._trace.samples["send"].clear()
         _signal_stop(self._watch_stop)  # the workers exit now: not a failure
         if self._watchdog is not None:
             self._watchdog.join(_JOIN_S)
+        stop = None if leave_group else ExitNow()
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                conn.send(None)
+                conn.send(stop)
         group, self.group = self.group, None
+        if not leave_group:
+            TEARDOWN_SKIPPED = TEARDOWN_SKIPPED or group is not None
+            self._finalizer()  # reaps the workers (they exit at once)
+            return
         paired = all(p.exitcode is None for p in self.procs)  # else no peer to pair with
         if group is not None and paired:
             _leave_group(group, _JOIN_S)
@@ -392,6 +408,9 @@ def _destroy_quietly(group: TPGroup) -> None:
 # in C++ at interpreter exit ("terminate called without an active exception", SIGABRT) after
 # its work is done; the engine process and the CLI end with os._exit instead (exit_if_stuck).
 TEARDOWN_STUCK = False
+# Set when rank 0 left its group up on purpose (``TPDriver.shutdown(leave_group=False)``):
+# the process ends through exit_if_stuck likewise.
+TEARDOWN_SKIPPED = False
 
 
 def _leave_group(group: TPGroup, timeout_s: float) -> None:
@@ -407,9 +426,13 @@ def _leave_group(group: TPGroup, timeout_s: float) -> None:
 
 def exit_if_stuck(code: int) -> None:
     """End the process now with ``code`` if a TP group's teardown is stuck (see
-    TEARDOWN_STUCK): its finalizers would abort the process instead."""
+    TEARDOWN_STUCK) or was skipped (TEARDOWN_SKIPPED): its finalizers would abort the process
+    or wait on the group instead."""
     if TEARDOWN_STUCK:
         logger.warning("exiting without finalizers: a TP group's teardown is still running")
+        _exit_now(code)
+    if TEARDOWN_SKIPPED:
+        logger.info("exiting without finalizers: the TP group is left to the OS")
         _exit_now(code)
 
 
@@ -553,6 +576,10 @@ def _serve(args, rank, size, init_method, conn, parent_pid) -> TPGroup:
     while (msg := _recv(conn, parent_pid, spin_s)) is not None:
         if isinstance(msg, ReplayWhole):
             whole()
+        elif isinstance(msg, ExitNow):
+            if trace is not None:
+                logger.warning("%s", trace.report())
+            _exit_now(0)  # no teardown: rank 0 skips its own too (ExitNow)
         else:
             whole = _run_step(msg, runner, req_pool, group, device, trace) or whole
     if trace is not None:

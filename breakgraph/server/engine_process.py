@@ -89,7 +89,9 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
         code = 1
     finally:
         if engine is not None:
-            engine.shutdown()  # its TP workers, if any
+            # its TP workers, if any; the group is not torn down: this process exits next
+            # (NCCL's teardown waits on every peer's: 10 s and more on two H200s)
+            engine.shutdown(leave_group=False)
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
