@@ -155,19 +155,20 @@ def test_worker_death_mid_decode_fails_at_once_not_at_the_nccl_timeout(small_dir
 def test_one_shot_all_reduce_paths_equal_nccl_bitwise_in_graphs():
     """bench.allreduce on two GPUs: the one-shot all-reduce, with torch's fused staging copy
     and with a copy kernel in front, equals NCCL bitwise at decode's and prefill's sizes,
-    each captured 4 times in one CUDA graph and replayed."""
+    each captured 4 times in one CUDA graph and replayed; the fused all-reduce + residual add
+    + RMSNorm matches a float32 reference with the same bits on both ranks, before and after
+    its replays, at 1, 7 and 64 rows."""
     import subprocess
     import sys
 
     out = subprocess.run(
         [sys.executable, "-m", "breakgraph.bench.allreduce", "--kib", "8", "64", "1024",
-         "--ops", "4"],
+         "--ops", "4", "--norm-rows", "1", "7", "64"],
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [
-        line.split()
-        for line in out.stdout.splitlines()
-        if line.split()[:1] in (["8"], ["64"], ["1024"])
-    ]
-    assert len(rows) == 3 and all(r[-1] == "True" for r in rows), out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()]
+    sizes = [r for r in rows if r[:1] in (["8"], ["64"], ["1024"]) and len(r) == 6]
+    norms = [r for r in rows if r[:1] in (["1"], ["7"], ["64"]) and len(r) == 5]
+    assert len(sizes) == 3 and all(r[-1] == "True" for r in sizes), out.stdout
+    assert len(norms) == 3 and all(r[-1] == "True" for r in norms), out.stdout

@@ -4,6 +4,7 @@ input, the path before torch's fused-copy op), same run, both as the decode grap
 run them: ``--ops`` consecutive all-reduces captured in one CUDA graph, replayed; µs per op.
 
     python -m breakgraph.bench.allreduce [--tp 2] [--kib 8 16 32 64 128 256 512 1024 4096]
+        [--norm-rows 1 8 64] [--hidden 4096]
 
 bf16 messages (a decode step's hidden states: batch x hidden x 2 bytes; 8 KB is one row of
 a 4096-wide model). Prints a row per size and whether the two paths agree; the crossing is
@@ -73,9 +74,52 @@ def _rank(rank: int, size: int, port: int, args) -> None:
         if rank == 0:
             print(f"{kib:>6} {nccl:>9.2f} {mine:>12.2f} {mine / nccl:>5.2f}x {two:>26.2f}  {same}",
                   flush=True)  # fmt: skip
+    if args.norm_rows:
+        _add_rms_norm_rows(rank, size, one_shot, args, device)
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _add_rms_norm_rows(rank: int, size: int, one_shot, args, device) -> None:
+    """The all-reduce + residual add + RMSNorm of a row-parallel layer's output, fused
+    (kernels/allreduce_norm.py) against the one-shot all-reduce then the norm kernel, per row
+    count: µs per op from graph replays; "ok" if the fused rows match a float32 reference,
+    carry the same bits on every rank, and still do after the replays."""
+    import torch.distributed as dist
+
+    from breakgraph.kernels import ops
+
+    h, eps, bf16 = args.hidden, 1e-6, torch.bfloat16
+    if rank == 0:
+        print(f"\n{'rows':>6} {'all-reduce + norm us':>21} {'fused us':>9} {'ratio':>6}  ok"
+              f"  (hidden {h}, {args.ops} per graph replay)", flush=True)  # fmt: skip
+    same_on_all = torch.Generator(device=device).manual_seed(1234)
+    w = torch.randn(h, device=device, dtype=bf16, generator=same_on_all)
+    for m in args.norm_rows:
+        res = torch.randn(m, h, device=device, dtype=bf16, generator=same_on_all)
+        x = torch.randn(m, h, device=device, dtype=bf16) * (rank + 1)
+        total = x.float()
+        dist.all_reduce(total)
+        ref_res = (total.to(bf16).float() + res.float()).to(bf16)
+        hf = ref_res.float()
+        ref = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(
+            bf16
+        ).float() * w.float()
+        out, new_res = one_shot.norm(x, res, w, eps)
+        ok = torch.allclose(out.float(), ref, atol=3e-2, rtol=3e-2) and torch.allclose(
+            new_res.float(), ref_res.float(), atol=3e-2, rtol=3e-2
+        )
+        everyone = [torch.empty_like(out) for _ in range(size)]
+        dist.all_gather(everyone, out)
+        ok = ok and all(torch.equal(o, everyone[0]) for o in everyone)
+        apart = _time_us(
+            lambda x=x, r=res: ops.fused_add_rms_norm(one_shot(x), r, w, eps), args.ops
+        )
+        fused = _time_us(lambda x=x, r=res: one_shot.norm(x, r, w, eps), args.ops)
+        ok = ok and torch.equal(one_shot.norm(x, res, w, eps)[0], out)  # after the replays
+        if rank == 0:
+            print(f"{m:>6} {apart:>21.2f} {fused:>9.2f} {fused / apart:>5.2f}x  {ok}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         "--kib", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096]
     )
     parser.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
+    parser.add_argument(
+        "--norm-rows", type=int, nargs="*", default=[1, 8, 64],
+        help="also the fused all-reduce + add + RMSNorm at these row counts",
+    )  # fmt: skip
+    parser.add_argument("--hidden", type=int, default=4096, help="the fused norm's row width")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
         print(f"breakgraph.bench.allreduce needs {args.tp} CUDA devices; nothing to measure here.")

@@ -77,6 +77,7 @@ class OneShotAllReduce:
                 enable(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, dist.group.WORLD)  # collective: every rank, once
+        self.norm = _AddRmsNormBuffers(symm_mem, device)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -104,6 +105,54 @@ class OneShotAllReduce:
         return x
 
 
+class _AddRmsNormBuffers:
+    """What ``kernels/allreduce_norm.py`` reads: a symmetric buffer per rank holding the
+    flags (int32 [NORM_MAX_ROWS, world], zeroed) and two slots of ``NORM_SLOT_BYTES`` for
+    the rows, every rank's pointers to them, and this rank's epoch per row. The first call
+    must follow a collective after this (the flags are zeroed on every rank)."""
+
+    def __init__(self, symm_mem, device: torch.device):
+        world = dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), world
+        flag_bytes = -(-NORM_MAX_ROWS * world * 4 // 256) * 256
+        buf = symm_mem.empty(flag_bytes + 2 * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
+        buf[:flag_bytes].zero_()
+        handle = symm_mem.rendezvous(buf, dist.group.WORLD)  # collective: every rank, once
+        self.buffer = buf
+        bases = [int(p) for p in handle.buffer_ptrs]
+        self.flags = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.rows = torch.tensor([b + flag_bytes for b in bases], dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(NORM_MAX_ROWS, dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and residual.dtype == x.dtype
+            and residual.shape == x.shape
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and 0 < x.shape[0] <= NORM_MAX_ROWS
+            and x.numel() * x.element_size() <= NORM_SLOT_BYTES
+        )
+
+    def __call__(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        from breakgraph.kernels.allreduce_norm import all_reduce_add_rms_norm_triton
+
+        slot = NORM_SLOT_BYTES // x.element_size()
+        return all_reduce_add_rms_norm_triton(
+            x, residual, weight, eps, self.rows, self.flags, self.epochs, slot,
+            self.rank, self.world,
+        )  # fmt: skip
+
+
+# The fused all-reduce + residual add + RMSNorm (kernels/allreduce_norm.py): rows per call
+# (one program each, every one of them resident with its peers': decode's batches) and the
+# bytes of one call's rows
+NORM_MAX_ROWS = 128
+NORM_SLOT_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -124,6 +173,18 @@ class TPGroup:
                 return self.one_shot(x)
             dist.all_reduce(x)
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fused_add_rms_norm(all_reduce(x), residual, weight, eps)``: one kernel where the
+        one-shot path holds the rows (kernels/allreduce_norm.py), else those two steps."""
+        norm = getattr(self.one_shot, "norm", None)
+        if self.size > 1 and norm is not None and norm.fits(x, residual):
+            return norm(x, residual, weight, eps)
+        from breakgraph.kernels import ops
+
+        return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim, in rank order."""
