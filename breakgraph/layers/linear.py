@@ -190,6 +190,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp = get_tp_group()
+        # False: forward returns this rank's partial sum, which the layer after it reduces
+        # (with its norm: TPGroup.all_reduce_add_rms_norm); set by that layer, bias-free only
+        self.reduce_results = True
         self.in_per_rank = divide_for_tp(in_features, self.tp.size, "input features")
         self.weight = sharded_param(
             (out_features, self.in_per_rank), self.weight_loader, (out_features, in_features)
@@ -205,6 +208,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return ops.linear(x, self.weight, self.bias)
+        if not self.reduce_results:
+            assert self.bias is None, "a partial sum with a bias would add it on every rank"
+            return ops.linear(x, self.weight)
         y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -15,9 +15,13 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+        ``reduce``: x is this rank's partial sum, all-reduced over that TP group first (in
+        the norm's kernel where it can: ``TPGroup.all_reduce_add_rms_norm``)."""
+        if reduce is not None:
+            return reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
@@ -28,12 +32,19 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None,
         linear: nn.Module,
         activation: str | None = None,
+        reduce=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear(self(x + residual))`` (x alone without a residual; with ``activation``,
         gate/up's act-and-mul after ``linear``) and the new residual (x without one): the norm
         as the projection's prologue, one kernel where decode's few rows take the skinny
         GEMM (``ops.norm_linear``). ``linear``: a layer computing ``x W^T + b`` on this rank
-        (column-parallel, or replicated)."""
+        (column-parallel, or replicated). ``reduce``: as in ``forward`` (then the norm and
+        the all-reduce are one kernel, the projection another)."""
+        if reduce is not None:
+            h, residual = self(x, residual, reduce)
+            if activation is not None:
+                return ops.linear_act_and_mul(h, linear.weight, activation), residual
+            return ops.linear(h, linear.weight, linear.bias), residual
         return ops.norm_linear(
             x, residual, self.weight, self.variance_epsilon, linear.weight, linear.bias, activation
         )

@@ -11,11 +11,13 @@ down row-parallel (one all-reduce each), vocab-parallel embedding and LM head; e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from breakgraph.distributed import get_tp_group
 from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
 from breakgraph.layers.linear import (
@@ -87,6 +89,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q))  # its k/v are stored
 
 
+# Under TP, o and down hand their partial sums to the norm after them, which all-reduces
+# them in its kernel (TPGroup.all_reduce_add_rms_norm: one launch for decode's rows instead
+# of the all-reduce's and the norm's); BREAKGRAPH_AR_NORM=0 reduces in the projections
+AR_NORM = os.environ.get("BREAKGRAPH_AR_NORM", "1") != "0"
+
+
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
@@ -96,22 +104,35 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.build_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        tp = get_tp_group()
+        # the TP group that the norms all-reduce for, or None (the projections reduce)
+        self.reduce_group = tp if tp.is_parallel and AR_NORM else None
+        # whether forward's output is a partial sum (a dense MLP's down; MoE blocks reduce)
+        self.output_partial = self.reduce_group is not None and isinstance(self.mlp, LlamaMLP)
+        if self.reduce_group is not None:
+            self.self_attn.o_proj.reduce_results = False
+            if self.output_partial:
+                self.mlp.down_proj.reduce_results = False
 
     def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         return LlamaMLP(config)
 
-    def forward(self, hidden_states, residual, cos, sin):
+    def forward(self, hidden_states, residual, cos, sin, partial: bool = False):
+        """``partial``: hidden_states is the previous layer's partial sum on this rank (its
+        ``output_partial``), all-reduced by this layer's input norm."""
         # each norm (after the residual add) runs with the projection it feeds: one kernel
-        # where decode's few rows take the skinny GEMM, else the norm then the GEMM
+        # where decode's few rows take the skinny GEMM, else the norm then the GEMM; under TP
+        # the norms after o and down all-reduce their partial sums in the same kernel
+        group = self.reduce_group
         qkv, residual = self.input_layernorm.project(
-            hidden_states, residual, self.self_attn.qkv_proj
+            hidden_states, residual, self.self_attn.qkv_proj, reduce=group if partial else None
         )
         hidden_states = self.self_attn(qkv, cos, sin)
         if not isinstance(self.mlp, LlamaMLP):  # a sparse MoE block: its router reads the norm
-            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, group)
             return self.mlp(hidden_states), residual
         act, residual = self.post_attention_layernorm.project(
-            hidden_states, residual, self.mlp.gate_up_proj, "silu"
+            hidden_states, residual, self.mlp.gate_up_proj, "silu", reduce=group
         )
         return self.mlp.down_proj(act), residual
 
@@ -136,10 +157,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions)
-        residual = None
+        residual, partial = None, False
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
-        hidden_states, _ = self.norm(hidden_states, residual)
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, partial)
+            partial = layer.output_partial
+        reduce = self.layers[-1].reduce_group if partial else None
+        hidden_states, _ = self.norm(hidden_states, residual, reduce)
         return hidden_states
 
 
