@@ -24,7 +24,8 @@ python3 -m breakgraph.cli serve --model-path llama-3.1-8b --load-format dummy --
 S=$!
 for _ in $(seq 240); do curl -sf http://127.0.0.1:30111/health >/dev/null && break; sleep 0.5; done
 python3 -m breakgraph.cli bench prefill cold 8192 8 --url http://127.0.0.1:30111 2>&1 | grep -v Warn | tee -a "$R/serve.log"
-t0=$(date +%s.%N); kill -TERM $S; wait $S; echo "TP2 server stopped in $(echo "$(date +%s.%N) - $t0" | bc) s, rc $?" | tee -a "$R/serve.log"
+t0=$(date +%s%N); kill -TERM $S; wait $S; rc=$?
+echo "TP2 server stopped in $(( ($(date +%s%N) - t0) / 1000000 )) ms, rc $rc" | tee -a "$R/serve.log"
 sleep 1; echo "left: $(pgrep -f 'breakgraph' | wc -l) breakgraph processes" | tee -a "$R/serve.log"
 tar czf "$OUT/r.tgz" -C /tmp r
 true
