@@ -94,7 +94,22 @@ def assert_same_steps(a: LogitsTap, b: LogitsTap) -> None:
 @pytest.mark.parametrize("family", [*DENSE, "qwen3_moe"])
 def test_tp2_logits_equal_tp1(checkpoints, family):
     """One whole prompt, a ragged batch, a request over a cached prefix, greedy decode."""
-    with tp1_and_tp2(checkpoints[family]) as (tp1, tp2, tap1, tap2):
+    _assert_tp2_logits_equal_tp1(checkpoints[family])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_tp2_with_the_norms_reducing_equals_tp1(checkpoints, family, monkeypatch):
+    """BREAKGRAPH_AR_NORM=1: o and down hand partial sums to the norms after them, which
+    all-reduce them (the final norm too; a MoE block still reduces its own output): the
+    same tokens and logits as TP1."""
+    monkeypatch.setenv("BREAKGRAPH_AR_NORM", "1")  # the workers inherit it
+    _assert_tp2_logits_equal_tp1(checkpoints[family], reducing_norms=True)
+
+
+def _assert_tp2_logits_equal_tp1(checkpoint, reducing_norms: bool = False):
+    with tp1_and_tp2(checkpoint) as (tp1, tp2, tap1, tap2):
+        layers = tp2.model.model.layers
+        assert all((layer.reduce_group is not None) == reducing_norms for layer in layers)
         (base,) = prompts([48], seed=2)
         batches = [
             (prompts([37]), greedy(1)),

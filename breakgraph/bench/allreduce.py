@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
     parser.add_argument(
-        "--norm-rows", type=int, nargs="*", default=[1, 8, 64],
-        help="also the fused all-reduce + add + RMSNorm at these row counts",
+        "--norm-rows", type=int, nargs="*", default=[],
+        help="also the fused all-reduce + add + RMSNorm at these row counts (e.g. 1 8 64)",
     )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=4096, help="the fused norm's row width")
     args = parser.parse_args(argv)

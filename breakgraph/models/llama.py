@@ -89,10 +89,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q))  # its k/v are stored
 
 
-# Under TP, o and down hand their partial sums to the norm after them, which all-reduces
-# them in its kernel (TPGroup.all_reduce_add_rms_norm: one launch for decode's rows instead
-# of the all-reduce's and the norm's); BREAKGRAPH_AR_NORM=0 reduces in the projections
-AR_NORM = os.environ.get("BREAKGRAPH_AR_NORM", "1") != "0"
+def _reduce_in_norms() -> bool:
+    """BREAKGRAPH_AR_NORM=1 (read when a layer is built): under TP, o and down hand their
+    partial sums to the norm after them, which all-reduces them in its kernel
+    (TPGroup.all_reduce_add_rms_norm: on CUDA one launch for decode's rows instead of the
+    all-reduce's and the norm's). Off by default: the fused kernel has not yet run on two
+    GPUs (the CPU tests check the layers' sums with it on)."""
+    return os.environ.get("BREAKGRAPH_AR_NORM", "0") == "1"
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         tp = get_tp_group()
         # the TP group that the norms all-reduce for, or None (the projections reduce)
-        self.reduce_group = tp if tp.is_parallel and AR_NORM else None
+        self.reduce_group = tp if tp.is_parallel and _reduce_in_norms() else None
         # whether forward's output is a partial sum (a dense MLP's down; MoE blocks reduce)
         self.output_partial = self.reduce_group is not None and isinstance(self.mlp, LlamaMLP)
         if self.reduce_group is not None:
