@@ -75,6 +75,8 @@ def _rank(rank: int, size: int, port: int, args) -> None:
             print(f"{kib:>6} {nccl:>9.2f} {mine:>12.2f} {mine / nccl:>5.2f}x {two:>26.2f}  {same}",
                   flush=True)  # fmt: skip
     if args.norm_rows:
+        one_shot.enable_add_rms_norm()
+        dist.barrier()  # every rank's flags zeroed before any signals
         _add_rms_norm_rows(rank, size, one_shot, args, device)
     torch.cuda.synchronize()
     dist.barrier()

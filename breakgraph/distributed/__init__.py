@@ -10,6 +10,7 @@ from breakgraph.distributed.group import (
     destroy_tp_group,
     get_tp_group,
     init_tp_group,
+    reduce_in_norms,
     tp_group_scope,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "destroy_tp_group",
     "get_tp_group",
     "init_tp_group",
+    "reduce_in_norms",
     "tp_group_scope",
 ]

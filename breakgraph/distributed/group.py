@@ -45,6 +45,14 @@ AR_FUSED_COPY = os.environ.get("BREAKGRAPH_AR_COPY", "1") != "0"
 FUSED_COPY_MAX_BYTES = 256 << 10
 
 
+def reduce_in_norms() -> bool:
+    """BREAKGRAPH_AR_NORM=1: the Llama family's o and down projections hand their partial
+    sums to the norm after them, which all-reduces them (``TPGroup.all_reduce_add_rms_norm``;
+    on CUDA one kernel, set up with the one-shot path). Off by default: that kernel has not
+    yet run on two GPUs."""
+    return os.environ.get("BREAKGRAPH_AR_NORM", "0") == "1"
+
+
 class OneShotAllReduce:
     """All-reduce over symmetric memory (PyTorch's ``torch.distributed._symmetric_memory``):
     one kernel in which every rank reads every peer's buffer over NVLink and sums in rank
@@ -77,7 +85,14 @@ class OneShotAllReduce:
                 enable(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, dist.group.WORLD)  # collective: every rank, once
-        self.norm = _AddRmsNormBuffers(symm_mem, device)
+        self.device = device
+        self.norm: _AddRmsNormBuffers | None = None  # enable_add_rms_norm() sets it up
+
+    def enable_add_rms_norm(self) -> None:
+        """Set up the fused all-reduce + residual add + RMSNorm (a collective: every rank)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.norm = _AddRmsNormBuffers(symm_mem, self.device)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -302,6 +317,8 @@ def _one_shot_all_reduce(
                 "TP rank %d: one-shot all-reduce for messages up to %d bytes",
                 rank, one_shot.max_bytes,
             )  # fmt: skip
+            if reduce_in_norms():
+                _enable_add_rms_norm(one_shot, rank, device)
             return one_shot
         if one_shot is not None:
             why = "another rank's self-check summed wrong"
@@ -309,6 +326,21 @@ def _one_shot_all_reduce(
         why = "another rank could not set it up"
     logger.warning("TP rank %d: custom all-reduce off, all-reduces go to NCCL (%s)", rank, why)
     return None
+
+
+def _enable_add_rms_norm(one_shot: OneShotAllReduce, rank: int, device: torch.device) -> None:
+    """The fused all-reduce + norm on every rank, or on none (one line why): a rank taking it
+    waits on a flag that a rank on the unfused path never sets."""
+    why = ""
+    try:
+        one_shot.enable_add_rms_norm()
+    except Exception as e:  # noqa: BLE001 - an older torch, no symmetric memory left
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if not _agree(one_shot.norm is not None, device):
+        one_shot.norm = None
+        logger.warning(
+            "TP rank %d: fused all-reduce + norm off (%s)", rank, why or "another rank's is"
+        )
 
 
 def _agree(ok: bool, device: torch.device) -> bool:

@@ -11,13 +11,12 @@ down row-parallel (one all-reduce each), vocab-parallel embedding and LM head; e
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from breakgraph.distributed import get_tp_group
+from breakgraph.distributed import get_tp_group, reduce_in_norms
 from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
 from breakgraph.layers.linear import (
@@ -89,15 +88,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q))  # its k/v are stored
 
 
-def _reduce_in_norms() -> bool:
-    """BREAKGRAPH_AR_NORM=1 (read when a layer is built): under TP, o and down hand their
-    partial sums to the norm after them, which all-reduces them in its kernel
-    (TPGroup.all_reduce_add_rms_norm: on CUDA one launch for decode's rows instead of the
-    all-reduce's and the norm's). Off by default: the fused kernel has not yet run on two
-    GPUs (the CPU tests check the layers' sums with it on)."""
-    return os.environ.get("BREAKGRAPH_AR_NORM", "0") == "1"
-
-
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
@@ -109,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         tp = get_tp_group()
         # the TP group that the norms all-reduce for, or None (the projections reduce)
-        self.reduce_group = tp if tp.is_parallel and _reduce_in_norms() else None
+        self.reduce_group = tp if tp.is_parallel and reduce_in_norms() else None
         # whether forward's output is a partial sum (a dense MLP's down; MoE blocks reduce)
         self.output_partial = self.reduce_group is not None and isinstance(self.mlp, LlamaMLP)
         if self.reduce_group is not None:
