@@ -135,6 +135,7 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   spy_on cold8k; bench cold 8192 8 --json "$OUT/host_cold8k_$m.json"; spy_off
   spy_on hit64k; bench hit 65536 1 --json "$OUT/host_hit64k_$m.json"; spy_off
   spy_on cold256; bench cold 256 1 --json "$OUT/host_cold256_$m.json"; spy_off
+  python3 benchmarks/client_overhead.py --url $URL 2>&1 | tee -a "$OUT/serve.log"  # the client's share
   serving "host_serving_$m"
   compilations
   stop

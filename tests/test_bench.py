@@ -5,6 +5,7 @@ JSON and PNG outputs, ``bench step --plot``, and the client's stream accounting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -223,13 +224,31 @@ def test_plot_without_matplotlib(monkeypatch):
         require_matplotlib()
 
 
-def _sse_server(events: list[str]) -> httpx.MockTransport:
-    body = "".join(f"data: {e}\n\n" for e in events)
-    return httpx.MockTransport(
-        lambda request: httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, content=body.encode()
-        )
-    )
+@contextlib.asynccontextmanager
+async def _sse_server(events: list[str]):
+    """A local HTTP server whose /generate streams ``events``; yields its URL."""
+    from aiohttp import web
+
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+
+    async def generate(request):
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(body)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 def _event(n: int, finish: dict | None = None) -> str:
@@ -242,7 +261,7 @@ def test_stream_accounting_counts_coalesced_tokens():
     events = [_event(1), _event(3), _event(4), _event(4, {"type": "length"}), "[DONE]"]
 
     async def go():
-        async with ServerClient("http://bench", transport=_sse_server(events)) as c:
+        async with _sse_server(events) as url, ServerClient(url) as c:
             return await c.generate([1, 2, 3, 4, 5], max_new_tokens=4)
 
     r = asyncio.run(go())
@@ -256,7 +275,7 @@ def test_stream_error_event_is_an_error():
     events = [_event(1), json.dumps({"error": {"message": "engine died", "code": 503}}), "[DONE]"]
 
     async def go():
-        async with ServerClient("http://bench", transport=_sse_server(events)) as c:
+        async with _sse_server(events) as url, ServerClient(url) as c:
             await c.generate([1, 2], max_new_tokens=4)
 
     with pytest.raises(BenchError, match="engine died"):
