@@ -55,6 +55,11 @@ class ForwardBatch:
     # step without reading device values
     out_cache_loc_cpu: IntSeq | None = None
     req_pool_indices_cpu: Sequence[int] | None = None
+    # ``build(table_width=W)``: each new token's cell in the request table (row * W + column,
+    # int64) and its slot as the table holds it (int32), uploaded with the step, so that the
+    # step's table write is one kernel (``ReqToTokenPool.write_batch``)
+    table_cells: torch.Tensor | None = None
+    table_slots: torch.Tensor | None = None
     # per-step state the attention break derives once and every layer reuses: launch plans
     # keyed by what they depend on besides the step (heads, head_dim, scale, window)
     attention_plans: dict[tuple, Any] = field(
@@ -132,12 +137,14 @@ class ForwardBatch:
         extend_lens: Sequence[int],
         device: torch.device | str,
         positions: np.ndarray | None = None,
+        table_width: int | None = None,
     ) -> ForwardBatch:
         """Build on the host and upload with pinned, non-blocking copies. The per-token rows
         (positions) are numpy ranges and the token lists are copied into the pinned buffer by
         numpy: no Python loop over the step's tokens. ``positions``: the step's
-        :func:`token_positions` where the caller has them already (its table write's
-        columns)."""
+        :func:`token_positions` where the caller has them already. ``table_width``: the
+        request table's row length; the step's table cells and slots go up with it
+        (``table_cells``, ``table_slots``)."""
         pre = np.asarray(prefix_lens, dtype=np.int64)
         ext = np.asarray(extend_lens, dtype=np.int64)
         ends = np.cumsum(ext)
@@ -146,14 +153,15 @@ class ForwardBatch:
             positions = token_positions(pre, ext, starts)
         dev = torch.device(device)
         pin = dev.type == "cuda"
-        i64 = upload_many(
-            [input_ids, positions, out_cache_loc, req_pool_indices, ends - 1],
-            torch.int64,
-            dev,
-            pin,
-        )
+        rows64 = [input_ids, positions, out_cache_loc, req_pool_indices, ends - 1]
         seq = pre + ext
-        i32 = upload_many([seq, pre, ext, starts], torch.int32, dev, pin)
+        rows32 = [seq, pre, ext, starts]
+        if table_width is not None:
+            rows_of = np.repeat(np.asarray(req_pool_indices, dtype=np.int64), ext)
+            rows64.append(rows_of * table_width + positions)
+            rows32.append(out_cache_loc)
+        i64 = upload_many(rows64, torch.int64, dev, pin)
+        i32 = upload_many(rows32, torch.int32, dev, pin)
         return cls(
             mode=mode,
             input_ids=i64[0],
@@ -170,6 +178,8 @@ class ForwardBatch:
             extend_lens_cpu=ext.tolist(),
             out_cache_loc_cpu=out_cache_loc,
             req_pool_indices_cpu=req_pool_indices,
+            table_cells=i64[5] if table_width is not None else None,
+            table_slots=i32[4] if table_width is not None else None,
         )
 
 

@@ -116,16 +116,32 @@ def test_req_to_token_write_many_scatters_rows_and_cols():
     assert torch.equal(pool.table, want)
 
 
-def test_req_to_token_write_decode_from_device_tensors_unlogged():
-    """A decode step's new column per request, from the batch's own tensors: not logged for
-    the TP workers, which write it from their copy of the step."""
+def test_req_to_token_write_batch_from_the_steps_upload():
+    """A step's table write from the cells and slots its batch uploaded (``build(table_width)``):
+    a decode step's is not logged for the TP workers (they write it from their copy of the
+    step); an extend step's is, as its host rows, columns and slots."""
+    from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
     pool = ReqToTokenPool(3, 8, "cpu")
     pool.write_log = []  # TP rank 0
-    pool.write_decode(torch.tensor([2, 0]), torch.tensor([5, 0]), torch.tensor([11, 12]))
+    decode = ForwardBatch.build(
+        ForwardMode.DECODE, [7, 7], [11, 12], [2, 0], [5, 0], [1, 1], "cpu", table_width=8
+    )
+    pool.write_batch(decode)
     want = torch.zeros(3, 8, dtype=torch.int32)
     want[2, 5], want[0, 0] = 11, 12
     assert torch.equal(pool.table, want)
     assert pool.drain_writes() is None
+    extend = ForwardBatch.build(
+        ForwardMode.EXTEND, [1, 2, 3], [21, 22, 23], [1, 0], [2, 6], [2, 1], "cpu", table_width=8
+    )
+    pool.write_batch(extend, log=([1, 1, 0], [2, 3, 6], torch.tensor([21, 22, 23])))
+    want[1, 2], want[1, 3], want[0, 6] = 21, 22, 23
+    assert torch.equal(pool.table, want)
+    rows, cols, slots = pool.drain_writes()
+    assert (
+        rows.tolist() == [1, 1, 0] and cols.tolist() == [2, 3, 6] and slots.tolist() == [21, 22, 23]
+    )
 
 
 def test_req_to_token_write_read_cpu():

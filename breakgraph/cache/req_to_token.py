@@ -90,14 +90,16 @@ class ReqToTokenPool:
             vals = vals.pin_memory()
         self.table.index_put_((r, c), vals.to(self.device, non_blocking=True))
 
-    def write_decode(
-        self, req_pool_indices: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor
-    ) -> None:
-        """A decode step's new slot per request, ``table[req_pool_indices, positions] =
-        out_cache_loc``, from the step's device tensors (int64 [B]): no upload, and no log:
-        every TP rank writes it from its own copy of the step."""
-        flat = req_pool_indices * self.max_context_len + positions
-        self.table.view(-1).index_copy_(0, flat, out_cache_loc.to(self.table.dtype))
+    def write_batch(self, batch, log: tuple | None = None) -> None:
+        """A step's table write from its own upload (``ForwardBatch.build(table_width=
+        max_context_len)``: ``table_cells``, ``table_slots``): one kernel, no upload of its
+        own. ``log``: the write as host ``(rows, cols, slots)`` for TP rank 0's log (decode's
+        is not logged: every TP rank writes it from its own copy of the step)."""
+        if log is not None and self.write_log is not None:
+            self._log(
+                np.asarray(log[0], dtype=np.int32), np.asarray(log[1], dtype=np.int32), log[2]
+            )
+        self.table.view(-1).index_copy_(0, batch.table_cells, batch.table_slots)
 
     def _log(self, rows: np.ndarray, cols: np.ndarray, slots: torch.Tensor) -> None:
         vals = slots.reshape(-1).to(torch.int32).numpy().copy()

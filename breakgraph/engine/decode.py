@@ -106,6 +106,7 @@ class DecodeManager:
         self.new_token_ratio = max(
             self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
         )
+        req_pool = self.cache.req_pool
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
             [r.next_input_id for r in reqs],
@@ -114,9 +115,8 @@ class DecodeManager:
             prefixes,
             [1] * len(reqs),
             self.device,
+            table_width=req_pool.max_context_len,
         )
-        # the table's new column from the batch's own device tensors (TP ranks likewise)
-        self.cache.req_pool.write_decode(
-            batch.req_pool_indices, batch.positions, batch.out_cache_loc
-        )
+        # the table's new column from the batch's own upload (TP ranks likewise, unlogged)
+        req_pool.write_batch(batch)
         return reqs, batch

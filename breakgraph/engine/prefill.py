@@ -196,14 +196,16 @@ class PrefillManager:
         table_rows = [r.req_pool_idx for r in reqs]
         ext = np.asarray(extends, dtype=np.int64)
         cols = token_positions(np.asarray(prefixes, dtype=np.int64), ext)
-        self.cache.write_table(
-            np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots
-        )
         input_ids = np.concatenate(parts)
-        return ForwardBatch.build(
+        req_pool = self.cache.req_pool
+        batch = ForwardBatch.build(
             ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device,
-            positions=cols,
+            positions=cols, table_width=req_pool.max_context_len,
         )  # fmt: skip
+        # the new slots into the table from the batch's own upload (one kernel)
+        rows_of = np.repeat(np.asarray(table_rows, dtype=np.int64), ext)
+        req_pool.write_batch(batch, log=(rows_of, cols, all_slots))
+        return batch
 
 
 def _computes_same_prompt(batch: list[Req], req: Req) -> bool:

@@ -593,6 +593,7 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device, trace=
     if msg.table_writes is not None:
         req_pool.apply_writes(*msg.table_writes)
     n = len(msg.out_cache_loc)
+    decode = msg.mode == ForwardMode.DECODE.value
     batch = ForwardBatch.build(
         ForwardMode(msg.mode),
         np.zeros(n, dtype=np.int64),
@@ -601,10 +602,11 @@ def _run_step(msg: StepMessage, runner, req_pool, group: TPGroup, device, trace=
         msg.prefix_lens,
         msg.extend_lens,
         device,
+        table_width=req_pool.max_context_len if decode else None,
     )
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
-    if batch.mode is ForwardMode.DECODE:  # rank 0's scheduler wrote its own copy likewise
-        req_pool.write_decode(batch.req_pool_indices, batch.positions, batch.out_cache_loc)
+    if decode:  # rank 0's scheduler wrote its own copy likewise
+        req_pool.write_batch(batch)
     if msg.prompt_rows < 0:
         built = time.perf_counter()
         _broadcast_inputs(group, batch.input_ids)
