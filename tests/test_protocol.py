@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import enum
+import re
 
 import orjson
 import pytest
@@ -122,3 +123,71 @@ def test_parsed_int_arrays_skip_the_type_pass_and_leave_as_id_lists():
         with pytest.raises(APIError) as e:
             check_input_ids(ids, INFO)
         assert e.value.message == words
+
+
+def test_a_single_prompt_body_parses_its_ids_as_one_array():
+    """simdjson's fast path (one ``[`` in the body: a flat input_ids): the ids come out as an
+    IdArray without a Python int each; check_input_ids checks their range and packs them,
+    the same bytes and the same 400 as the list path."""
+    from breakgraph.server.messages import IdArray
+    from breakgraph.server.protocol import simdjson
+
+    if simdjson is None:
+        pytest.skip("pysimdjson not installed")
+    ids = [i % 256 for i in range(LONG)]
+    body = parse_json(orjson.dumps({"input_ids": ids, "stream": True,
+                                    "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))  # fmt: skip
+    assert body["stream"] is True and body["sampling_params"] == {
+        "max_new_tokens": 3,
+        "temperature": 0,
+    }
+    got = check_input_ids(body["input_ids"], INFO)
+    assert type(got) is IdArray and len(got) == LONG and got == ids
+    assert got[3] == 3 and got[-2:] == ids[-2:] and got + [1] == ids + [1] and list(got) == ids
+    assert got.packed == array.array("i", ids).tobytes() == messages._pack_ids(got)
+    msg = messages.GenerateReq("r", got, SamplingParams(max_new_tokens=1))
+    assert messages.decode(messages.encode(msg)).input_ids.tolist() == ids
+    for bad, words in ((256, "input_ids[2]: token id 256 is out of range [0, 256)"),
+                       (-3, "input_ids[2]: token id -3 is out of range [0, 256)")):  # fmt: skip
+        fast = parse_json(orjson.dumps({"input_ids": [1, 2, bad, 4]}))["input_ids"]
+        assert type(fast) is IdArray
+        with pytest.raises(APIError, match=re.escape(words)):
+            check_input_ids(fast, INFO)
+        with pytest.raises(APIError, match=re.escape(words)):
+            check_input_ids([1, 2, bad, 4], INFO)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"input_ids": [1, true, 3]}',  # a bool
+        b'{"input_ids": [1, 2.0, 3]}',  # a float
+        b'{"input_ids": [1, 18446744073709551615]}',  # past 64 bits
+        b'{"input_ids": [1, 2], "input_ids": [3]}',  # a repeated key (one "input_ids" count)
+        b'{"input_ids": [1, 2], "stream": true, "stream": false}',  # a repeated key
+        b'{"input_ids": []}',  # empty
+        b'{"input_ids": [1, 2], "sampling_params": {"stop": ["a"]}}',  # a second array
+        b'{"text": "[1]", "rid": "input_ids"}',  # no input_ids array
+        b'{"input_ids": [1, 2}',  # malformed
+        b'\xef\xbb\xbf{"input_ids": [1, 2]}',  # a BOM (orjson refuses it)
+        b'{"input_ids": [1], "rid": "\\ud800"}',  # a lone surrogate
+    ],
+)
+def test_bodies_off_the_fast_path_parse_as_before(raw):
+    """Anything but a clean single prompt goes to orjson: the same dict, errors, 400s."""
+    from breakgraph.server import protocol
+
+    saved = protocol.simdjson
+    try:
+        protocol.simdjson = None
+        try:
+            want = ("ok", parse_json(raw))
+        except APIError as e:
+            want = ("error", str(e))
+    finally:
+        protocol.simdjson = saved
+    try:
+        got = ("ok", parse_json(raw))
+    except APIError as e:
+        got = ("error", str(e))
+    assert got == want

@@ -216,6 +216,44 @@ class IdList(list):
     packed: bytes | None = None
 
 
+class IdArray(Sequence[int]):
+    """A prompt's token ids that the API parsed straight into an int64 array (no Python int
+    per id: ``protocol.parse_json``'s fast path), with ``packed``, their int32 bytes, once
+    ``check_input_ids`` has checked them. Reads as a sequence of ints; a slice, or adding a
+    list, gives a list."""
+
+    __slots__ = ("values", "packed")
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        self.packed: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.values[i].tolist()
+        return int(self.values[i])
+
+    def __iter__(self):
+        return iter(self.values.tolist())
+
+    def __add__(self, other):
+        return self.values.tolist() + list(other)
+
+    def __radd__(self, other):
+        return list(other) + self.values.tolist()
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, IdArray):
+            return bool(np.array_equal(self.values, other.values))
+        return isinstance(other, Sequence) and self.values.tolist() == list(other)
+
+    def __repr__(self) -> str:
+        return f"IdArray({len(self)} ids)"
+
+
 def packed_id_list(ids: list[int], arr: np.ndarray) -> IdList:
     """``ids`` (valid, in int32 range; ``arr`` their values, as the caller's check found
     them) as an IdList carrying their int32 bytes (``ids`` itself when it is one already:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import asyncio
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -20,8 +21,13 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationErr
 
 from breakgraph.engine.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
-from breakgraph.server.messages import IdList, ModelInfo, packed_id_list
+from breakgraph.server.messages import IdArray, IdList, ModelInfo, packed_id_list
 from breakgraph.tokenizer import Tokenizer
+
+try:  # simdjson hands a prompt's ids over as one int64 buffer (no Python int per id)
+    import simdjson
+except ImportError:  # every body goes to orjson
+    simdjson = None
 
 # sampling parameters handled in the API process (detokenization), not by the engine
 API_SAMPLING_KEYS = {"skip_special_tokens": True, "no_stop_trim": False}
@@ -97,6 +103,9 @@ async def off_loop_if_large(raw: bytes, fn: Callable[..., R], *args: Any) -> R:
 def parse_json(raw: bytes) -> Any:
     """A JSON body; malformed JSON, invalid UTF-8, lone surrogates, numbers out of a double's
     range and nesting deeper than MAX_JSON_DEPTH are all a 400."""
+    body = _parse_prompt_body(raw)
+    if body is not None:
+        return body
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -114,6 +123,46 @@ class IntList(IdList):
     with its int32 bytes (no copy: the parser made it)."""
 
     values: np.ndarray
+
+
+_SIMDJSON = threading.local()  # a parser per thread (off_loop_if_large's threads)
+
+
+def _parse_prompt_body(raw: bytes) -> dict[str, Any] | None:
+    """The common large body, an object whose only array is a flat ``input_ids`` of ints
+    (the whole body holds one ``[`` and one ``"input_ids"``), parsed by simdjson: the ids come
+    out as one int64 array (an ``IdArray``), not 64K Python ints converted and checked one by
+    one. None for any other body, or one that simdjson refuses or might read otherwise than
+    orjson (a bool, float or 64-bit-overflowing id, a repeated key): ``parse_json`` parses
+    it with orjson, whose errors name the problem."""
+    if simdjson is None or raw[:1] != b"{" or raw.count(b"[") != 1:
+        return None  # (a body orjson refuses, such as one led by a BOM, goes to orjson)
+    if raw.count(b'"input_ids"') != 1:
+        return None
+    parser = getattr(_SIMDJSON, "parser", None)
+    if parser is None:
+        parser = _SIMDJSON.parser = simdjson.Parser()
+    try:
+        doc = parser.parse(raw)
+        if not isinstance(doc, simdjson.Object):
+            return None
+        keys = list(doc.keys())
+        ids = doc.get("input_ids")
+        if len(set(keys)) != len(keys) or not isinstance(ids, simdjson.Array) or not len(ids):
+            return None
+        # as_buffer flattens nested arrays: the one '[' above rules them out
+        values = np.frombuffer(ids.as_buffer(of_type="i"), dtype=np.int64)
+        body: dict[str, Any] = {}
+        for key in keys:
+            if key != "input_ids":
+                value = doc[key]
+                body[key] = value.as_dict() if isinstance(value, simdjson.Object) else value
+        del doc, ids  # the parser is reused: nothing may point into its document
+    except (ValueError, TypeError, KeyError, RuntimeError, UnicodeDecodeError):
+        return None
+    _check_depth(body)
+    body["input_ids"] = IdArray(values)
+    return body
 
 
 def _int_values(items: list) -> np.ndarray | None:
@@ -284,6 +333,15 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
 
     Prompts run to 64K+ ids: the common case (all plain ints in range) is checked in C, and
     only a prompt that fails it is walked in Python to name its first bad id."""
+    if type(ids) is IdArray:  # parsed as ints already (parse_json's fast path)
+        lo, hi = int(ids.values.min()), int(ids.values.max())
+        if lo < 0 or hi >= info.vocab_size:
+            i = int(np.flatnonzero((ids.values < 0) | (ids.values >= info.vocab_size))[0])
+            raise APIError(
+                f"{field}[{i}]: token id {ids[i]} is out of range [0, {info.vocab_size})"
+            )
+        ids.packed = ids.values.astype(np.int32).tobytes()
+        return ids
     if not isinstance(ids, list):
         raise APIError(f"{field} must be a list of integers, got {type(ids).__name__}")
     if not ids:
