@@ -173,21 +173,17 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
         b'{"input_ids": [1], "rid": "\\ud800"}',  # a lone surrogate
     ],
 )
-def test_bodies_off_the_fast_path_parse_as_before(raw):
+def test_bodies_off_the_fast_path_parse_as_before(raw, monkeypatch):
     """Anything but a clean single prompt goes to orjson: the same dict, errors, 400s."""
     from breakgraph.server import protocol
 
-    saved = protocol.simdjson
+    got = _parsed(raw)
+    monkeypatch.setattr(protocol, "simdjson", None)
+    assert got == _parsed(raw)
+
+
+def _parsed(raw: bytes) -> tuple[str, object]:
     try:
-        protocol.simdjson = None
-        try:
-            want = ("ok", parse_json(raw))
-        except APIError as e:
-            want = ("error", str(e))
-    finally:
-        protocol.simdjson = saved
-    try:
-        got = ("ok", parse_json(raw))
+        return "ok", parse_json(raw)
     except APIError as e:
-        got = ("error", str(e))
-    assert got == want
+        return "error", str(e)
