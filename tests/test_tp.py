@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -700,3 +701,31 @@ def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
     words = out.stdout.split()
     assert words[:2] == ["stopped", "in"] and float(words[2]) < 5, out.stdout
     assert words[3:] == ["codes", "0"], out.stdout
+
+
+def test_step_messages_cross_the_pipe_in_their_binary_layout():
+    """Rank 0's step message in its fixed layout (no pickle on the step's path) comes back
+    whole: every kind, mode and field, with and without table writes; other messages
+    (setup, replay, stop) are pickled."""
+    from breakgraph.engine.tp_worker import ReplayWhole, StepMessage, _unwire, _wire
+
+    def i32(*v):
+        return np.asarray(v, dtype=np.int32)
+
+    writes = (i32(1, 4), i32(2, 5), i32(3, 6))
+    for mode, kind, tw in (("decode", "forward", None), ("extend", "eager", writes),
+                           ("extend", "capture_whole", writes)):  # fmt: skip
+        msg = StepMessage(mode, i32(5, 6, 7), i32(1, 2), i32(1024, 0), i32(1, 2), tw,
+                          prompt_rows=3, top_k=2, sent_at=12.5, kind=kind)  # fmt: skip
+        data = _wire(msg)
+        assert data[:1] == b"S"
+        back = _unwire(data)
+        for name in ("mode", "kind", "prompt_rows", "top_k", "sent_at"):
+            assert getattr(back, name) == getattr(msg, name)
+        for name in ("out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens"):
+            assert getattr(back, name).tolist() == getattr(msg, name).tolist()
+        assert (back.table_writes is None) == (tw is None)
+        if tw is not None:
+            assert [a.tolist() for a in back.table_writes] == [a.tolist() for a in tw]
+    assert _unwire(_wire(None)) is None
+    assert isinstance(_unwire(_wire(ReplayWhole())), ReplayWhole)

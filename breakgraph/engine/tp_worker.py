@@ -2,7 +2,7 @@
 
 Rank 0 runs the scheduler. Before each forward its ModelRunner sends every worker one small
 message (``StepMessage``: the step's lengths, slots, table rows and the request-table writes
-made since the last step), broadcasts the step's input ids over the TP group (they may be a
+made since the last step; a fixed binary layout, not a pickle), broadcasts the step's input ids over the TP group (they may be a
 device tensor from overlap scheduling: never read on the host), and every rank runs the same
 forward on its shard; only rank 0 samples.
 
@@ -26,8 +26,10 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -73,6 +75,51 @@ class StepMessage:
     # forward (graphs when they fit), eager, or capture_whole (the step as one CUDA graph,
     # kept until the next capture: benches replay it with ReplayWhole)
     kind: str = "forward"
+
+
+_MODES = ("extend", "decode")  # ForwardMode values, by index on the wire
+_KINDS = ("forward", "eager", "capture_whole")
+# a step on the wire: b"S", mode, kind, tokens, requests, table writes (-1: none), prompt
+# rows, top_k, sent_at; then int32 slots [T], rows, prefix and extend lengths [B] each, and
+# the table writes' rows, columns and slots [W] each
+_STEP = struct.Struct("<cBBiiiiid")
+
+
+def _step_bytes(msg: StepMessage) -> bytes:
+    """``msg`` in a fixed binary layout: no pickling on the step's path (pickle and unpickle
+    of a decode step: ~50 µs on a 2-core CPU; this: a few)."""
+    writes = msg.table_writes
+    arrays = [msg.out_cache_loc, msg.req_pool_indices, msg.prefix_lens, msg.extend_lens]
+    if writes is not None:
+        arrays += list(writes)
+    head = _STEP.pack(
+        b"S", _MODES.index(msg.mode), _KINDS.index(msg.kind), len(msg.out_cache_loc),
+        len(msg.req_pool_indices), -1 if writes is None else len(writes[0]), msg.prompt_rows,
+        msg.top_k, msg.sent_at,
+    )  # fmt: skip
+    return b"".join([head, *(np.asarray(a, dtype=np.int32).tobytes() for a in arrays)])
+
+
+def _step_from_bytes(data: bytes) -> StepMessage:
+    _, mode, kind, t, b, w, prompt_rows, top_k, sent_at = _STEP.unpack_from(data)
+    flat = np.frombuffer(data, dtype=np.int32, offset=_STEP.size)
+    at = t + 3 * b
+    writes = None if w < 0 else (flat[at : at + w], flat[at + w : at + 2 * w], flat[at + 2 * w :])
+    return StepMessage(
+        _MODES[mode], flat[:t], flat[t : t + b], flat[t + b : t + 2 * b],
+        flat[t + 2 * b : at], writes, prompt_rows, top_k, sent_at, _KINDS[kind],
+    )  # fmt: skip
+
+
+def _wire(obj) -> bytes:
+    """What rank 0 sends a worker: a step in its binary layout, anything else pickled."""
+    if isinstance(obj, StepMessage):
+        return _step_bytes(obj)
+    return b"P" + pickle.dumps(obj)
+
+
+def _unwire(data: bytes):
+    return _step_from_bytes(data) if data[:1] == b"S" else pickle.loads(data[1:])
 
 
 @dataclass
@@ -293,9 +340,10 @@ class TPDriver:
             time.sleep(0.05)
 
     def _send(self, obj) -> None:
+        data = _wire(obj)
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                conn.send(obj)
+                conn.send_bytes(data)
             except OSError as e:
                 self._raise_dead(e, wait_s=2.0)
                 raise RuntimeError(f"TP worker rank {rank} is unreachable: {e}") from e
@@ -318,7 +366,7 @@ class TPDriver:
         stop = None if leave_group else ExitNow()
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                conn.send(stop)
+                conn.send_bytes(_wire(stop))
         group, self.group = self.group, None
         if not leave_group:
             TEARDOWN_SKIPPED = TEARDOWN_SKIPPED or group is not None
@@ -448,7 +496,7 @@ def _stop_workers(procs, conns, watch_stop) -> None:
     _signal_stop(watch_stop)
     for conn in conns:
         with contextlib.suppress(OSError):
-            conn.send(None)
+            conn.send_bytes(_wire(None))
     deadline = time.monotonic() + _JOIN_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -481,11 +529,11 @@ def _recv(conn, parent_pid: int, spin_s: float = 0.0):
         deadline = time.perf_counter() + spin_s
         while time.perf_counter() < deadline:
             if conn.poll(0):
-                return conn.recv()
+                return _unwire(conn.recv_bytes())
     while not conn.poll(_POLL_S):
         if os.getppid() != parent_pid:
             raise _ParentGone
-    return conn.recv()
+    return _unwire(conn.recv_bytes())
 
 
 class _StepTrace:
