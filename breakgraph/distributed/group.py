@@ -107,8 +107,9 @@ class OneShotAllReduce:
         """The sum of ``x`` over the ranks (``fits(x)``): a new tensor with the fused copy,
         else ``x`` summed in place."""
         flat = x.view(-1)
-        staged = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
-        if self.fused_copy and staged.numel() * staged.element_size() <= FUSED_COPY_MAX_BYTES:
+        nbytes = flat.numel() * flat.element_size()
+        staged = self.buffer[:nbytes].view(flat.dtype)
+        if self.fused_copy and nbytes <= FUSED_COPY_MAX_BYTES:
             # the output apart from the input: the kernel copies, then sums
             out = torch.empty_like(flat)
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(

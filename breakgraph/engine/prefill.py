@@ -202,9 +202,12 @@ class PrefillManager:
             ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device,
             positions=cols, table_width=req_pool.max_context_len,
         )  # fmt: skip
-        # the new slots into the table from the batch's own upload (one kernel)
-        rows_of = np.repeat(np.asarray(table_rows, dtype=np.int64), ext)
-        req_pool.write_batch(batch, log=(rows_of, cols, all_slots))
+        # the new slots into the table from the batch's own upload (one kernel); TP rank 0
+        # logs them as host rows, columns and slots for the workers
+        log = None
+        if req_pool.write_log is not None:
+            log = (np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots)
+        req_pool.write_batch(batch, log=log)
         return batch
 
 

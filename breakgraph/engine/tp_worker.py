@@ -2,9 +2,9 @@
 
 Rank 0 runs the scheduler. Before each forward its ModelRunner sends every worker one small
 message (``StepMessage``: the step's lengths, slots, table rows and the request-table writes
-made since the last step; a fixed binary layout, not a pickle), broadcasts the step's input ids over the TP group (they may be a
-device tensor from overlap scheduling: never read on the host), and every rank runs the same
-forward on its shard; only rank 0 samples.
+made since the last step; a fixed binary layout, not a pickle), broadcasts the step's input
+ids over the TP group (they may be a device tensor from overlap scheduling: never read on the
+host), and every rank runs the same forward on its shard; only rank 0 samples.
 
 Startup goes over the pipes, not collectives: each worker reports that it is up, then its KV
 capacity (rank 0 waits for both watching the worker's process, so a worker that dies while
@@ -77,7 +77,7 @@ class StepMessage:
     kind: str = "forward"
 
 
-_MODES = ("extend", "decode")  # ForwardMode values, by index on the wire
+_MODES = tuple(m.value for m in ForwardMode)  # by index on the wire
 _KINDS = ("forward", "eager", "capture_whole")
 # a step on the wire: b"S", mode, kind, tokens, requests, table writes (-1: none), prompt
 # rows, top_k, sent_at; then int32 slots [T], rows, prefix and extend lengths [B] each, and
