@@ -9,12 +9,17 @@
 #   default  the code as it is
 #   pdl      BREAKGRAPH_PDL=1: programmatic dependent launch of the Triton kernels at every batch
 #   nopdl    BREAKGRAPH_PDL=0: at none
+#   noprefetch  BREAKGRAPH_PDL_PREFETCH=0: PDL kernels read nothing before their wait
 #   merge    BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch
-#   table    that and the swept table (BREAKGRAPH_SKINNY=PATH)
+#   qkv      the table with qwen3-0.6b's qkv (M <= 4) and llama's gate/up (M = 1) on the
+#            skinny kernel, which the standalone sweep left on cuBLAS (a kernel in the
+#            decode graph's PDL chain prefetches its weight; cuBLAS's waits)
+#   table    decode attention in one launch and the swept table (BREAKGRAPH_SKINNY=PATH)
 #   all      that and every projection on generic skinny configs
-# TESTS=1 first runs the kernel tests.
+# TESTS=1 first runs the kernel tests; PROFILE=1 adds --profile (GPU time by kernel kind:
+# under PDL a kernel's time includes its wait for the one before).
 #   OUT=$OUT [GEMM=1] [ARMS="default pdl"] [CONTEXTS="1024 8192"] [MODELS=...] \
-#     [BATCH_SIZES=...] bash benchmarks/h200_decode.sh
+#     [BATCH_SIZES=...] [PROFILE=1] bash benchmarks/h200_decode.sh
 source "$(dirname "$0")/device_env.sh"
 if [ "${TESTS:-0}" = 1 ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_kernels.py \
@@ -38,6 +43,16 @@ for ctx in ${CONTEXTS:-1024 8192}; do
       default) env=() ;;
       pdl) env=(BREAKGRAPH_PDL=1) ;;
       nopdl) env=(BREAKGRAPH_PDL=0) ;;
+      noprefetch) env=(BREAKGRAPH_PDL_PREFETCH=0) ;;
+      qkv)
+        python3 -c "
+import json
+from breakgraph.kernels import skinny_gemm as s
+t, C = dict(s.SKINNY_TABLE), s.SkinnyConfig
+t[(4096, 1024)] = [(4, C(32, 128, 1, fuse_norm=False))] + t[(4096, 1024)]
+t[(28672, 4096)] = [(1, C(64, 256, 1, fuse_norm=False))] + t[(28672, 4096)][1:]
+json.dump(s.table_to_json(t), open('/tmp/skinny_qkv.json', 'w'))"
+        env=(BREAKGRAPH_SKINNY=/tmp/skinny_qkv.json) ;;
       merge) env=(BREAKGRAPH_DECODE_MERGE=split) ;;
       table) env=(BREAKGRAPH_DECODE_MERGE=split "BREAKGRAPH_SKINNY=$table") ;;
       all) env=(BREAKGRAPH_DECODE_MERGE=split BREAKGRAPH_SKINNY=all) ;;
@@ -45,7 +60,7 @@ for ctx in ${CONTEXTS:-1024 8192}; do
     echo "=== arm $arm, context $ctx: ${env[*]}" | tee -a "$OUT/decode.log"
     env "${env[@]}" python3 -m breakgraph.cli bench decode \
       --models ${MODELS:-qwen3-0.6b llama-3.1-8b} --batch-sizes ${BATCH_SIZES:-1 8 32 64} \
-      --context "$ctx" --profile --json "$OUT/decode_${arm}_$ctx.json" 2>&1 \
+      --context "$ctx" ${PROFILE:+--profile} --json "$OUT/decode_${arm}_$ctx.json" 2>&1 \
       | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/decode.log"
   done
 done

@@ -10,11 +10,7 @@ import torch
 
 from breakgraph.kernels import pdl
 from breakgraph.kernels.attention_meta import AttentionMeta
-from breakgraph.kernels.extend_attention import (
-    _attend_block,
-    extend_attention_torch,
-    merge_partial,
-)
+from breakgraph.kernels.extend_attention import _attend_block, extend_attention_torch
 from breakgraph.kernels.workspace import Workspace, last_to_arrive
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
@@ -121,17 +117,30 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MERGE: NUM_SPLITS to a power of two
     PDL: tl.constexpr = False,  # kernels/pdl.py
+    PREFETCH: tl.constexpr = False,  # kernels/pdl.py: the split's key and value lines first
+    LINE: tl.constexpr = 64,  # PREFETCH: cache elements per L2 line
 ):
     """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
 
     With MERGE, stage 2 happens here: each program counts itself in once its partials are
     stored, and the group's last to arrive merges every split's partials into ``o``.
+
+    With PREFETCH the program asks L2 for its keys' and values' lines before the wait: the
+    lengths, the request table and the older keys are no predecessor's output (the kernel
+    before writes q and the newest key, whose line a prefetch may warm early and harmlessly).
     """
-    pdl.enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < group
+    mask_d = offs_d < HEAD_DIM
+    k_base = k_cache + kv_head * stride_k_h
+    v_base = v_cache + kv_head * stride_v_h
     seq_len = tl.load(seq_lens + b)
     start = 0
     if SLIDING:
@@ -142,22 +151,22 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < group
-    mask_d = offs_d < HEAD_DIM
+    req = tl.load(req_pool_indices + b).to(tl.int64)
+    tokens = req_to_token + req * stride_req
+    if PREFETCH:  # the first two key blocks: later ones stream behind the loop below
+        lines = tl.minimum(tl.arange(0, BLOCK_D // LINE) * LINE, HEAD_DIM - 1)
+        for n0 in range(lo, tl.minimum(hi, lo + 2 * BLOCK_N), BLOCK_N):
+            offs = n0 + offs_n
+            slots = tl.load(tokens + offs, mask=offs < hi, other=0).to(tl.int64)
+            pdl.prefetch_l2(k_base + slots[:, None] * stride_k_s + lines[None, :])
+            pdl.prefetch_l2(v_base + slots[:, None] * stride_v_s + lines[None, :])
+    pdl.enter(PDL)
     heads = kv_head * group + offs_h
     # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous: split 0's rows
     rows0 = (b.to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS
     if lo < hi:
-        req = tl.load(req_pool_indices + b).to(tl.int64)
-        offs_n = tl.arange(0, BLOCK_N)
         q_ptrs = q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
         q_tile = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-
-        tokens = req_to_token + req * stride_req
-        k_base = k_cache + kv_head * stride_k_h
-        v_base = v_cache + kv_head * stride_v_h
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -176,38 +185,35 @@ def _decode_split_kernel(
         tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
     if MERGE:  # an empty split arrives too
         if last_to_arrive(counters + b * tl.num_programs(1) + kv_head, NUM_SPLITS):
-            _merge_splits(
-                part_o, part_lse, o, rows0, b, heads, mask_h, offs_d, mask_d,
-                seq_len - start, stride_o_b, stride_o_h, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
-                NUM_SPLITS,
-            )  # fmt: skip
+            row0 = (b.to(tl.int64) * tl.num_programs(1) + kv_head) * group * NUM_SPLITS
+            o_row = o + b.to(tl.int64) * stride_o_b + offs_d
+            for h in range(group):
+                out = _merge_head(
+                    part_o, part_lse, row0 + h * NUM_SPLITS, seq_len - start, offs_d, mask_d,
+                    HEAD_DIM, BLOCK_N, NUM_SPLITS, BLOCK_S,
+                )  # fmt: skip
+                head_ptrs = o_row + (kv_head * group + h) * stride_o_h
+                tl.store(head_ptrs, out.to(o.dtype.element_ty), mask=mask_d)
 
 
 @_jit
-def _merge_splits(
-    part_o, part_lse, o, rows0, b, heads, mask_h, offs_d, mask_d, num_keys, stride_o_b,
-    stride_o_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _merge_head(
+    part_o, part_lse, row0, num_keys, offs_d, mask_d, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One kv head's query heads: the non-empty splits' partials merged by log-sum-exp (base
-    2), as :func:`_decode_reduce_kernel` does per head."""
+    """One head's output [BLOCK_D] (fp32): its non-empty splits' partials (rows ``row0`` on)
+    merged by log-sum-exp (base 2), every split loaded at once (one round trip, not one per
+    split). An empty sequence gives zeros."""
     split_len = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    mask = mask_h[:, None] & mask_d[None, :]
-    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for split in range(NUM_SPLITS):
-        if split * split_len < num_keys:
-            rows = rows0 + split
-            lse = tl.load(part_lse + rows, mask=mask_h, other=-1.0e30, cache_modifier=".cg")
-            part = tl.load(
-                part_o + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                cache_modifier=".cg",
-            )  # fmt: skip
-            acc, total, m = merge_partial(acc, total, m, part, lse)
-    out = acc / tl.maximum(total, 1.0e-30)[:, None]  # an empty sequence gives zeros
-    o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask)
+    offs_s = tl.arange(0, BLOCK_S)
+    live = (offs_s < NUM_SPLITS) & (offs_s * split_len < num_keys)
+    lse = tl.load(part_lse + row0 + offs_s, mask=live, other=-1.0e30, cache_modifier=".cg")
+    part = tl.load(
+        part_o + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=live[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg",
+    )  # fmt: skip
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # 0 for the empty splits (1 when all are)
+    return tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
 
 
 @_jit
@@ -223,6 +229,7 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     SLIDING: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
@@ -233,24 +240,12 @@ def _decode_reduce_kernel(
     seq_len = tl.load(seq_lens + b)
     if SLIDING:
         seq_len = seq_len - tl.maximum(seq_len - window, 0)  # the attended keys only
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     row0 = (b.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
-    m = tl.full([], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for split in range(NUM_SPLITS):
-        if split * split_len < seq_len:
-            lse = tl.load(part_lse + row0 + split)
-            part = tl.load(part_o + (row0 + split) * HEAD_DIM + offs_d, mask=mask_d, other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.math.exp2(m - m_new)
-            w = tl.math.exp2(lse - m_new)
-            acc = acc * alpha + part * w
-            total = total * alpha + w
-            m = m_new
-    out = acc / tl.maximum(total, 1.0e-30)  # an empty sequence (seq_len 0) gives zeros
+    out = _merge_head(
+        part_o, part_lse, row0, seq_len, offs_d, mask_d, HEAD_DIM, BLOCK_N, NUM_SPLITS, BLOCK_S
+    )
     o_ptrs = o + b.to(tl.int64) * stride_o_b + head * stride_o_h + offs_d
     tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_d)
 
@@ -332,9 +327,11 @@ def _launch_decode(
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
         MERGE=merge_in_split,
+        BLOCK_S=triton.next_power_of_2(splits),
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl.launch(q.device),
+        LINE=min(block_d, pdl.LINE_BYTES // k_cache.element_size()),
+        **pdl.launch(q.device, prefetch=True),
     )
     if merge_in_split:
         return
@@ -350,7 +347,8 @@ def _launch_decode(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
         SLIDING=sliding_window is not None,
-        num_warps=1 if block_d <= 128 else 2,
+        num_warps=4,  # every split's [D] partial at once: 64 x 128 fp32 over 128 threads
         **pdl.launch(q.device),
     )
