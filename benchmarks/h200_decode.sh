@@ -14,6 +14,8 @@
 #   qkv      the table with qwen3-0.6b's qkv (M <= 4) and llama's gate/up (M = 1) on the
 #            skinny kernel, which the standalone sweep left on cuBLAS (a kernel in the
 #            decode graph's PDL chain prefetches its weight; cuBLAS's waits)
+#   old      the checkout in OLD (default .dev/old: `git archive REV breakgraph | tar -x -C
+#            .dev/old`, carried) for a before/after in one run
 #   table    decode attention in one launch and the swept table (BREAKGRAPH_SKINNY=PATH)
 #   all      that and every projection on generic skinny configs
 # TESTS=1 first runs the kernel tests; PROFILE=1 adds --profile (GPU time by kernel kind:
@@ -39,8 +41,10 @@ for bs, ctx in ((1, 1024), (8, 1024), (32, 8192)):
         print(row)" 2>&1 | tee "$OUT/decode_attention.log"
 for ctx in ${CONTEXTS:-1024 8192}; do
   for arm in ${ARMS:-default pdl}; do
+    dir=.
     case $arm in
       default) env=() ;;
+      old) env=() dir=${OLD:-.dev/old} ;;
       pdl) env=(BREAKGRAPH_PDL=1) ;;
       nopdl) env=(BREAKGRAPH_PDL=0) ;;
       noprefetch) env=(BREAKGRAPH_PDL_PREFETCH=0) ;;
@@ -58,9 +62,9 @@ json.dump(s.table_to_json(t), open('/tmp/skinny_qkv.json', 'w'))"
       all) env=(BREAKGRAPH_DECODE_MERGE=split BREAKGRAPH_SKINNY=all) ;;
     esac
     echo "=== arm $arm, context $ctx: ${env[*]}" | tee -a "$OUT/decode.log"
-    env "${env[@]}" python3 -m breakgraph.cli bench decode \
+    (cd "$dir" && env "${env[@]}" python3 -m breakgraph.cli bench decode \
       --models ${MODELS:-qwen3-0.6b llama-3.1-8b} --batch-sizes ${BATCH_SIZES:-1 8 32 64} \
-      --context "$ctx" ${PROFILE:+--profile} --json "$OUT/decode_${arm}_$ctx.json" 2>&1 \
+      --context "$ctx" ${PROFILE:+--profile} --json "$OUT/decode_${arm}_$ctx.json") 2>&1 \
       | grep -v -e Loading -e Capturing -e Warning -e warn | tee -a "$OUT/decode.log"
   done
 done
