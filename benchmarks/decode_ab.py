@@ -1,0 +1,148 @@
+"""Decode-graph variants against each other in one process (issue 19).
+
+One engine per model (dummy weights); the decode graphs captured once per variant, a variant
+being kernel-module switches set while it captures (they decide what the graph launches);
+then every variant's graph step timed in interleaved rounds, so that clock and placement
+drift fall on all of them alike. Separate processes per arm (h200_decode.sh) differ by up to
+10% run to run at batch 1, more than the changes measured here. Prints, per batch size, each
+variant's median over rounds of the median step (ms, a sync around each step) and its ratio
+to the first variant.
+
+    python benchmarks/decode_ab.py --models qwen3-0.6b --batch-sizes 1 2 4 8 \\
+        --context 1024 --variants base noprefetch qkv --rounds 7 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+
+import torch
+
+from breakgraph.bench.step import time_ms
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.cuda_graphs import DecodeGraphs
+from breakgraph.engine.engine import Engine
+from breakgraph.forward_batch import ForwardBatch, ForwardMode
+from breakgraph.kernels import decode_attention, pdl, skinny_gemm
+
+
+def _qkv_table() -> dict:
+    """The table with qwen3-0.6b's qkv (M <= 4) and llama-3.1-8b's gate/up (M = 1) on the
+    skinny kernel, which the standalone sweep left on cuBLAS."""
+    t, c = dict(skinny_gemm.SKINNY_TABLE), skinny_gemm.SkinnyConfig
+    t[(4096, 1024)] = [(4, c(32, 128, 1, fuse_norm=False)), *t[(4096, 1024)]]
+    t[(28672, 4096)] = [(1, c(64, 256, 1, fuse_norm=False)), *t[(28672, 4096)][1:]]
+    return t
+
+
+# name -> [(module, attribute, value)] set while the variant captures
+VARIANTS = {
+    "base": [],
+    "noprefetch": [(pdl, "PREFETCH", False)],
+    "prefetch": [(pdl, "PREFETCH", True)],
+    "nopdl": [(pdl, "MODE", "0")],
+    "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
+    "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
+}
+
+
+@contextlib.contextmanager
+def switches(name: str):
+    saved = []
+    for module, attr, value in VARIANTS[name]:
+        saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, _qkv_table() if value == "qkv" else value)
+    try:
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+
+
+def run(args) -> list[dict]:
+    max_bs = max(args.batch_sizes)
+    results = []
+    for model in args.models:
+        eng = Engine(
+            EngineArgs(
+                model_path=model,
+                load_format="dummy",
+                device="cuda",
+                max_total_tokens=max_bs * (args.context + 1) + 16,
+                max_running_requests=max_bs,
+                cuda_graph_max_bs=max_bs,
+                cuda_graph_backend_prefill="disabled",
+                context_length=max(args.context + 16, 4096),
+            )
+        )
+        runner = eng.runner
+        rows = [eng.req_pool.alloc() for _ in range(max_bs)]
+        slots = eng.allocator.alloc(max_bs * (args.context + 1)).view(max_bs, -1)
+        for r, s in zip(rows, slots, strict=True):
+            eng.req_pool.write(r, 0, s)
+        pad = runner.decode_graphs.pad_req_idx
+        graphs = {}
+        for name in args.variants:
+            with switches(name), torch.inference_mode():
+                g = DecodeGraphs(
+                    runner.model, runner.kv_pool, runner.req_to_token, pad, max_bs,
+                    torch.cuda.graph_pool_handle(),
+                )  # fmt: skip
+                g.capture()
+            graphs[name] = g
+        for bs in args.batch_sizes:
+            batch = ForwardBatch.build(
+                ForwardMode.DECODE,
+                [1000 + i for i in range(bs)],
+                slots[:bs, args.context].tolist(),
+                rows[:bs],
+                [args.context] * bs,
+                [1] * bs,
+                eng.device,
+            )
+            samples = {name: [] for name in args.variants}
+            logits = {}
+            with torch.inference_mode():
+                for _ in range(args.rounds):
+                    for name, g in graphs.items():
+                        samples[name].append(time_ms(lambda g=g, b=batch: g.run(b), args.reps))
+                for name, g in graphs.items():
+                    logits[name] = g.run(batch).clone()
+            first = args.variants[0]
+            base = statistics.median(samples[first])
+            line = f"{model:<14} bs={bs:<3} C={args.context:<6}"
+            for name in args.variants:
+                ms = statistics.median(samples[name])
+                diff = (logits[name] - logits[first]).abs().max().item()
+                results.append(
+                    dict(model=model, batch_size=bs, context=args.context, variant=name,
+                         ms=ms, ratio=ms / base, samples=samples[name], max_logit_diff=diff)
+                )  # fmt: skip
+                line += f"  {name} {ms:.3f} ({ms / base:.3f}x, dlogit {diff:.2g})"
+            print(line, flush=True)
+        eng.shutdown()
+        del eng, runner, graphs
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--variants", nargs="+", default=["base", "noprefetch"], choices=VARIANTS)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json")
+    run(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
