@@ -9,7 +9,7 @@ variant's median over rounds of the median step (ms, a sync around each step) an
 to the first variant.
 
     python benchmarks/decode_ab.py --models qwen3-0.6b --batch-sizes 1 2 4 8 \\
-        --context 1024 --variants base noprefetch qkv --rounds 7 [--json PATH]
+        --context 1024 --variants base merge qkv --rounds 7 [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ def _qkv_table() -> dict:
 # name -> [(module, attribute, value)] set while the variant captures
 VARIANTS = {
     "base": [],
-    "noprefetch": [(pdl, "PREFETCH", False)],
-    "prefetch": [(pdl, "PREFETCH", True)],
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
     "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
@@ -137,7 +135,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--variants", nargs="+", default=["base", "noprefetch"], choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=["base", "merge"], choices=VARIANTS)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json")

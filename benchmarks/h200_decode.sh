@@ -9,11 +9,10 @@
 #   default  the code as it is
 #   pdl      BREAKGRAPH_PDL=1: programmatic dependent launch of the Triton kernels at every batch
 #   nopdl    BREAKGRAPH_PDL=0: at none
-#   noprefetch  BREAKGRAPH_PDL_PREFETCH=0: PDL kernels read nothing before their wait
 #   merge    BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch
 #   qkv      the table with qwen3-0.6b's qkv (M <= 4) and llama's gate/up (M = 1) on the
-#            skinny kernel, which the standalone sweep left on cuBLAS (a kernel in the
-#            decode graph's PDL chain prefetches its weight; cuBLAS's waits)
+#            skinny kernel, which the standalone sweep left on cuBLAS (inside the decode
+#            graph the kernel is in PDL's chain; cuBLAS is not)
 #   old      the checkout in OLD (default .dev/old: `git archive REV breakgraph | tar -x -C
 #            .dev/old`, carried) for a before/after in one run
 #   table    decode attention in one launch and the swept table (BREAKGRAPH_SKINNY=PATH)
@@ -47,7 +46,6 @@ for ctx in ${CONTEXTS:-1024 8192}; do
       old) env=() dir=${OLD:-.dev/old} ;;
       pdl) env=(BREAKGRAPH_PDL=1) ;;
       nopdl) env=(BREAKGRAPH_PDL=0) ;;
-      noprefetch) env=(BREAKGRAPH_PDL_PREFETCH=0) ;;
       qkv)
         python3 -c "
 import json

@@ -76,37 +76,3 @@ def test_dependent_kernel_waits_first_then_lets_its_successor_in():
     first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
     assert grid[0] < first_load  # nothing a predecessor writes is read before the wait
     assert not [line for line in _ptx(False) if "griddepcontrol" in line]
-
-
-def test_launch_asks_for_the_prefetch_only_where_the_site_offers_it(monkeypatch):
-    monkeypatch.setattr(pdl, "MODE", "1")
-    monkeypatch.setattr(pdl, "_capable", lambda index: True)
-    cuda = torch.device("cuda", 0)
-    assert pdl.launch(cuda) == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch(cuda, prefetch=True) == {"PDL": True, "PREFETCH": True, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "PREFETCH", False)  # BREAKGRAPH_PDL_PREFETCH=0
-    assert pdl.launch(cuda, prefetch=True) == {"PDL": True, "launch_pdl": True}
-
-
-def _skinny_ptx(prefetch: bool) -> list[str]:
-    from breakgraph.kernels.skinny_gemm import _skinny_gemm_kernel as kernel
-
-    consts = dict(
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, HAS_BIAS=False, ACT=1, NORM=False,
-        HAS_RES=False, DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch, LINE=64,
-    )  # fmt: skip
-    types = dict.fromkeys(("x", "w", "bias", "y", "res", "res_out", "norm_w"), "*bf16")
-    types.update(part="*fp32", counters="*i32", eps="fp32")
-    return _kernel_ptx(kernel, consts, types)
-
-
-def test_skinny_gemm_prefetches_its_weight_before_the_wait_and_reads_after_it():
-    """With PREFETCH the weight's lines (gate and up rows) are asked of L2 before the wait;
-    no load of any kind comes before it; without PREFETCH there is no prefetch."""
-    lines = _skinny_ptx(True)
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-    prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
-    assert len(prefetches) >= 2 and max(prefetches) < wait
-    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
-    assert wait < first_load
-    assert not [line for line in _skinny_ptx(False) if "prefetch" in line]

@@ -119,17 +119,14 @@ def _decode_split_kernel(
     MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,  # MERGE: NUM_SPLITS to a power of two
     PDL: tl.constexpr = False,  # kernels/pdl.py
-    PREFETCH: tl.constexpr = False,  # kernels/pdl.py: the split's key and value lines first
-    LINE: tl.constexpr = 64,  # PREFETCH: cache elements per L2 line
 ):
     """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
 
     With MERGE, stage 2 happens here: each program counts itself in once its partials are
     stored, and the group's last to arrive merges every split's partials into ``o``.
 
-    With PREFETCH the program asks L2 for its keys' and values' lines before the wait: the
-    lengths, the request table and the older keys are no predecessor's output (the kernel
-    before writes q and the newest key, whose line a prefetch may warm early and harmlessly).
+    The lengths and the request's table index are read before PDL's wait: no predecessor
+    writes them (the kernel before writes q and the newest key and value).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,13 +150,6 @@ def _decode_split_kernel(
     hi = tl.minimum(lo + split_len, seq_len)
     req = tl.load(req_pool_indices + b).to(tl.int64)
     tokens = req_to_token + req * stride_req
-    if PREFETCH:  # the first two key blocks: later ones stream behind the loop below
-        lines = tl.minimum(tl.arange(0, BLOCK_D // LINE) * LINE, HEAD_DIM - 1)
-        for n0 in range(lo, tl.minimum(hi, lo + 2 * BLOCK_N), BLOCK_N):
-            offs = n0 + offs_n
-            slots = tl.load(tokens + offs, mask=offs < hi, other=0).to(tl.int64)
-            pdl.prefetch_l2(k_base + slots[:, None] * stride_k_s + lines[None, :])
-            pdl.prefetch_l2(v_base + slots[:, None] * stride_v_s + lines[None, :])
     pdl.enter(PDL)
     heads = kv_head * group + offs_h
     # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous: split 0's rows
@@ -330,8 +320,7 @@ def _launch_decode(
         BLOCK_S=triton.next_power_of_2(splits),
         num_warps=num_warps,
         num_stages=num_stages,
-        LINE=min(block_d, pdl.LINE_BYTES // k_cache.element_size()),
-        **pdl.launch(q.device, prefetch=True),
+        **pdl.launch(q.device),
     )
     if merge_in_split:
         return

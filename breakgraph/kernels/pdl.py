@@ -15,14 +15,13 @@ for kernels further down), then lets its successor be scheduled. Their launch si
 the CPU, the interpreter and older GPUs run exactly the plain kernels. Kernels without it
 (cuBLAS, torch's) launch as always, after their predecessor completes.
 
-What a kernel reads that its predecessor does not write (a GEMM's weight, the older keys of
-decode attention) it may start fetching before the wait: with ``PREFETCH: tl.constexpr``
-(its launch site passes ``launch(device, prefetch=True)``) it issues :func:`prefetch_l2` for
-those lines first, so their DRAM latency overlaps the predecessor's tail and its own loads
-after the wait hit L2. Safe by construction: when a kernel runs its prologue, its
-predecessor has passed its own wait, so everything before the predecessor is complete, and
-a prefetch only warms the cache (L2 is the point of coherence: a line the predecessor then
-writes is read fresh). ``BREAKGRAPH_PDL_PREFETCH=0`` turns it off.
+A kernel may read before its wait what no predecessor writes: when it runs at all, its
+predecessor has passed its own wait, so every kernel before that one is complete (decode
+attention so reads its lengths and request index). Prefetching more before the wait was
+measured and dropped (benchmarks/README.md, eleventh session): the GEMMs asking L2 for
+their weight lines and decode attention for its keys made Llama-3.1-8B's batch-1 step 1.22x
+slower (4.55 -> 5.56 ms) and Qwen3-0.6B's no faster; the early lines compete with the
+predecessor's own reads.
 
 When (``BREAKGRAPH_PDL``): ``auto`` (default) inside the decode graphs of at most
 ``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none. An H200
@@ -49,8 +48,6 @@ except ImportError:  # the CPU-only install: no kernel calls enter()
 MODE = os.environ.get("BREAKGRAPH_PDL", "auto")
 if MODE not in ("auto", "0", "1"):
     raise ValueError(f"BREAKGRAPH_PDL={MODE!r}: expected auto, 0 or 1")
-PREFETCH = os.environ.get("BREAKGRAPH_PDL_PREFETCH", "1") != "0"
-LINE_BYTES = 128  # an L2 line: what one prefetch asks for
 AUTO_MAX_BATCH = 4  # decode graphs of at most this many rows use it under "auto"
 _in_scope = False  # set by scope(): launches now are a small decode graph's
 
@@ -76,15 +73,12 @@ def enabled() -> bool:
     return MODE == "1" or (MODE == "auto" and _in_scope)
 
 
-def launch(device: torch.device, prefetch: bool = False) -> dict:
-    """Extra launch arguments for a kernel with a ``PDL`` parameter on ``device`` (and with
-    ``prefetch``, its ``PREFETCH`` parameter: the prologue before the wait)."""
+def launch(device: torch.device) -> dict:
+    """Extra launch arguments for a kernel with a ``PDL`` parameter on ``device``."""
     if not enabled() or device.type != "cuda":
         return {}
     if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
-    if prefetch and PREFETCH:
-        return {"PDL": True, "PREFETCH": True, "launch_pdl": True}
     return {"PDL": True, "launch_pdl": True}
 
 
@@ -96,12 +90,3 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask L2 for the 128-byte line of each pointer (a hint: it writes nothing); one
-        pointer per line is enough. Callers keep every pointer inside its tensor."""
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip

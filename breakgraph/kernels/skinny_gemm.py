@@ -176,13 +176,12 @@ def _skinny_gemm_kernel(
     HAS_RES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
-    PREFETCH: tl.constexpr = False,  # kernels/pdl.py: the weight lines asked for before the wait
-    LINE: tl.constexpr = 64,  # PREFETCH: weight elements per L2 line
 ):
     """One (N tile, K split): acc [BLOCK_M, BLOCK_N] over this split's whole BLOCK_K chunks
     (and with ACT the up rows' acc beside the gate rows'). With NORM each program first
     finds its rows' RMS over the whole K (cheap at decode's few rows), then normalizes each
     chunk as it loads it."""
+    pdl.enter(PDL)
     PARTS: tl.constexpr = 2 if ACT else 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -194,12 +193,6 @@ def _skinny_gemm_kernel(
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
-    if PREFETCH:  # the weight is no predecessor's output: its lines before the wait
-        rows = w + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
-        _prefetch_lines(rows, k_lo, k_hi, BLOCK_K, LINE)
-        if ACT:
-            _prefetch_lines(rows + N * stride_wn, k_lo, k_hi, BLOCK_K, LINE)
-    pdl.enter(PDL)
     x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
     res_rows = offs_m[:, None].to(tl.int64) * K  # res and res_out: contiguous [M, K]
     w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
@@ -257,14 +250,6 @@ def _skinny_gemm_kernel(
                 if ACT:
                     total_up += tl.load(part_s + M * N, mask=mask, other=0.0, cache_modifier=".cg")
             _skinny_epilogue(total, total_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS, ACT)
-
-
-@_jit
-def _prefetch_lines(rows, k_lo, k_hi, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """L2 prefetch of columns [k_lo, k_hi) of ``rows`` ([R, 1] pointers), one per line."""
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        pdl.prefetch_l2(rows + tl.minimum(k0 + lines, k_hi - 1)[None, :])
 
 
 @_jit
@@ -391,7 +376,6 @@ def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tenso
         HAS_RES=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        LINE=min(cfg.block_k, pdl.LINE_BYTES // weight.element_size()),
-        **pdl.launch(x.device, prefetch=True),
+        **pdl.launch(x.device),
     )  # fmt: skip
     return y
