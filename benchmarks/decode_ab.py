@@ -9,7 +9,7 @@ variant's median over rounds of the median step (ms, a sync around each step) an
 to the first variant.
 
     python benchmarks/decode_ab.py --models qwen3-0.6b --batch-sizes 1 2 4 8 \\
-        --context 1024 --variants base merge qkv --rounds 7 [--json PATH]
+        --context 1024 --variants base merge qkv --rounds 7 [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ VARIANTS = {
     "base": [],
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
+    "noearly": [(decode_attention, "EARLY_FIRST_BLOCK", False)],
     "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
 }
 
@@ -58,6 +59,25 @@ def switches(name: str):
     finally:
         for module, attr, value in reversed(saved):
             setattr(module, attr, value)
+
+
+def kernel_table(fn, reps: int = 10) -> list[tuple[str, float, float]]:
+    """(name, µs per step, calls per step) of the kernels one call of ``fn`` runs (graph
+    replays included), largest first. Under PDL a kernel's time includes its wait."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (ev.key[:60], ev.self_device_time_total / reps, ev.count / reps)
+        for ev in prof.key_averages()
+        if ev.self_device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def run(args) -> list[dict]:
@@ -109,6 +129,13 @@ def run(args) -> list[dict]:
                         samples[name].append(time_ms(lambda g=g, b=batch: g.run(b), args.reps))
                 for name, g in graphs.items():
                     logits[name] = g.run(batch).clone()
+            if args.profile:
+                for name, g in graphs.items():
+                    table = kernel_table(lambda g=g, b=batch: g.run(b))
+                    total = sum(us for _, us, _ in table)
+                    print(f"{model} bs={bs} {name}: kernels {total:.1f} us per step", flush=True)
+                    for kname, us, calls in table[:14]:
+                        print(f"    {us:8.1f} us {calls:6.1f} x {us / calls:6.2f} us  {kname}")
             first = args.variants[0]
             base = statistics.median(samples[first])
             line = f"{model:<14} bs={bs:<3} C={args.context:<6}"
@@ -138,6 +165,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["base", "merge"], choices=VARIANTS)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="kernel time by name per step")
     p.add_argument("--json")
     run(p.parse_args())
 

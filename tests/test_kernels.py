@@ -295,6 +295,38 @@ def test_decode_attention_any_split_count(num_kv_splits, merge_in_split):
 
 
 @gpu
+@pytest.mark.parametrize("sliding_window", [None, 100])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
+def test_decode_attention_under_pdl_equals_plain_launches(
+    monkeypatch, num_kv_splits, sliding_window
+):
+    """Under PDL each split loads its first key block before the wait and the newest key
+    after it (decode_attention.EARLY_FIRST_BLOCK): bitwise the plain launch's output, with
+    the newest key anywhere in a block, one or many blocks per split."""
+    from breakgraph.kernels import pdl
+
+    if not pdl._capable(torch.cuda.current_device()):
+        pytest.skip("PDL needs compute capability 9+")
+    kc, vc, meta, _ = paged_batch(
+        [(s - 1, 1) for s in DECODE_SEQ_LENS], 2, 128, torch.bfloat16, "cuda"
+    )
+    q = torch.randn(len(DECODE_SEQ_LENS), 4, 128, device="cuda").to(torch.bfloat16)
+    outs = []
+    for mode in ("0", "1"):
+        monkeypatch.setattr(pdl, "MODE", mode)
+        o = torch.zeros_like(q)
+        dec.decode_attention_triton(
+            q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits,
+            sliding_window=sliding_window,
+        )  # fmt: skip
+        outs.append(o)
+    assert torch.equal(outs[0], outs[1])
+    o_ref = torch.zeros_like(q)
+    dec.decode_attention_torch(q, o_ref, kc, vc, meta, 128**-0.5, sliding_window=sliding_window)
+    torch.testing.assert_close(outs[1].float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
 def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     """Captured once; a replay reads the live seq_lens and req_to_token, not capture's."""
     dtype, head_dim = torch.bfloat16, 128

@@ -146,6 +146,20 @@ def _attend_block(
 
 
 @_jit
+def _attend_loaded(q_tile, acc, m_i, l_i, k, v, visible, qk_scale, DOT_PRECISION: tl.constexpr):
+    """:func:`_attend_block` (masked) on a block already loaded: ``k`` [D, N], ``v`` [N, D]
+    (zeros where no key is), ``visible`` [M, N]; the same arithmetic in the same order."""
+    qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@_jit
 def _extend_attention_kernel(
     q,
     o,
