@@ -43,7 +43,6 @@ VARIANTS = {
     "base": [],
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
-    "noearly": [(decode_attention, "EARLY_FIRST_BLOCK", False)],
     "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
 }
 
@@ -131,7 +130,8 @@ def run(args) -> list[dict]:
                     logits[name] = g.run(batch).clone()
             if args.profile:
                 for name, g in graphs.items():
-                    table = kernel_table(lambda g=g, b=batch: g.run(b))
+                    with torch.inference_mode():
+                        table = kernel_table(lambda g=g, b=batch: g.run(b))
                     total = sum(us for _, us, _ in table)
                     print(f"{model} bs={bs} {name}: kernels {total:.1f} us per step", flush=True)
                     for kname, us, calls in table[:14]:

@@ -300,9 +300,8 @@ def test_decode_attention_any_split_count(num_kv_splits, merge_in_split):
 def test_decode_attention_under_pdl_equals_plain_launches(
     monkeypatch, num_kv_splits, sliding_window
 ):
-    """Under PDL each split loads its first key block before the wait and the newest key
-    after it (decode_attention.EARLY_FIRST_BLOCK): bitwise the plain launch's output, with
-    the newest key anywhere in a block, one or many blocks per split."""
+    """Under PDL each split reads its length and request index before the wait: bitwise
+    the plain launch's output, one or many key blocks per split, with a sliding window."""
     from breakgraph.kernels import pdl
 
     if not pdl._capable(torch.cuda.current_device()):
