@@ -38,12 +38,30 @@ def _qkv_table() -> dict:
     return t
 
 
+GATE_UP = {(6144, 1024), (28672, 4096), (14336, 4096)}  # ACT shapes: two accumulators
+
+
+def _gemv_table(block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8) -> dict:
+    """Every measured shape on the GEMV kernel up to ``max_m`` rows (gate/up with half the
+    K chunk: it holds its up rows too), the table's entries above that."""
+    c = skinny_gemm.SkinnyConfig
+    table = {}
+    for shape, entries in skinny_gemm.SKINNY_TABLE.items():
+        bk = block_k // 2 if shape in GATE_UP else block_k
+        gemv = c(block_n, bk, 1, num_stages=num_stages, fuse_norm=False, gemv=True)
+        table[shape] = [(max_m, gemv)] + [(m, cfg) for m, cfg in entries if m > max_m]
+    return table
+
+
 # name -> [(module, attribute, value)] set while the variant captures
 VARIANTS = {
     "base": [],
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
     "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
+    "gemv8": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 8, 1024))],
+    "gemv4": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 4, 1024))],
+    "gemv16": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 16, 512))],
 }
 
 
@@ -52,7 +70,11 @@ def switches(name: str):
     saved = []
     for module, attr, value in VARIANTS[name]:
         saved.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, _qkv_table() if value == "qkv" else value)
+        if value == "qkv":
+            value = _qkv_table()
+        elif isinstance(value, tuple) and value[0] == "gemv":
+            value = _gemv_table(*value[1:])
+        setattr(module, attr, value)
     try:
         yield
     finally:

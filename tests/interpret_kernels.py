@@ -1,8 +1,9 @@
 """Kernels that merge their splits in the last split to finish, under Triton's interpreter on
 CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
 decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
-and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with SiLU or GELU in the epilogue;
-the residual add + RMSNorm as its prologue). Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
+and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with
+SiLU or GELU in the epilogue; the residual add + RMSNorm as its prologue); and the GEMV
+kernel. Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
 ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -96,6 +97,33 @@ def skinny_gemm() -> int:
             print(
                 f"{'ok' if ok else 'FAIL'} skinny norm+{act} {m}x{k} {cfg}: max rel diff {rel:.1e}"
             )
+    return failed + gemv()
+
+
+def gemv() -> int:
+    """The GEMV kernel (``SkinnyConfig(gemv=True)``): rows 1..8, ragged N and K tiles, bias,
+    gate/up with its activation; and a norm in front stays apart (the prologue is the tensor-
+    core kernel's only)."""
+    failed = 0
+    cfgs = (sg.SkinnyConfig(4, 32, 1, gemv=True), sg.SkinnyConfig(16, 64, 1, gemv=True))
+    for m, n, k in ((1, 40, 70), (3, 100, 300), (8, 9, 64)):
+        x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        for cfg in cfgs:
+            diff = max(
+                (sg.skinny_gemm_triton(x, w, b, cfg) - F.linear(x, w, b)).abs().max().item()
+                for b in (None, bias)
+            )
+            ok = diff <= 1e-4
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} gemv {m}x{n}x{k} {cfg}: max diff {diff:.1e}")
+    for m, k, act in ((1, 70, "silu"), (5, 256, "gelu_tanh")):
+        x, gate_up = torch.randn(m, k), torch.randn(2 * 48, k)
+        ref = sg.skinny_act_and_mul_torch(x, gate_up, act)
+        out = sg.skinny_gemm_triton(x, gate_up, None, cfgs[1], activation=act)
+        rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+        ok = out.shape == ref.shape and rel <= 1e-4
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} gemv {act} {m}x{k}: max rel diff {rel:.1e}")
     return failed
 
 

@@ -378,6 +378,43 @@ def test_skinny_gemm_matches_linear(m, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_matches_linear(m, dtype):
+    """The GEMV kernel (``SkinnyConfig(gemv=True)``) for decode's rows: a strided x, ragged N
+    tiles, K in one chunk and in several, with and without bias; gate/up with SiLU; and in a
+    CUDA graph (PDL on, as small decode graphs launch it)."""
+    from breakgraph.kernels import pdl
+
+    n, k = 1000, 1536
+    x = torch.randn(m, k + 64, device="cuda").to(dtype)[:, :k]
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for cfg in (sg.SkinnyConfig(8, 2048, 1, gemv=True), sg.SkinnyConfig(16, 512, 1, gemv=True)):
+        for bias in (None, b):
+            out = sg.skinny_gemm_triton(x, w, bias, cfg)
+            ref = torch.nn.functional.linear(
+                x.float(), w.float(), None if bias is None else b.float()
+            )
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    gate_up = (torch.randn(2 * 700, k, device="cuda") / k**0.5).to(dtype)
+    cfg = sg.SkinnyConfig(8, 512, 1, gemv=True)
+    ref = sg.skinny_act_and_mul_torch(x.float(), gate_up.float(), "silu")
+    out = sg.skinny_gemm_triton(x, gate_up, None, cfg, activation="silu")
+    torch.testing.assert_close(out.float(), ref, atol=3 * tol, rtol=3 * tol)
+    with pdl.scope(1):
+        sg.skinny_gemm_triton(x, w, b, cfg)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = sg.skinny_gemm_triton(x, w, b, cfg)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
+
+
+@gpu
 def test_every_skinny_table_entry_matches_linear():
     """What ships: each (shape, M class) of ``SKINNY_TABLE`` through ``ops.linear`` (the
     dispatch the models use) at the class's largest M and its smallest, bf16, against

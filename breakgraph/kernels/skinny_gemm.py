@@ -43,6 +43,7 @@ class SkinnyConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     fuse_norm: bool = True  # take the RMSNorm in front as the prologue (where one precedes)
+    gemv: bool = False  # the GEMV kernel (no tensor cores, no split; M <= GEMV_MAX_M) instead
 
 
 # (N, K) -> [(max_m, config or None), ...] ascending max_m: rows m <= max_m (and above the
@@ -77,6 +78,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
 del _C
 
 MAX_M = 64  # the kernel's largest row tile
+GEMV_MAX_M = 8  # the GEMV kernel's: it unrolls over the rows
 
 
 def skinny_gemm_torch(
@@ -347,6 +349,75 @@ def skinny_gemm_triton(
     return _launch(x, weight, bias, config, workspace, activation, None)
 
 
+@_jit
+def _gemv_kernel(
+    x,
+    w,
+    bias,
+    y,
+    M,
+    N,  # output columns (with ACT: half the weight's rows)
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # as _skinny_gemm_kernel's
+    PDL: tl.constexpr = False,  # kernels/pdl.py
+):
+    """One N tile: its BLOCK_N weight rows (and with ACT their up rows) against each of the
+    M <= BLOCK_M rows of x, multiplied and summed over K in fp32 on the CUDA cores. No
+    tensor-core tile, no split of K through memory: a program loads its whole slice in
+    BLOCK_K chunks (all in flight when K <= BLOCK_K) and reduces it across its threads, so a
+    decode projection is one round trip to DRAM and a reduction, not a pipeline's ramp and
+    a cross-program merge."""
+    pdl.enter(PDL)
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w + (offs_n[:, None] + N).to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        wt = tl.load(w_rows + ks[None, :], mask=mask_w, other=0.0).to(tl.float32)
+        if ACT:
+            ut = tl.load(up_rows + ks[None, :], mask=mask_w, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            xm = tl.load(x + m * stride_xm + ks, mask=mask_k & (m < M), other=0.0)
+            xm = xm.to(tl.float32)[None, :]
+            row = offs_m[:, None] == m
+            acc += tl.where(row, tl.sum(wt * xm, 1)[None, :], 0.0)
+            if ACT:
+                acc_up += tl.where(row, tl.sum(ut * xm, 1)[None, :], 0.0)
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    y_ptrs = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    _skinny_epilogue(acc, acc_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS, ACT)
+
+
+def _launch_gemv(x, weight, bias, cfg, act, y) -> torch.Tensor:
+    m, k = x.shape
+    n = y.shape[1]
+    assert m <= GEMV_MAX_M and cfg.split_k == 1
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, weight if bias is None else bias, y, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, ACT=act,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **pdl.launch(x.device),
+    )  # fmt: skip
+    return y
+
+
 def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tensor:
     """The kernel's one launch; ``norm``: (residual, new residual, norm weight, eps) or None."""
     m, k = x.shape
@@ -359,6 +430,8 @@ def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tenso
     if m == 0:
         return y
     cfg = config or table_config(m, rows, k) or SkinnyConfig(64, 128, 1)
+    if cfg.gemv and norm is None and m <= GEMV_MAX_M:
+        return _launch_gemv(x, weight, bias, cfg, act, y)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
     part, counters = y, y  # unused with one split
