@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 
 import torch
@@ -41,16 +42,38 @@ def _qkv_table() -> dict:
 GATE_UP = {(6144, 1024), (28672, 4096), (14336, 4096)}  # ACT shapes: two accumulators
 
 
-def _gemv_table(block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8) -> dict:
-    """Every measured shape on the GEMV kernel up to ``max_m`` rows (gate/up with half the
-    K chunk: it holds its up rows too), the table's entries above that."""
+PROJECTIONS = {  # projection name -> its weight shapes in the built-in models
+    "qkv": {(4096, 1024), (6144, 4096)},
+    "o": {(1024, 2048), (4096, 4096)},
+    "gate_up": {(6144, 1024), (28672, 4096)},
+    "down": {(1024, 3072), (4096, 14336)},
+    "lm_head": {(151936, 1024), (128256, 4096)},
+}
+
+
+def _gemv_table(
+    block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8, only=None, warps: int = 4
+) -> dict:
+    """Every measured shape (or those in ``only``) on the GEMV kernel up to ``max_m`` rows
+    (gate/up with half the K chunk: it holds its up rows too), the table's entries above
+    that."""
     c = skinny_gemm.SkinnyConfig
-    table = {}
+    table = dict(skinny_gemm.SKINNY_TABLE)
     for shape, entries in skinny_gemm.SKINNY_TABLE.items():
+        if only is not None and shape not in only:
+            continue
         bk = block_k // 2 if shape in GATE_UP else block_k
-        gemv = c(block_n, bk, 1, num_stages=num_stages, fuse_norm=False, gemv=True)
+        gemv = c(block_n, bk, 1, warps, num_stages, fuse_norm=False, gemv=True)
         table[shape] = [(max_m, gemv)] + [(m, cfg) for m, cfg in entries if m > max_m]
     return table
+
+
+def _no_gemv_table() -> dict:
+    """The table without its GEMV entries (batch 1 back on the tensor-core kernel or cuBLAS)."""
+    return {
+        shape: [(m, cfg) for m, cfg in entries if cfg is None or not cfg.gemv]
+        for shape, entries in skinny_gemm.SKINNY_TABLE.items()
+    }
 
 
 # name -> [(module, attribute, value)] set while the variant captures
@@ -59,19 +82,38 @@ VARIANTS = {
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
     "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
+    "nogemv": [(skinny_gemm, "SKINNY_TABLE", "nogemv")],
     "gemv8": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 8, 1024))],
     "gemv4": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 4, 1024))],
     "gemv16": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 16, 512))],
 }
 
 
+def variant(name: str) -> list:
+    """VARIANTS' entry, or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][-<projection>...][@<max
+    M>]`` (gemv4-qkv-o@1, gemv2k512w2@1): those projections (default all) on the GEMV kernel
+    with BLOCK_N = BN (BLOCK_K, warps, stages) up to max M rows."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    spec, _, max_m = name.partition("@")
+    head, *projections = spec.split("-")
+    found = re.fullmatch(r"gemv(\d+)(?:k(\d+))?(?:w(\d+))?(?:s(\d+))?", head)
+    assert found, f"unknown variant {name!r}"
+    block_n, block_k, warps, stages = (int(g) if g else None for g in found.groups())
+    only = set().union(*(PROJECTIONS[p] for p in projections)) if projections else None
+    table = ("gemv", block_n, block_k or 1024, stages or 2, int(max_m or 8), only, warps or 4)
+    return [(skinny_gemm, "SKINNY_TABLE", table)]
+
+
 @contextlib.contextmanager
 def switches(name: str):
     saved = []
-    for module, attr, value in VARIANTS[name]:
+    for module, attr, value in variant(name):
         saved.append((module, attr, getattr(module, attr)))
         if value == "qkv":
             value = _qkv_table()
+        elif value == "nogemv":
+            value = _no_gemv_table()
         elif isinstance(value, tuple) and value[0] == "gemv":
             value = _gemv_table(*value[1:])
         setattr(module, attr, value)
@@ -184,7 +226,10 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--variants", nargs="+", default=["base", "merge"], choices=VARIANTS)
+    p.add_argument(
+        "--variants", nargs="+", default=["base", "merge"],
+        help=f"{', '.join(VARIANTS)}, or gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>]",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="kernel time by name per step")

@@ -53,18 +53,28 @@ class SkinnyConfig(NamedTuple):
 # regenerates it; ``fuse_norm`` where the RMSNorm as the prologue beat the norm kernel in front
 # (it never did for qkv / gate_up: each program re-reads the rows). A shape not here stays on
 # cuBLAS; another GPU's table serves without an edit: BREAKGRAPH_SKINNY=PATH (below).
+#
+# M = 1 takes the GEMV kernel (_V, _VG for gate/up, which holds its up rows too), chosen in
+# the decode graph rather than alone: a projection timed alone reads its weight from L2 and
+# has no neighbours, while in the batch-1 graph every kernel's ramp and tail count. Every
+# shape on it at once made the step 0.83-0.87x (Qwen3-0.6B, 1K and 8K context) and 0.95x
+# (Llama-3.1-8B) the table's before it; one shape at a time gained little, and GEMV at 2+ rows
+# lost (``python benchmarks/decode_ab.py --variants base gemv2k2048w2@1 ...``, which
+# regenerates the comparison; benchmarks/README.md, eleventh session).
 _C = SkinnyConfig
+_V = SkinnyConfig(2, 2048, 1, num_warps=2, num_stages=2, fuse_norm=False, gemv=True)
+_VG = _V._replace(block_k=1024)
 SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
-    (4096, 1024): [(16, None), (64, _C(32, 128, 1, fuse_norm=False))],  # qwen3-0.6b:qkv
-    (1024, 2048): [(16, _C(32, 128, 4)), (64, None)],  # qwen3-0.6b:o
-    (6144, 1024): [(1, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # qwen3-0.6b:gate_up
-    (1024, 3072): [(16, _C(32, 128, 8)), (64, _C(32, 128, 4))],  # qwen3-0.6b:down
-    (151936, 1024): [(4, _C(64, 256, 1)), (16, _C(64, 128, 1)), (64, None)],  # qwen3-0.6b:lm_head
-    (6144, 4096): [(4, _C(64, 128, 4, fuse_norm=False)), (64, None)],  # llama-3.1-8b:qkv
-    (4096, 4096): [(16, _C(64, 128, 4)), (64, None)],  # llama-3.1-8b:o
-    (28672, 4096): [(1, None), (4, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # llama:gate_up
-    (4096, 14336): [(16, _C(32, 128, 4)), (64, _C(64, 256, 2))],  # llama-3.1-8b:down
-    (128256, 4096): [(1, _C(64, 128, 1)), (16, _C(64, 256, 1)), (64, _C(64, 128, 1))],  # lm_head
+    (4096, 1024): [(1, _V), (16, None), (64, _C(32, 128, 1, fuse_norm=False))],  # qwen3-0.6b:qkv
+    (1024, 2048): [(1, _V), (16, _C(32, 128, 4)), (64, None)],  # qwen3-0.6b:o
+    (6144, 1024): [(1, _VG), (64, None)],  # qwen3-0.6b:gate_up
+    (1024, 3072): [(1, _V), (16, _C(32, 128, 8)), (64, _C(32, 128, 4))],  # qwen3-0.6b:down
+    (151936, 1024): [(1, _V), (4, _C(64, 256, 1)), (16, _C(64, 128, 1)), (64, None)],  # lm_head
+    (6144, 4096): [(1, _V), (4, _C(64, 128, 4, fuse_norm=False)), (64, None)],  # llama-3.1-8b:qkv
+    (4096, 4096): [(1, _V), (16, _C(64, 128, 4)), (64, None)],  # llama-3.1-8b:o
+    (28672, 4096): [(1, _VG), (4, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # llama:gate_up
+    (4096, 14336): [(1, _V), (16, _C(32, 128, 4)), (64, _C(64, 256, 2))],  # llama-3.1-8b:down
+    (128256, 4096): [(1, _V), (16, _C(64, 256, 1)), (64, _C(64, 128, 1))],  # llama:lm_head
     # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
     # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS)
     (3072, 4096): [
@@ -75,7 +85,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (4096, 7168): [(1, _C(64, 128, 4)), (16, _C(32, 128, 4)), (64, None)],  # llama/tp2:down
     (64128, 4096): [(4, _C(64, 256, 1)), (16, None), (64, _C(64, 128, 1))],  # llama/tp2:lm_head
 }
-del _C
+del _C, _V, _VG
 
 MAX_M = 64  # the kernel's largest row tile
 GEMV_MAX_M = 8  # the GEMV kernel's: it unrolls over the rows
