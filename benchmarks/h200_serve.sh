@@ -3,7 +3,8 @@
 # (Qwen3-0.6B shape), and the first 8K requests after ready with and without warm-up on a cold
 # Triton cache. Stages: warmup, prefill (default both); gemma: gemma-4-e2b in four arms, graphs
 # on/off x KV-sharing fast prefill on/off (issue 12); moe: qwen3-30b-a3b with and without
-# prefill graphs (issue 13); tp: llama-3.1-8b at TP1 and TP2 (issue 17); host: the host path around the forward (issue 14), the server's
+# prefill graphs (issue 13); tp: llama-3.1-8b at TP1 and TP2 (issue 17); decode: bench serving
+# at concurrency 1 and 8, this tree and an older one (issue 19); host: the host path around the forward (issue 14), the server's
 # workloads beside the in-process steps they should approach, in one run (MODEL picks the
 # shape, qwen3-0.6b by default). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
@@ -143,6 +144,19 @@ host_stage() {  # issue 14's ratios: server workloads against in-process steps o
   serve "host_${m}_no_overlap" --context-length 70000 --disable-overlap-schedule || return
   serving "host_serving_${m}_no_overlap"
   stop
+}
+decode_stage() {  # issue 19: bench serving at concurrency 1 and 8 against this tree, then
+  # against an older checkout (OLD, default .dev/old: `git archive REV breakgraph | tar -x -C
+  # .dev/old`, carried) when there is one: decode's before and after in one run
+  local m=${MODEL:-qwen3-0.6b}
+  serve "decode_$m" --context-length 16384 || return
+  serving "decode_serving_$m"
+  stop
+  local old=${OLD:-.dev/old}
+  [ -d "$old" ] || return
+  pushd "$old" >/dev/null || return
+  serve "decode_old_$m" --context-length 16384 && { serving "decode_serving_old_$m"; stop; }
+  popd >/dev/null
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
