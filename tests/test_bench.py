@@ -405,6 +405,26 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     ]  # fmt: skip
     assert sg.table_config(1, 4096, 2048) is None  # a shape never measured
     assert all(1024 // c.split_k >= c.block_k for c in gemm.configs_for(1024))
+    # the sweep keeps the table's GEMV entries (batch 1, chosen inside the decode graph)
+    v = sg.SkinnyConfig(2, 2048, 1, 2, 2, fuse_norm=False, gemv=True)
+    monkeypatch.setitem(sg.SKINNY_TABLE, (4096, 1024), [(1, v), (64, None)])
+    assert gemm.with_gemv_entries((4096, 1024), [(1, None), (4, a), (64, None)]) == [
+        (1, v), (4, a), (64, None),
+    ]  # fmt: skip
+    assert gemm.with_gemv_entries((7, 7), entries) == entries
+
+
+def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
+    """Every single-GPU shape of the built-in models takes the GEMV kernel at one row (no
+    norm prologue: the tensor-core kernel's only) and not at two."""
+    from breakgraph.bench import gemm
+    from breakgraph.kernels import skinny_gemm as sg
+
+    for model in ("qwen3-0.6b", "llama-3.1-8b"):
+        for name, (n, k) in gemm.projection_shapes(model):
+            one, two = sg.table_config(1, n, k), sg.table_config(2, n, k)
+            assert one is not None and one.gemv and not one.fuse_norm, (model, name)
+            assert two is None or not two.gemv, (model, name)
 
 
 def test_skinny_table_file_round_trips(tmp_path):

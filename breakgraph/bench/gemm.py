@@ -12,7 +12,8 @@ against its two launches: the residual add + RMSNorm as the prologue, gate/up's 
 epilogue (not wired into the models until they win here). Prints the table and the ``SKINNY_TABLE`` literal to paste
 into kernels/skinny_gemm.py (configs that beat cuBLAS by at least ``--min-gain``);
 ``--table-out PATH`` also writes it as JSON, which ``BREAKGRAPH_SKINNY=PATH`` serves as is
-(another GPU's table without editing the code).
+(another GPU's table without editing the code). The table's GEMV entries (batch 1) are
+carried over as they are: ``benchmarks/decode_ab.py`` chooses those inside the decode graph.
 """
 
 from __future__ import annotations
@@ -160,6 +161,19 @@ def table_entries(
     return merged
 
 
+def with_gemv_entries(
+    shape: tuple[int, int], merged: list[tuple[int, sg.SkinnyConfig | None]]
+) -> list[tuple[int, sg.SkinnyConfig | None]]:
+    """``merged`` behind the current table's GEMV entries for ``shape`` (batch 1 on the GEMV
+    kernel: chosen inside the decode graph by benchmarks/decode_ab.py, not by this sweep's
+    projections timed alone, which read their weight from L2); the rows those cover dropped."""
+    gemv = [(m, c) for m, c in sg.SKINNY_TABLE.get(shape, ()) if c is not None and c.gemv]
+    if not gemv:
+        return merged
+    covered = gemv[-1][0]
+    return gemv + [(m, c) for m, c in merged if m > covered]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows[-1].update(fused_norm(x, w, cfg))
                 cfg = cfg._replace(fuse_norm=rows[-1]["fuse_norm"])
             entries.append((m, cfg if wins else None))
-        merged = table_entries(entries)
+        merged = with_gemv_entries((n, k), table_entries(entries))
         if any(cfg is not None for _, cfg in merged):
             table[(n, k)] = merged
     print("\nSKINNY_TABLE = {")
