@@ -22,11 +22,9 @@ import statistics
 
 import torch
 
+from breakgraph.bench.decode import decode_batch, decode_engine, profile_calls
 from breakgraph.bench.step import time_ms
-from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import DecodeGraphs
-from breakgraph.engine.engine import Engine
-from breakgraph.forward_batch import ForwardBatch, ForwardMode
 from breakgraph.kernels import decode_attention, pdl, skinny_gemm
 
 
@@ -127,14 +125,7 @@ def switches(name: str):
 def kernel_table(fn, reps: int = 10) -> list[tuple[str, float, float]]:
     """(name, µs per step, calls per step) of the kernels one call of ``fn`` runs (graph
     replays included), largest first. Under PDL a kernel's time includes its wait."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, reps)
     rows = [
         (ev.key[:60], ev.self_device_time_total / reps, ev.count / reps)
         for ev in prof.key_averages()
@@ -147,23 +138,8 @@ def run(args) -> list[dict]:
     max_bs = max(args.batch_sizes)
     results = []
     for model in args.models:
-        eng = Engine(
-            EngineArgs(
-                model_path=model,
-                load_format="dummy",
-                device="cuda",
-                max_total_tokens=max_bs * (args.context + 1) + 16,
-                max_running_requests=max_bs,
-                cuda_graph_max_bs=max_bs,
-                cuda_graph_backend_prefill="disabled",
-                context_length=max(args.context + 16, 4096),
-            )
-        )
+        eng, rows, slots = decode_engine(model, "cuda", max_bs, args.context)
         runner = eng.runner
-        rows = [eng.req_pool.alloc() for _ in range(max_bs)]
-        slots = eng.allocator.alloc(max_bs * (args.context + 1)).view(max_bs, -1)
-        for r, s in zip(rows, slots, strict=True):
-            eng.req_pool.write(r, 0, s)
         pad = runner.decode_graphs.pad_req_idx
         graphs = {}
         for name in args.variants:
@@ -175,15 +151,7 @@ def run(args) -> list[dict]:
                 g.capture()
             graphs[name] = g
         for bs in args.batch_sizes:
-            batch = ForwardBatch.build(
-                ForwardMode.DECODE,
-                [1000 + i for i in range(bs)],
-                slots[:bs, args.context].tolist(),
-                rows[:bs],
-                [args.context] * bs,
-                [1] * bs,
-                eng.device,
-            )
+            batch = decode_batch(eng, rows, slots, bs, args.context)
             samples = {name: [] for name in args.variants}
             logits = {}
             with torch.inference_mode():

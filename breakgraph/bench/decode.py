@@ -55,11 +55,9 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def gpu_time_by_kind(fn, reps: int = 5) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """ms of GPU kernel time per call of ``fn`` by kind (graph replays included: the profiler
-    sees the kernels inside a CUDA graph), and their sum as "total"; and the gaps between the
-    kernels by the kind of the kernel before each (``gaps_by_kind``)."""
-    from torch.autograd import DeviceType
+def profile_calls(fn, reps: int):
+    """The torch profiler's record (CUDA activity) of ``reps`` calls of ``fn`` after one
+    untimed call: graph replays included, the profiler sees the kernels inside a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -68,6 +66,16 @@ def gpu_time_by_kind(fn, reps: int = 5) -> tuple[dict[str, float], dict[str, lis
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def gpu_time_by_kind(fn, reps: int = 5) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """ms of GPU kernel time per call of ``fn`` by kind (graph replays included: the profiler
+    sees the kernels inside a CUDA graph), and their sum as "total"; and the gaps between the
+    kernels by the kind of the kernel before each (``gaps_by_kind``)."""
+    from torch.autograd import DeviceType
+
+    prof = profile_calls(fn, reps)
     ms: dict[str, float] = {}
     for ev in prof.key_averages():
         t = ev.self_device_time_total / 1e3 / reps  # us -> ms, per call
@@ -126,11 +134,49 @@ def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, to
     return int(total) + batch_size * context * kv_slot_bytes
 
 
-def run_decode_bench(args) -> list[DecodePoint]:
+def decode_engine(model: str, device: str, max_bs: int, context: int, **engine_args):
+    """An engine (dummy weights, decode graphs up to ``max_bs``, no prefill graphs) with
+    ``max_bs`` requests' table rows over ``context + 1`` KV slots each: ``(engine, rows,
+    slots [max_bs, context + 1])``."""
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
+
+    eng = Engine(
+        EngineArgs(
+            model_path=model,
+            load_format="dummy",
+            device=device,
+            max_total_tokens=max_bs * (context + 1) + 16,
+            max_running_requests=max_bs,
+            cuda_graph_max_bs=max_bs,
+            cuda_graph_backend_prefill="disabled",
+            context_length=max(context + 16, 4096),
+            **engine_args,
+        )
+    )
+    rows = [eng.req_pool.alloc() for _ in range(max_bs)]
+    slots = eng.allocator.alloc(max_bs * (context + 1)).view(max_bs, -1)
+    for r, s in zip(rows, slots, strict=True):
+        eng.req_pool.write(r, 0, s)
+    return eng, rows, slots
+
+
+def decode_batch(eng, rows, slots, bs: int, context: int):
+    """The decode step of the first ``bs`` requests, each over ``context`` tokens."""
     from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
+    return ForwardBatch.build(
+        ForwardMode.DECODE,
+        [1000 + i for i in range(bs)],
+        slots[:bs, context].tolist(),
+        rows[:bs],
+        [context] * bs,
+        [1] * bs,
+        eng.device,
+    )
+
+
+def run_decode_bench(args) -> list[DecodePoint]:
     if args.plot:  # fail before the run, not after it
         from breakgraph.bench.plot import require_matplotlib
 
@@ -148,39 +194,17 @@ def run_decode_bench(args) -> list[DecodePoint]:
     if bandwidth:
         print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for model in args.models:
-        eng = Engine(
-            EngineArgs(
-                model_path=model,
-                load_format="dummy",
-                device=device,
-                max_total_tokens=max_bs * (args.context + 1) + 16,
-                max_running_requests=max_bs,
-                cuda_graph_max_bs=max_bs,
-                cuda_graph_backend_prefill="disabled",
-                context_length=max(args.context + 16, 4096),
-                tp_size=args.tp_size,
-                disable_custom_all_reduce=args.disable_custom_all_reduce,
-            )
-        )
-        rows = [eng.req_pool.alloc() for _ in range(max_bs)]
-        slots = eng.allocator.alloc(max_bs * (args.context + 1)).view(max_bs, -1)
-        for r, s in zip(rows, slots, strict=True):
-            eng.req_pool.write(r, 0, s)
+        eng, rows, slots = decode_engine(
+            model, device, max_bs, args.context, tp_size=args.tp_size,
+            disable_custom_all_reduce=args.disable_custom_all_reduce,
+        )  # fmt: skip
         runner = eng.runner
         num_layers = eng.model_config.num_hidden_layers
         raw = eng.model_config.raw
         top_k = raw.get("num_experts_per_tok") or raw.get("top_k_experts") or 0
         slot_bytes = eng.kv_pool.slot_bytes(eng.model.kv_cache_shapes(), eng.dtype)
         for bs in args.batch_sizes:
-            batch = ForwardBatch.build(
-                ForwardMode.DECODE,
-                [1000 + i for i in range(bs)],
-                slots[:bs, args.context].tolist(),
-                rows[:bs],
-                [args.context] * bs,
-                [1] * bs,
-                eng.device,
-            )
+            batch = decode_batch(eng, rows, slots, bs, args.context)
             eager = lambda b=batch, r=runner: r.forward_eager(b)  # noqa: E731
             graph = lambda b=batch, r=runner: r.forward(b)  # noqa: E731
             has_graph = runner.decode_graphs is not None
