@@ -124,6 +124,19 @@ def gemv() -> int:
         ok = out.shape == ref.shape and rel <= 1e-4
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} gemv {act} {m}x{k}: max rel diff {rel:.1e}")
+    # a GEMV config with a norm in front, or past GEMV_MAX_M rows: the tensor-core kernel
+    rows = sg.GEMV_MAX_M + 1
+    x, res, w = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(9, 64)
+    norm_w = 1 + 0.1 * torch.randn(64)
+    ref, _ = sg.skinny_norm_gemm_torch(x[:2], res[:2], norm_w, 1e-6, w)
+    out, _ = sg.skinny_norm_gemm_triton(x[:2], res[:2], norm_w, 1e-6, w, cfgs[0])
+    diff = max(
+        (out - ref).abs().max().item(),
+        (sg.skinny_gemm_triton(x, w, None, cfgs[0]) - F.linear(x, w)).abs().max().item(),
+    )
+    ok = diff <= 1e-4
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} gemv config off its kernel: max diff {diff:.1e}")
     return failed
 
 

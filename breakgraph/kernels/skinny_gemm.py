@@ -440,8 +440,10 @@ def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tenso
     if m == 0:
         return y
     cfg = config or table_config(m, rows, k) or SkinnyConfig(64, 128, 1)
-    if cfg.gemv and norm is None and m <= GEMV_MAX_M:
-        return _launch_gemv(x, weight, bias, cfg, act, y)
+    if cfg.gemv:
+        if norm is None and m <= GEMV_MAX_M:
+            return _launch_gemv(x, weight, bias, cfg, act, y)
+        cfg = generic_config(n, k)  # a norm in front, or more rows: the tensor-core kernel
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
     part, counters = y, y  # unused with one split
