@@ -37,32 +37,25 @@ def _qkv_table() -> dict:
     return t
 
 
-GATE_UP = {(6144, 1024), (28672, 4096), (14336, 4096)}  # ACT shapes: two accumulators
-
-
-PROJECTIONS = {  # projection name -> its weight shapes in the built-in models
-    "qkv": {(4096, 1024), (6144, 4096)},
-    "o": {(1024, 2048), (4096, 4096)},
-    "gate_up": {(6144, 1024), (28672, 4096)},
-    "down": {(1024, 3072), (4096, 14336)},
-    "lm_head": {(151936, 1024), (128256, 4096)},
-}
-
-
 def _gemv_table(
-    block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8, only=None, warps: int = 4
-) -> dict:
-    """Every measured shape (or those in ``only``) on the GEMV kernel up to ``max_m`` rows
-    (gate/up with half the K chunk: it holds its up rows too), the table's entries above
-    that."""
+    model: str, block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8,
+    only: set[str] | None = None, warps: int = 4,
+) -> dict:  # fmt: skip
+    """The table with every projection of ``model`` (or those named in ``only``: qkv, o,
+    gate_up, down, lm_head, a family's others) on the GEMV kernel up to ``max_m`` rows
+    (gate/up with half the K chunk: it holds its up rows too), the table's entries above that;
+    shapes the table lacks (another family's) too."""
+    from breakgraph.bench.gemm import projection_shapes
+
     c = skinny_gemm.SkinnyConfig
     table = dict(skinny_gemm.SKINNY_TABLE)
-    for shape, entries in skinny_gemm.SKINNY_TABLE.items():
-        if only is not None and shape not in only:
+    for name, shape in projection_shapes(model):
+        if only is not None and name not in only:
             continue
-        bk = block_k // 2 if shape in GATE_UP else block_k
+        bk = block_k // 2 if name == "gate_up" else block_k
         gemv = c(block_n, bk, 1, warps, num_stages, fuse_norm=False, gemv=True)
-        table[shape] = [(max_m, gemv)] + [(m, cfg) for m, cfg in entries if m > max_m]
+        above = [(m, cfg) for m, cfg in table.get(shape, ()) if m > max_m]
+        table[shape] = [(max_m, gemv)] + above
     return table
 
 
@@ -98,13 +91,14 @@ def variant(name: str) -> list:
     found = re.fullmatch(r"gemv(\d+)(?:k(\d+))?(?:w(\d+))?(?:s(\d+))?", head)
     assert found, f"unknown variant {name!r}"
     block_n, block_k, warps, stages = (int(g) if g else None for g in found.groups())
-    only = set().union(*(PROJECTIONS[p] for p in projections)) if projections else None
+    only = set(projections) if projections else None
     table = ("gemv", block_n, block_k or 1024, stages or 2, int(max_m or 8), only, warps or 4)
     return [(skinny_gemm, "SKINNY_TABLE", table)]
 
 
 @contextlib.contextmanager
-def switches(name: str):
+def switches(name: str, model: str):
+    """The variant's switches set (for ``model``: a GEMV variant covers its projections)."""
     saved = []
     for module, attr, value in variant(name):
         saved.append((module, attr, getattr(module, attr)))
@@ -113,7 +107,7 @@ def switches(name: str):
         elif value == "nogemv":
             value = _no_gemv_table()
         elif isinstance(value, tuple) and value[0] == "gemv":
-            value = _gemv_table(*value[1:])
+            value = _gemv_table(model, *value[1:])
         setattr(module, attr, value)
     try:
         yield
@@ -143,7 +137,7 @@ def run(args) -> list[dict]:
         pad = runner.decode_graphs.pad_req_idx
         graphs = {}
         for name in args.variants:
-            with switches(name), torch.inference_mode():
+            with switches(name, model), torch.inference_mode():
                 g = DecodeGraphs(
                     runner.model, runner.kv_pool, runner.req_to_token, pad, max_bs,
                     torch.cuda.graph_pool_handle(),
