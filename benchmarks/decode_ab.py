@@ -81,11 +81,14 @@ VARIANTS = {
 
 
 def variant(name: str) -> list:
-    """VARIANTS' entry, or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][-<projection>...][@<max
+    """VARIANTS' entry; ``onepass<N>``: decode attention in one pass (no split, no merge) from
+    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][-<projection>...][@<max
     M>]`` (gemv4-qkv-o@1, gemv2k512w2@1): those projections (default all) on the GEMV kernel
     with BLOCK_N = BN (BLOCK_K, warps, stages) up to max M rows."""
     if name in VARIANTS:
         return VARIANTS[name]
+    if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs
+        return [(decode_attention, "ONE_PASS_PROGRAMS", int(name[len("onepass") :]))]
     spec, _, max_m = name.partition("@")
     head, *projections = spec.split("-")
     found = re.fullmatch(r"gemv(\d+)(?:k(\d+))?(?:w(\d+))?(?:s(\d+))?", head)
@@ -190,7 +193,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument(
         "--variants", nargs="+", default=["base", "merge"],
-        help=f"{', '.join(VARIANTS)}, or gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>]",
+        help=f"{', '.join(VARIANTS)}, onepass<N>, gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>]",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)

@@ -42,7 +42,7 @@ def main() -> int:
         ref = torch.zeros_like(q)
         dec.decode_attention_torch(q, ref, kc, vc, meta, 0.3, sliding_window=window)
         for merge in (True, False):
-            for splits in (2, 5):
+            for splits in (1, 2, 5):  # 1: one pass, the output written directly
                 ws = dec.DecodeWorkspace()
                 o = torch.full_like(q, 7.0)
                 dec.decode_attention_triton(

@@ -256,6 +256,21 @@ def test_num_kv_splits_host_heuristic():
 DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
 
 
+def test_decode_one_pass_only_where_asked(monkeypatch):
+    """BREAKGRAPH_DECODE_ONE_PASS=N: one split (the output written directly, no merge
+    launch) once batch x kv heads reaches N; 0 (the default) never."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(dec, "_num_sms", lambda index: 132)  # an H200's
+    cuda = torch.device("cuda", 0)  # only its index is read
+    monkeypatch.setattr(dec, "ONE_PASS_PROGRAMS", 0)
+    split = {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64)}
+    assert split == {1: 64, 16: 32, 32: 16, 64: 8}
+    monkeypatch.setattr(dec, "ONE_PASS_PROGRAMS", 256)
+    assert {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64)} == {
+        1: 64, 16: 32, 32: 1, 64: 1,
+    }  # fmt: skip
+
+
 @gpu
 @pytest.mark.parametrize(("group", "head_dim", "dtype"), EXTEND_CASES)
 def test_decode_attention_matches_twin(group, head_dim, dtype):

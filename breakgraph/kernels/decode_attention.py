@@ -59,11 +59,18 @@ class DecodeWorkspace(Workspace):
 _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
 
 # The merge in the last split (one launch per layer) is correct on the H200 (the GPU suite ran
-# every engine test on it) but slower there than the merge kernel at batch >= 8 and at 8K
-# context (each kv head's last split merges all partials alone; the merge kernel spreads that
-# over the GPU): it won only at batch 1 over 1K (benchmarks/README.md, fifth session). So
-# the two launches stay the default; BREAKGRAPH_DECODE_MERGE=split opts in.
+# every engine test on it) but slower there than the merge kernel: each kv head's last split
+# merges all partials alone, where the merge kernel spreads that over the GPU. It won only at
+# batch 1 over 1K (fifth session) until the merge kernel loaded its splits at once; since,
+# it is 1.04-1.13x slower at every batch (benchmarks/README.md, eleventh session). So the two
+# launches stay the default; BREAKGRAPH_DECODE_MERGE=split opts in.
 MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
+
+# One pass (one split: the output written directly, no partials, no merge launch) once a
+# step has at least this many (request, kv head) programs, enough to fill the GPU without
+# splitting; 0 never. Not measured yet, so off by default: BREAKGRAPH_DECODE_ONE_PASS=N
+# (benchmarks/decode_ab.py's onepass variants) opts in.
+ONE_PASS_PROGRAMS = int(os.environ.get("BREAKGRAPH_DECODE_ONE_PASS", "0"))
 
 
 @functools.cache
@@ -72,7 +79,10 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough splits for ~16 programs per SM (many waves: a small tail); host sizes only."""
+    """Enough splits for ~16 programs per SM (many waves: a small tail), or one where the
+    batch alone fills the GPU (:data:`ONE_PASS_PROGRAMS`); host sizes only."""
+    if ONE_PASS_PROGRAMS and batch * num_kv_heads >= ONE_PASS_PROGRAMS:
+        return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(16 * sms, max(1, batch * num_kv_heads))
     return min(64, max(2, triton.next_power_of_2(want)))
@@ -178,11 +188,19 @@ def _decode_split_kernel(
                 q_tile, acc, m_i, l_i, tl.trans(k), v, mask_n[None, :], qk_scale, DOT_PRECISION
             )
 
-        rows = rows0 + split
-        o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
-    if MERGE:  # an empty split arrives too
+        if NUM_SPLITS == 1:  # one pass: the output itself, no partials to merge
+            _store_heads(
+                o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, acc / l_i[:, None]
+            )
+        else:
+            rows = rows0 + split
+            o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
+    elif NUM_SPLITS == 1:  # no keys: zeros, as the merge gives
+        zeros = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        _store_heads(o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, zeros)
+    if MERGE and NUM_SPLITS > 1:  # an empty split arrives too
         if last_to_arrive(counters + b * tl.num_programs(1) + kv_head, NUM_SPLITS):
             row0 = (b.to(tl.int64) * tl.num_programs(1) + kv_head) * group * NUM_SPLITS
             o_row = o + b.to(tl.int64) * stride_o_b + offs_d
@@ -193,6 +211,13 @@ def _decode_split_kernel(
                 )  # fmt: skip
                 head_ptrs = o_row + (kv_head * group + h) * stride_o_h
                 tl.store(head_ptrs, out.to(o.dtype.element_ty), mask=mask_d)
+
+
+@_jit
+def _store_heads(o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, out):
+    """``out`` [BLOCK_H, BLOCK_D] (fp32) as request b's rows of ``heads`` in ``o``."""
+    o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @_jit
@@ -292,7 +317,10 @@ def _launch_decode(
     group = num_heads // num_kv_heads
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
-    part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
+    merge_in_split = merge_in_split and splits > 1
+    part_o, part_lse = o, o  # one pass: written to o directly
+    if splits > 1:
+        part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
     counters = ws.counters(batch * num_kv_heads, q.device) if merge_in_split else part_lse
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, splits)](
@@ -331,7 +359,7 @@ def _launch_decode(
         num_stages=num_stages,
         **pdl.launch(q.device),
     )
-    if merge_in_split:
+    if merge_in_split or splits == 1:
         return
     _decode_reduce_kernel[(batch, num_heads)](
         part_o,
