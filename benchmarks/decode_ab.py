@@ -9,7 +9,7 @@ variant's median over rounds of the median step (ms, a sync around each step) an
 to the first variant.
 
     python benchmarks/decode_ab.py --models qwen3-0.6b --batch-sizes 1 2 4 8 \\
-        --context 1024 --variants base merge qkv --rounds 7 [--profile] [--json PATH]
+        --context 1024 --variants base merge nogemv --rounds 7 [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,15 +26,6 @@ from breakgraph.bench.decode import decode_batch, decode_engine, profile_calls
 from breakgraph.bench.step import time_ms
 from breakgraph.engine.cuda_graphs import DecodeGraphs
 from breakgraph.kernels import decode_attention, pdl, skinny_gemm
-
-
-def _qkv_table() -> dict:
-    """The table with qwen3-0.6b's qkv (M <= 4) and llama-3.1-8b's gate/up (M = 1) on the
-    skinny kernel, which the standalone sweep left on cuBLAS."""
-    t, c = dict(skinny_gemm.SKINNY_TABLE), skinny_gemm.SkinnyConfig
-    t[(4096, 1024)] = [(4, c(32, 128, 1, fuse_norm=False)), *t[(4096, 1024)]]
-    t[(28672, 4096)] = [(1, c(64, 256, 1, fuse_norm=False)), *t[(28672, 4096)][1:]]
-    return t
 
 
 def _gemv_table(
@@ -72,7 +63,6 @@ VARIANTS = {
     "base": [],
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
-    "qkv": [(skinny_gemm, "SKINNY_TABLE", "qkv")],
     "nogemv": [(skinny_gemm, "SKINNY_TABLE", "nogemv")],
     "gemv8": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 8, 1024))],
     "gemv4": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 4, 1024))],
@@ -105,9 +95,7 @@ def switches(name: str, model: str):
     saved = []
     for module, attr, value in variant(name):
         saved.append((module, attr, getattr(module, attr)))
-        if value == "qkv":
-            value = _qkv_table()
-        elif value == "nogemv":
+        if value == "nogemv":
             value = _no_gemv_table()
         elif isinstance(value, tuple) and value[0] == "gemv":
             value = _gemv_table(model, *value[1:])

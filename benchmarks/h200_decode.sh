@@ -10,9 +10,6 @@
 #   pdl      BREAKGRAPH_PDL=1: programmatic dependent launch of the Triton kernels at every batch
 #   nopdl    BREAKGRAPH_PDL=0: at none
 #   merge    BREAKGRAPH_DECODE_MERGE=split: decode attention in one launch
-#   qkv      the table with qwen3-0.6b's qkv (M <= 4) and llama's gate/up (M = 1) on the
-#            skinny kernel, which the standalone sweep left on cuBLAS (inside the decode
-#            graph the kernel is in PDL's chain; cuBLAS is not)
 #   old      the checkout in OLD (default .dev/old: `git archive REV breakgraph | tar -x -C
 #            .dev/old`, carried) for a before/after in one run
 #   table    decode attention in one launch and the swept table (BREAKGRAPH_SKINNY=PATH)
@@ -46,15 +43,6 @@ for ctx in ${CONTEXTS:-1024 8192}; do
       old) env=() dir=${OLD:-.dev/old} ;;
       pdl) env=(BREAKGRAPH_PDL=1) ;;
       nopdl) env=(BREAKGRAPH_PDL=0) ;;
-      qkv)
-        python3 -c "
-import json
-from breakgraph.kernels import skinny_gemm as s
-t, C = dict(s.SKINNY_TABLE), s.SkinnyConfig
-t[(4096, 1024)] = [(4, C(32, 128, 1, fuse_norm=False))] + t[(4096, 1024)]
-t[(28672, 4096)] = [(1, C(64, 256, 1, fuse_norm=False))] + t[(28672, 4096)][1:]
-json.dump(s.table_to_json(t), open('/tmp/skinny_qkv.json', 'w'))"
-        env=(BREAKGRAPH_SKINNY=/tmp/skinny_qkv.json) ;;
       merge) env=(BREAKGRAPH_DECODE_MERGE=split) ;;
       table) env=(BREAKGRAPH_DECODE_MERGE=split "BREAKGRAPH_SKINNY=$table") ;;
       all) env=(BREAKGRAPH_DECODE_MERGE=split BREAKGRAPH_SKINNY=all) ;;
