@@ -323,6 +323,7 @@ def _launch_decode(
         part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
     counters = ws.counters(batch * num_kv_heads, q.device) if merge_in_split else part_lse
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_s = triton.next_power_of_2(splits)  # the merge loads every split at once
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -354,7 +355,7 @@ def _launch_decode(
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
         MERGE=merge_in_split,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=block_s,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch(q.device),
@@ -373,7 +374,7 @@ def _launch_decode(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=block_s,
         SLIDING=sliding_window is not None,
         num_warps=4,  # every split's [D] partial at once: 64 x 128 fp32 over 128 threads
         **pdl.launch(q.device),

@@ -133,10 +133,7 @@ def _attend_block(
     qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(qk, m_i, l_i)
     if MASKED:
         v = tl.load(v_ptrs, mask=key_mask[:, None] & mask_d[None, :], other=0.0)
     else:
@@ -146,15 +143,21 @@ def _attend_block(
 
 
 @_jit
+def _softmax_step(qk, m_i, l_i):
+    """The online softmax over one block's scores ``qk`` [M, N] (base 2): the block's
+    weights ``p``, the rescale ``alpha`` of what came before, and the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@_jit
 def _attend_loaded(q_tile, acc, m_i, l_i, k, v, visible, qk_scale, DOT_PRECISION: tl.constexpr):
     """:func:`_attend_block` (masked) on a block already loaded: ``k`` [D, N], ``v`` [N, D]
     (zeros where no key is), ``visible`` [M, N]; the same arithmetic in the same order."""
     qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * qk_scale
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(tl.where(visible, qk, float("-inf")), m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
