@@ -173,13 +173,19 @@ def test_fused_experts_gelu_and_expert_scale(m):
 @kernel_test
 @pytest.mark.parametrize("m", [7, 256, 8192])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("fuse_act", "sorted_h"), [(False, False), (True, True), (False, True)])
-def test_fused_experts_config_variants(m, dtype, fuse_act, sorted_h, monkeypatch):
-    """The config table's other variants: gate/up as a plain GEMM then SiLU-and-mul, and
-    the intermediate rows kept in sorted order (the down GEMM reads them contiguously)."""
+@pytest.mark.parametrize(
+    ("fuse_act", "sorted_h", "tma"),
+    [(False, False, False), (True, True, False), (False, True, False), (True, True, True),
+     (False, False, True)],
+    ids=["plain", "fused-sorted", "plain-sorted", "fused-sorted-tma", "plain-tma"],
+)  # fmt: skip
+def test_fused_experts_config_variants(m, dtype, fuse_act, sorted_h, tma, monkeypatch):
+    """The config table's other variants: gate/up as a plain GEMM then SiLU-and-mul, the
+    intermediate rows kept in sorted order (the down GEMM reads them contiguously), and the
+    tiles loaded through TMA descriptors (weights; the sorted rows too)."""
     hidden, inter = _dims(2048, 768)
     x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
-    cfg = fm.moe_config(m, 8, 128)._replace(fuse_act=fuse_act, sorted_h=sorted_h)
+    cfg = fm.moe_config(m, 8, 128)._replace(fuse_act=fuse_act, sorted_h=sorted_h, tma=tma)
     monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8))
 

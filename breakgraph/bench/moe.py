@@ -32,7 +32,7 @@ from breakgraph.models.config import ModelConfig
 from breakgraph.models.qwen3_moe import num_experts
 from breakgraph.models.sources import CONFIG_DIR
 
-GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3)]  # fmt: skip
+GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4)]  # fmt: skip
 BLOCK_M_CANDIDATES = [(16, 1), (32, 4), (64, 8), (128, 8)]  # (BLOCK_M, GROUP_M)
 
 
@@ -129,10 +129,14 @@ def with_config(cfg: fm.MoEConfig, fn):
         fm.moe_config = saved
 
 
-def sweep(layer: Layer, block_ms: list[int] | None = None) -> tuple[fm.MoEConfig, float]:
-    """Best config at this M: per BLOCK_M and gate/up variant (fused activation, or for SiLU
-    also a plain GEMM then SiLU-and-mul) the best gate/up GEMM with the default down GEMM,
-    then the best down GEMM; a candidate that fails to compile is skipped."""
+def sweep(
+    layer: Layer, block_ms: list[int] | None = None, table_flags: bool = False
+) -> tuple[fm.MoEConfig, float]:
+    """Best config at this M: per BLOCK_M and variant (fused activation, or for SiLU also a
+    plain GEMM then SiLU-and-mul; sorted intermediate rows or not; TMA loads or not) the
+    best gate/up GEMM with the default down GEMM, then the best down GEMM; a candidate that
+    fails to compile is skipped. ``table_flags``: fused activation, sorted rows and TMA as
+    the table has them, except TMA flipped (against the table's own config)."""
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
     best, best_ms = default, with_config(default, lambda: bench_ms(layer))
 
@@ -144,10 +148,14 @@ def sweep(layer: Layer, block_ms: list[int] | None = None) -> tuple[fm.MoEConfig
             return float("inf")
 
     fuse_options = (True, False) if layer.s["activation"] == "silu" else (True,)
+    sorted_options, tma_options = (False, True), (False, True)
+    if table_flags:
+        fuse_options, sorted_options = (default.fuse_act,), (default.sorted_h,)
+        tma_options = (not default.tma,)
     block_m_options = [c for c in BLOCK_M_CANDIDATES if not block_ms or c[0] in block_ms]
-    variants = itertools.product(block_m_options, fuse_options, (False, True))
-    for (block_m, group_m), fuse, sorted_h in variants:
-        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse, sorted_h)
+    variants = itertools.product(block_m_options, fuse_options, sorted_options, tma_options)
+    for (block_m, group_m), fuse, sorted_h, tma in variants:
+        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse, sorted_h, tma)
         up = min(GEMM_CANDIDATES, key=lambda c, b=base: timed(b._replace(gate_up=c)))
         for down in GEMM_CANDIDATES:
             cfg = base._replace(gate_up=up, down=down)
@@ -200,13 +208,15 @@ def breakdown(layer: Layer) -> None:
         ("table", default),
         ("sorted_h flipped", default._replace(sorted_h=not default.sorted_h)),
         ("fuse_act flipped", default._replace(fuse_act=not default.fuse_act)),
+        ("tma flipped", default._replace(tma=not default.tma)),
     ):
         if layer.s["activation"] != "silu" and cfg.fuse_act is False:
             continue
         parts = kernel_breakdown(layer, cfg)
         total = sum(ms for _, ms in parts)
         cells = "  ".join(f"{k} {ms:.3f}" for k, ms in parts)
-        print(f"  {name:<16} {total:.3f} ms: {cells}", flush=True)
+        graph = with_config(cfg, lambda: bench_ms(graphed(layer)))  # captured under cfg
+        print(f"  {name:<16} {total:.3f} ms (graph {graph:.3f}): {cells}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,6 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="also search launch configs")
     parser.add_argument(
         "--sweep-block-m", type=int, nargs="+", help="the sweep's BLOCK_M values (default: all)"
+    )
+    parser.add_argument(
+        "--sweep-table-flags",
+        action="store_true",
+        help="the sweep keeps the table's fuse_act and sorted_h, and flips its tma",
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="also time each kernel of the layer (profiler)"
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.breakdown:
             breakdown(layer)
         if args.sweep:
-            cfg, ms = sweep(layer, args.sweep_block_m)
+            cfg, ms = sweep(layer, args.sweep_block_m, args.sweep_table_flags)
             mean_rows = m * s["top_k"] / s["experts"]
             rows.append((mean_rows, cfg, ms, moe))
             print(f"  best {cfg}: {ms:.3f} ms (default {moe:.3f})", flush=True)

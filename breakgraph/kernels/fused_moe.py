@@ -35,6 +35,7 @@ from breakgraph.kernels.fused import silu_and_mul_triton
 try:  # Triton is optional: the CPU-only install runs the torch twins
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     triton = None
 
@@ -115,7 +116,9 @@ class MoEConfig(NamedTuple):
     product in the gate/up GEMM's epilogue (two accumulators per tile), or a plain GEMM
     writing [rows, 2I] and then SiLU-and-mul (SiLU only: GELU is always fused); ``sorted_h``:
     the gate/up GEMM writes its rows in sorted (expert-grouped, padded) order, so the down
-    GEMM reads them contiguously instead of gathering them by row id."""
+    GEMM reads them contiguously instead of gathering them by row id; ``tma``: the GEMMs load
+    their expert weight tiles (and the down GEMM its sorted rows) through Hopper's tensor
+    memory accelerator (host-built descriptors), not per-thread pointers."""
 
     block_m: int
     group_m: int
@@ -123,6 +126,7 @@ class MoEConfig(NamedTuple):
     down: tuple[int, int, int, int]
     fuse_act: bool = True
     sorted_h: bool = False
+    tma: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -138,13 +142,18 @@ class MoEConfig(NamedTuple):
 # Gemma 4's MoE shapes are not swept yet. sorted_h (the intermediate rows in sorted order)
 # from M = 8192: 1.411 vs 1.550 ms per layer there (gate/up 0.838 vs 0.915 ms, down 0.465
 # vs 0.524), equal at M <= 1024 (``bench.moe --breakdown``, h200-2026-12-01c/moe/moe.log).
+# tma (weight tiles, and the down GEMM's sorted rows, through TMA descriptors) from M = 256:
+# at M = 8192 the sweep with it (``--sweep --sweep-block-m 128 --sweep-table-flags``) found
+# 1.301 ms against the table's 1.587 before it (gate/up 0.832 vs 0.919 ms and down 0.433 vs
+# 0.490 with the former tiles); at M = 1024, the same tiles, graph 0.390 vs 0.403 ms
+# (h200-2026-12-01f/moe/; benchmarks/README.md, twelfth session).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
     (4.0, MoEConfig(16, 1, (32, 128, 4, 4), (128, 128, 8, 3))),
     (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),  # the former row (above)
-    (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3))),
-    (math.inf, MoEConfig(128, 8, (128, 64, 8, 3), (128, 64, 8, 3), sorted_h=True)),
+    (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3), tma=True)),
+    (math.inf, MoEConfig(128, 8, (128, 64, 8, 4), (128, 64, 4, 3), sorted_h=True, tma=True)),
 )
 
 
@@ -404,13 +413,17 @@ def _moe_gemm_kernel(
     GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     IEEE: tl.constexpr,
+    B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
+    A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
     c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight. A_SORTED / C_SORTED:
     a's / c's rows are in sorted order (row i of the tile is sorted position i), not row ids;
     a padding position's c row holds act(0) * 0 or whatever its a row held, and no
-    row-id-indexed output ever reads it."""
+    row-id-indexed output ever reads it. Through a descriptor (B_TMA, A_TMA), a tile past
+    the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
+    half's rows) lands in columns that are never stored."""
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
@@ -439,29 +452,44 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    if not A_TMA:
+        a_ptrs = a + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    if B_TMA:
+        b_row = expert.to(tl.int32) * (stride_be // stride_bn) + pid_n * BLOCK_N
+    else:
+        b_ptrs = b + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if GATED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
-        x = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if A_TMA:
+            x = a.load([pid_m * BLOCK_M, k0])
+        else:
+            x = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_TMA:
+            w = b.load([b_row, k0]).T
+        else:
+            w = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
         if GATED:
-            w_up = tl.load(
-                b_ptrs + n_out * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0
-            )
+            if B_TMA:
+                w_up = b.load([b_row + n_out, k0]).T
+            else:
+                w_up = tl.load(
+                    b_ptrs + n_out * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0
+                )
             if IEEE:
                 acc_up += tl.dot(x, w_up, input_precision="ieee")
             else:
                 acc_up += tl.dot(x, w_up)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+        if not A_TMA:
+            a_ptrs += BLOCK_K
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
 
     dtype = c.dtype.element_ty
     if GATED:  # round where the twin rounds: gate, up, act(gate), the product
@@ -484,15 +512,22 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _launch_gemm(a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, **flags):
+def _launch_gemm(
+    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
+):  # fmt: skip
     sorted_ids, expert_ids, num_post_padded = align
     block_n, block_k, warps, stages = cfg
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
+    a_arg, b_arg = a, b
+    if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
+        if flags["A_SORTED"]:
+            a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
     _moe_gemm_kernel[grid](
-        a,
-        b,
+        a_arg,
+        b_arg,
         c,
         topk_weights,
         sorted_ids,
@@ -513,6 +548,8 @@ def _launch_gemm(a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, c
         BLOCK_K=block_k,
         GROUP_M=group_m,
         IEEE=a.dtype == torch.float32,
+        B_TMA=tma,
+        A_TMA=tma and flags["A_SORTED"],
         num_warps=warps,
         num_stages=stages,
         **flags,
@@ -569,20 +606,20 @@ def fused_experts_triton(
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, **where,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma, **where,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, **where,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
     y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=False, GATED=False, GELU=False,
-        MUL_WEIGHT=True,
+        MUL_WEIGHT=True, tma=cfg.tma,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
