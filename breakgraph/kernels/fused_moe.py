@@ -512,11 +512,18 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+_SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
+
+
 def _launch_gemm(
     a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
 ):  # fmt: skip
     sorted_ids, expert_ids, num_post_padded = align
     block_n, block_k, warps, stages = cfg
+    # the table's tiles are sized for 2-byte inputs: float32 keeps them with fewer stages
+    stage_bytes = (block_m + block_n * (2 if flags["GATED"] else 1)) * block_k * a.element_size()
+    while stages > 2 and stage_bytes * stages > _SMEM_PIPELINE_BYTES:
+        stages -= 1
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
