@@ -67,6 +67,30 @@ def test_argument_problems_are_one_line(args, words):
         assert w in r.stderr, r.stderr
 
 
+def test_event_loop_choice(monkeypatch):
+    """``--loop``: asyncio's loop (None: asyncio.Runner's own), uvloop's where installed
+    (auto takes it), and asking for uvloop without it is a one-line startup problem."""
+    from breakgraph.server import launch
+
+    assert launch.event_loop_factory("asyncio") is None
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        for choice in ("auto", "uvloop"):
+            factory = launch.event_loop_factory(choice)
+            loop = factory()
+            try:
+                assert isinstance(loop, uvloop.Loop)
+            finally:
+                loop.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    assert launch.event_loop_factory("auto") is None
+    with pytest.raises(launch.StartupProblem, match="uvloop is not installed"):
+        launch.event_loop_factory("uvloop")
+
+
 def test_help_shows_defaults_and_the_model_alias():
     out = run_cli("serve", "--help").stdout
     assert "(default: 30000)" in out and "(default: 8192)" in out

@@ -356,21 +356,35 @@ class EngineClient:
                 logger.error("unexpected engine message %s", type(msg).__name__)
 
     def _on_step(self, msg: StepResult) -> None:
+        """Hand each output to its request's queue, then observe the step's metrics in a
+        callback of their own: the requests' tasks, woken by the queues, are scheduled first,
+        so a token reaches its client before the histograms are updated."""
         now = time.perf_counter()
-        if msg.step_ms is not None:
-            self.metrics.observe_step(msg.step_ms, msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms)
         for err in msg.errors:
             entry = self._inflight.pop(err.rid, None)
-            self.metrics.requests.labels("error").inc()
             if entry is not None:
                 entry.queue.put_nowait(RequestRejected(err.message))
+        routed = []
         for out in msg.outputs:
-            self._route_output(out, now)
+            entry = self._inflight.get(out.rid)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._inflight[out.rid]
+            entry.queue.put_nowait(out)
+            routed.append((entry, out))
+        asyncio.get_running_loop().call_soon(self._observe_step, msg, routed, now)
 
-    def _route_output(self, out: TokenDelta, now: float) -> None:
-        entry = self._inflight.get(out.rid)
-        if entry is None:
-            return
+    def _observe_step(self, msg: StepResult, routed: list, now: float) -> None:
+        m = self.metrics
+        if msg.step_ms is not None:
+            m.observe_step(msg.step_ms, msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms)
+        for _ in msg.errors:
+            m.requests.labels("error").inc()
+        for entry, out in routed:
+            self._observe_output(entry, out, now)
+
+    def _observe_output(self, entry: _InFlight, out: TokenDelta, now: float) -> None:
         m, n = self.metrics, len(out.token_ids)
         if out.timeline is not None:  # once, with its first output (tokens or not)
             m.observe_timeline(entry.received_at, entry.sent_at, out.timeline)
@@ -386,7 +400,6 @@ class EngineClient:
                     m.itl.observe(gap)
             entry.last_token_at = now
         if out.finished:
-            del self._inflight[out.rid]
             m.e2e.observe(now - entry.submitted_at)
             m.requests.labels((out.finish_reason or {}).get("type", "unknown")).inc()
             if self.log_requests:
@@ -399,7 +412,6 @@ class EngineClient:
                     out.finish_reason,
                     now - entry.submitted_at,
                 )
-        entry.queue.put_nowait(out)
 
     def _fail_all(self, error: EngineError) -> None:
         for entry in self._inflight.values():
