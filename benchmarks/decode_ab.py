@@ -30,13 +30,12 @@ from breakgraph.kernels import decode_attention, pdl, skinny_gemm
 
 def _gemv_table(
     model: str, block_n: int, block_k: int, num_stages: int = 2, max_m: int = 8,
-    only: set[str] | None = None, warps: int = 4, fuse_norm: bool = False,
+    only: set[str] | None = None, warps: int = 4,
 ) -> dict:  # fmt: skip
     """The table with every projection of ``model`` (or those named in ``only``: qkv, o,
     gate_up, down, lm_head, a family's others) on the GEMV kernel up to ``max_m`` rows
     (gate/up with half the K chunk: it holds its up rows too), the table's entries above that;
-    shapes the table lacks (another family's) too. ``fuse_norm``: the RMSNorm in front (where
-    one is) as the GEMV's prologue."""
+    shapes the table lacks (another family's) too."""
     from breakgraph.bench.gemm import projection_shapes
 
     c = skinny_gemm.SkinnyConfig
@@ -45,7 +44,7 @@ def _gemv_table(
         if only is not None and name not in only:
             continue
         bk = block_k // 2 if name == "gate_up" else block_k
-        gemv = c(block_n, bk, 1, warps, num_stages, fuse_norm=fuse_norm, gemv=True)
+        gemv = c(block_n, bk, 1, warps, num_stages, fuse_norm=False, gemv=True)
         above = [(m, cfg) for m, cfg in table.get(shape, ()) if m > max_m]
         table[shape] = [(max_m, gemv)] + above
     return table
@@ -68,31 +67,25 @@ VARIANTS = {
     "gemv8": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 8, 1024))],
     "gemv4": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 4, 1024))],
     "gemv16": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 16, 512))],
-    "gemvnorm": "gemv2k2048w2n@1",  # the shipped GEMV configs, each norm as their prologue
 }
 
 
 def variant(name: str) -> list:
     """VARIANTS' entry; ``onepass<N>``: decode attention in one pass (no split, no merge) from
-    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][n][-<projection>
-    ...][@<max M>]`` (gemv4-qkv-o@1, gemv2k512w2@1, gemv2k2048w2n-qkv@1): those projections
-    (default all) on the GEMV kernel with BLOCK_N = BN (BLOCK_K, warps, stages; n: the norm
-    in front as its prologue) up to max M rows."""
+    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][-<projection>...][@<max
+    M>]`` (gemv4-qkv-o@1, gemv2k512w2@1): those projections (default all) on the GEMV kernel
+    with BLOCK_N = BN (BLOCK_K, warps, stages) up to max M rows."""
     if name in VARIANTS:
-        found = VARIANTS[name]
-        return variant(found) if isinstance(found, str) else found
+        return VARIANTS[name]
     if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs
         return [(decode_attention, "ONE_PASS_PROGRAMS", int(name[len("onepass") :]))]
     spec, _, max_m = name.partition("@")
     head, *projections = spec.split("-")
-    found = re.fullmatch(r"gemv(\d+)(?:k(\d+))?(?:w(\d+))?(?:s(\d+))?(n?)", head)
+    found = re.fullmatch(r"gemv(\d+)(?:k(\d+))?(?:w(\d+))?(?:s(\d+))?", head)
     assert found, f"unknown variant {name!r}"
-    block_n, block_k, warps, stages = (int(g) if g else None for g in found.groups()[:4])
+    block_n, block_k, warps, stages = (int(g) if g else None for g in found.groups())
     only = set(projections) if projections else None
-    table = (
-        "gemv", block_n, block_k or 1024, stages or 2, int(max_m or 8), only, warps or 4,
-        found.group(5) == "n",
-    )  # fmt: skip
+    table = ("gemv", block_n, block_k or 1024, stages or 2, int(max_m or 8), only, warps or 4)
     return [(skinny_gemm, "SKINNY_TABLE", table)]
 
 

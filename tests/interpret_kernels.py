@@ -102,8 +102,8 @@ def skinny_gemm() -> int:
 
 def gemv() -> int:
     """The GEMV kernel (``SkinnyConfig(gemv=True)``): rows 1..8, ragged N and K tiles, bias,
-    gate/up with its activation, the (residual add and) RMSNorm in front (K in several
-    chunks), and past its rows the tensor-core kernel."""
+    gate/up with its activation; and a norm in front stays apart (the prologue is the tensor-
+    core kernel's only)."""
     failed = 0
     cfgs = (sg.SkinnyConfig(4, 32, 1, gemv=True), sg.SkinnyConfig(16, 64, 1, gemv=True))
     for m, n, k in ((1, 40, 70), (3, 100, 300), (8, 9, 64)):
@@ -124,25 +124,19 @@ def gemv() -> int:
         ok = out.shape == ref.shape and rel <= 1e-4
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} gemv {act} {m}x{k}: max rel diff {rel:.1e}")
-    for m, k, act in ((1, 300, None), (3, 64, "silu")):  # the residual add + RMSNorm in front
-        x, res, w = torch.randn(m, k), torch.randn(m, k), torch.randn(2 * 24, k)
-        norm_w = 1 + 0.1 * torch.randn(k)
-        for residual in (None, res):
-            ref, ref_res = sg.skinny_norm_gemm_torch(x, residual, norm_w, 1e-6, w, act)
-            out, new_res = sg.skinny_norm_gemm_triton(
-                x, residual, norm_w, 1e-6, w, cfgs[0], None, act
-            )
-            rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
-            same_res = new_res is None if residual is None else torch.equal(new_res, ref_res)
-            ok = rel <= 1e-4 and same_res
-            failed += not ok
-            print(f"{'ok' if ok else 'FAIL'} gemv norm+{act} {m}x{k}: max rel diff {rel:.1e}")
-    # past GEMV_MAX_M rows: the tensor-core kernel
-    x, w = torch.randn(sg.GEMV_MAX_M + 1, 64), torch.randn(9, 64)
-    diff = (sg.skinny_gemm_triton(x, w, None, cfgs[0]) - F.linear(x, w)).abs().max().item()
+    # a GEMV config with a norm in front, or past GEMV_MAX_M rows: the tensor-core kernel
+    rows = sg.GEMV_MAX_M + 1
+    x, res, w = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(9, 64)
+    norm_w = 1 + 0.1 * torch.randn(64)
+    ref, _ = sg.skinny_norm_gemm_torch(x[:2], res[:2], norm_w, 1e-6, w)
+    out, _ = sg.skinny_norm_gemm_triton(x[:2], res[:2], norm_w, 1e-6, w, cfgs[0])
+    diff = max(
+        (out - ref).abs().max().item(),
+        (sg.skinny_gemm_triton(x, w, None, cfgs[0]) - F.linear(x, w)).abs().max().item(),
+    )
     ok = diff <= 1e-4
     failed += not ok
-    print(f"{'ok' if ok else 'FAIL'} gemv config past its rows: max diff {diff:.1e}")
+    print(f"{'ok' if ok else 'FAIL'} gemv config off its kernel: max diff {diff:.1e}")
     return failed
 
 

@@ -475,24 +475,17 @@ def test_skinny_gate_up_with_its_activation_matches_the_two_ops(m, activation):
 
 @gpu
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64])
 def test_skinny_gemm_with_the_norm_in_front_matches_norm_then_linear(m, with_residual):
     """The residual add and Llama's RMSNorm as the GEMM's prologue (bf16) against the norm
-    kernel's twin then F.linear; the new residual bit-equal to torch's add. On the GEMV
-    kernel too where it takes the rows: K in one chunk (as shipped) and in two."""
+    kernel's twin then F.linear; the new residual bit-equal to torch's add."""
     k, n = 1024, 1000
     x, res = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
     residual = res if with_residual else None
     ref, ref_res = sg.skinny_norm_gemm_torch(x, residual, norm_w, 1e-6, w)
-    cfgs = [sg.SkinnyConfig(32, 128, 1), sg.SkinnyConfig(16, 128, 4)]
-    if m <= sg.GEMV_MAX_M:
-        cfgs += [
-            sg.SkinnyConfig(2, 2048, 1, 2, 2, gemv=True),
-            sg.SkinnyConfig(8, 512, 1, gemv=True),
-        ]
-    for cfg in cfgs:
+    for cfg in (sg.SkinnyConfig(32, 128, 1), sg.SkinnyConfig(16, 128, 4)):
         out, new_res = sg.skinny_norm_gemm_triton(x, residual, norm_w, 1e-6, w, cfg)
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
         assert (new_res is None) if residual is None else torch.equal(new_res, ref_res)

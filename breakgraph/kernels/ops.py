@@ -172,7 +172,7 @@ def norm_linear(
     the table sends the projection's shape there (and keeps ``fuse_norm``); else the norm
     kernel, then the projection."""
     cfg = _skinny_config(x, weight)
-    if cfg is not None and cfg.fuse_norm and x.is_contiguous():
+    if cfg is not None and cfg.fuse_norm and not cfg.gemv and x.is_contiguous():
         if residual is None or residual.is_contiguous():
             y, new_residual = _skinny.skinny_norm_gemm_triton(
                 x, residual, norm_weight, eps, weight, cfg, None, activation, bias

@@ -266,8 +266,7 @@ def _skinny_gemm_kernel(
 
 @_jit
 def _normed_input(x_rows, res, res_rows, ks, mask, HAS_RES: tl.constexpr):
-    """A chunk of the norm's input: x, or x + res rounded to x's dtype as torch's add (rows:
-    pointers [BLOCK_M, 1] and offsets into res, or one row's scalars)."""
+    """A chunk of the norm's input: x, or x + res rounded to x's dtype as torch's add."""
     h = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res + res_rows + ks[None, :], mask=mask, other=0.0)
@@ -366,10 +365,6 @@ def _gemv_kernel(
     w,
     bias,
     y,
-    res,  # as _skinny_gemm_kernel's: NORM with HAS_RES, the residual [M, K]
-    res_out,  # NORM with HAS_RES: x + res [M, K], written by the first N tile's program
-    norm_w,  # NORM: the RMSNorm weight [K]
-    eps,
     M,
     N,  # output columns (with ACT: half the weight's rows)
     K,
@@ -381,8 +376,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,  # as _skinny_gemm_kernel's
-    NORM: tl.constexpr,  # as _skinny_gemm_kernel's: Llama's RMSNorm of x (x + res) in front
-    HAS_RES: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One N tile: its BLOCK_N weight rows (and with ACT their up rows) against each of the
@@ -390,9 +383,7 @@ def _gemv_kernel(
     tensor-core tile, no split of K through memory: a program loads its whole slice in
     BLOCK_K chunks (all in flight when K <= BLOCK_K) and reduces it across its threads, so a
     decode projection is one round trip to DRAM and a reduction, not a pipeline's ramp and
-    a cross-program merge. With NORM every program first finds the rows' RMS (their K
-    elements, read from L2 by all programs), then normalizes each chunk as it loads it: the
-    norm kernel in front, and its launch, are gone."""
+    a cross-program merge."""
     pdl.enter(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -401,16 +392,6 @@ def _gemv_kernel(
     mask_n = offs_n < N
     w_rows = w + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = w + (offs_n[:, None] + N).to(tl.int64) * stride_wn
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        for m in tl.static_range(BLOCK_M):
-            sum_sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + offs_k
-                mask_xm = ((ks < K) & (m < M))[None, :]
-                h = _normed_input(x + m * stride_xm, res, m * K, ks, mask_xm, HAS_RES)
-                sum_sq += h.to(tl.float32) * h.to(tl.float32)
-            rstd += tl.where(offs_m == m, tl.rsqrt(tl.sum(sum_sq) / K + eps), 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -420,22 +401,9 @@ def _gemv_kernel(
         wt = tl.load(w_rows + ks[None, :], mask=mask_w, other=0.0).to(tl.float32)
         if ACT:
             ut = tl.load(up_rows + ks[None, :], mask=mask_w, other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(norm_w + ks, mask=mask_k, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
-            mask_xm = (mask_k & (m < M))[None, :]
-            if NORM:
-                h = _normed_input(x + m * stride_xm, res, m * K, ks, mask_xm, HAS_RES)
-                if HAS_RES:
-                    if pid_n == 0:  # the new residual
-                        tl.store(res_out + m * K + ks[None, :], h, mask=mask_xm)
-                # Llama's RMSNorm, rounded as the tensor-core kernel's prologue rounds it
-                r = tl.sum(tl.where(offs_m == m, rstd, 0.0), 0)
-                hn = (h.to(tl.float32) * r).to(h.dtype)
-                xm = (nw[None, :] * hn.to(tl.float32)).to(h.dtype)
-            else:
-                xm = tl.load(x + m * stride_xm + ks[None, :], mask=mask_xm, other=0.0)
-            xm = xm.to(tl.float32)
+            xm = tl.load(x + m * stride_xm + ks, mask=mask_k & (m < M), other=0.0)
+            xm = xm.to(tl.float32)[None, :]
             row = offs_m[:, None] == m
             acc += tl.where(row, tl.sum(wt * xm, 1)[None, :], 0.0)
             if ACT:
@@ -445,19 +413,15 @@ def _gemv_kernel(
     _skinny_epilogue(acc, acc_up, bias, y_ptrs, offs_n, mask_n, mask, HAS_BIAS, ACT)
 
 
-def _launch_gemv(x, weight, bias, cfg, act, y, norm) -> torch.Tensor:
+def _launch_gemv(x, weight, bias, cfg, act, y) -> torch.Tensor:
     m, k = x.shape
     n = y.shape[1]
     assert m <= GEMV_MAX_M and cfg.split_k == 1
-    residual, new_residual, norm_weight, eps = norm or (None, None, None, 0.0)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight if bias is None else bias, y,
-        x if residual is None else residual, y if new_residual is None else new_residual,
-        weight if norm_weight is None else norm_weight, eps, m, n, k,
+        x, weight, weight if bias is None else bias, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, ACT=act, NORM=norm is not None,
-        HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         **pdl.launch(x.device),
     )  # fmt: skip
@@ -477,9 +441,9 @@ def _launch(x, weight, bias, config, workspace, activation, norm) -> torch.Tenso
         return y
     cfg = config or table_config(m, rows, k) or SkinnyConfig(64, 128, 1)
     if cfg.gemv:
-        if m <= GEMV_MAX_M:
-            return _launch_gemv(x, weight, bias, cfg, act, y, norm)
-        cfg = generic_config(n, k)  # more rows: the tensor-core kernel
+        if norm is None and m <= GEMV_MAX_M:
+            return _launch_gemv(x, weight, bias, cfg, act, y)
+        cfg = generic_config(n, k)  # a norm in front, or more rows: the tensor-core kernel
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
     part, counters = y, y  # unused with one split
