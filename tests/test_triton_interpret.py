@@ -40,6 +40,10 @@ def test_kernels_merging_in_their_last_split():
     interpret("tests.interpret_kernels", 37)
 
 
+def test_fused_moe_launch_variants():
+    interpret("tests.interpret_moe", 9)
+
+
 @pytest.mark.parametrize(
     ("skinny", "merge", "most"), [("off", "kernel", 26), ("off", "split", 24), ("all", "split", 18)]
 )

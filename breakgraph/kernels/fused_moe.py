@@ -515,6 +515,12 @@ def _moe_gemm_kernel(
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can tile ``t``: contiguous, its base and rows 16-byte
+    aligned (else the GEMM loads it through pointers)."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
+
+
 def _launch_gemm(
     a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
 ):  # fmt: skip
@@ -528,6 +534,7 @@ def _launch_gemm(
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
     a_arg, b_arg = a, b
+    tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])
     if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
         b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
         if flags["A_SORTED"]:
