@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -22,12 +23,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server.engine_process import EngineLoop
+from breakgraph.server.ipc import EngineSocket, FramedSocket
 from breakgraph.server.messages import (
     GenerateReq,
     RequestError,
@@ -548,25 +549,27 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
     error and the loop goes on; each step's outputs travel in one message (with overlap
     scheduling, a step's tokens travel with the next step's message)."""
     engine = Engine(EngineArgs(model_path=str(tiny_model_dir), overlap_schedule=overlap))
-    ctx = zmq.Context()
-    inbox, to_engine = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_end, api_end = socket.socketpair()
+    api = FramedSocket(api_end)
+
+    def receive(timeout_s: float) -> list:
+        select.select([api.sock], [], [], timeout_s)
+        return [decode(data) for data in api.read()]
+
     try:
-        inbox.bind("inproc://to"), to_engine.connect("inproc://to")
-        from_engine.bind("inproc://from"), outbox.connect("inproc://from")
         sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
         for rid, ids in [("bad", [1, 999]), ("a", [1, 2]), ("b", [3, 4, 5])]:
-            to_engine.send(encode(GenerateReq(rid, ids, sampling)))
-        to_engine.send(encode(StatsReq(call_id=7)))
-        loop = threading.Thread(target=EngineLoop(engine, inbox, outbox).run)
+            api.send(encode(GenerateReq(rid, ids, sampling)))
+        api.send(encode(StatsReq(call_id=7)))
+        loop = threading.Thread(target=EngineLoop(engine, EngineSocket(engine_end)).run)
         loop.start()
-        messages, finished = [], set()
-        while len(finished) < 2 and from_engine.poll(30_000):
-            msg = decode(from_engine.recv())
-            messages.append(msg)
-            if isinstance(msg, StepResult):
-                finished |= {o.rid for o in msg.outputs if o.finished}
-        to_engine.send(encode(Shutdown()))
+        messages, finished, deadline = [], set(), time.monotonic() + 30
+        while len(finished) < 2 and time.monotonic() < deadline:
+            for msg in receive(1.0):
+                messages.append(msg)
+                if isinstance(msg, StepResult):
+                    finished |= {o.rid for o in msg.outputs if o.finished}
+        api.send(encode(Shutdown()))
         loop.join(10)
         assert not loop.is_alive()
         steps = [m for m in messages if isinstance(m, StepResult)]
@@ -579,10 +582,32 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         reply = next(m for m in messages if isinstance(m, StatsReply))
         assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
         assert engine.stats()["kv_tokens_used"] == 0
-    finally:  # a failed assert must not leave sockets that block ctx.term at GC
-        for sock in (inbox, to_engine, outbox, from_engine):
-            sock.close(linger=0)
-        ctx.term()
+    finally:
+        engine_end.close()
+        api_end.close()
+
+
+def test_frames_cross_the_socket_whole_in_any_pieces():
+    """Length-prefixed frames: many small ones, an empty one and one larger than the
+    socket's buffer (the sender keeps what the socket did not take and sends it later)
+    arrive whole and in order, however the reads split them."""
+    a, b = socket.socketpair()
+    sender, receiver = FramedSocket(a), FramedSocket(b)
+    big = bytes(range(256)) * 40_000  # 10 MB
+    sent = [b"x" * n for n in range(50)] + [b"", big, b"last"]
+    for data in sent:
+        sender.send(data)
+    assert sender.pending > 0  # the big frame did not fit in the socket at once
+    got = []
+    while len(got) < len(sent):
+        got += receiver.read()
+        sender.write_some()
+    assert got == sent and sender.pending == 0
+    a.close()
+    assert receiver.read() == [] and receiver.closed
+    with pytest.raises(ConnectionError):
+        receiver.send(b"after the close")
+    b.close()
 
 
 # ---- lifecycle ----

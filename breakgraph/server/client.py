@@ -1,7 +1,7 @@
 """API-side handle on the engine process: spawn it, wait for ready, route its outputs.
 
-Each in-flight request has an asyncio queue; one receive task reads the engine's step
-messages and puts each output on its request's queue (an exception instead ends the
+Each in-flight request has an asyncio queue; the engine socket's reader (a callback of the
+event loop) decodes the engine's step messages and puts each output on its request's queue (an exception instead ends the
 request: rejected by the engine, or the engine died). Request metrics are kept here, so
 they are exact whether or not the HTTP client is still listening.
 """
@@ -17,12 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-import zmq.asyncio
-
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.sampling_params import MAX_SAMPLES, SamplingParams
-from breakgraph.server.ipc import IpcPaths, make_socket
+from breakgraph.server.ipc import EngineConnection, IpcPaths, accept_engine
 from breakgraph.server.messages import (
     AbortReq,
     FlushCacheReply,
@@ -95,19 +92,14 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._paths: IpcPaths | None = None
-        self._actx: zmq.asyncio.Context | None = None
-        self._ctx: zmq.Context | None = None
-        self._inbox: zmq.asyncio.Socket | None = None
-        self._outbox: zmq.Socket | None = None
-        self._recv_task: asyncio.Task | None = None
+        self._conn: EngineConnection | None = None
+        self._ready: asyncio.Future | None = None  # Ready's model info, or why it failed
 
     # ---- lifecycle ----
     async def start(self) -> ModelInfo:
         """Spawn the engine process and wait until its model is loaded."""
         self._paths = paths = IpcPaths.create()
-        self._actx, self._ctx = zmq.asyncio.Context(), zmq.Context()
-        self._inbox = make_socket(self._actx, zmq.PULL, paths.from_engine, bind=True)
-        self._outbox = make_socket(self._ctx, zmq.PUSH, paths.to_engine, bind=True)
+        listener = paths.listen()
         mp = multiprocessing.get_context("spawn")
         self.process = mp.Process(
             target=_engine_main,
@@ -120,22 +112,30 @@ class EngineClient:
         )
         self.process.start()
         logger.info("engine process %d started; loading the model", self.process.pid)
-        self.info = await self._wait_ready()
         loop = asyncio.get_running_loop()
+        try:
+            with listener:
+                sock = await accept_engine(listener, self.process.is_alive)
+        except ConnectionError:
+            raise RuntimeError(self._exit_message()) from None
+        self._ready = loop.create_future()
+        self._conn = EngineConnection(sock, self._on_message, self._on_lost)
+        self.info = await self._wait_ready()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
-        self._recv_task = asyncio.create_task(self._recv_loop(), name="engine-recv")
         return self.info
 
     async def _wait_ready(self) -> ModelInfo:
-        while True:
-            if await self._inbox.poll(timeout=200):
-                msg = decode(await self._inbox.recv())
-                if isinstance(msg, Ready):
-                    return msg.info
-                if isinstance(msg, StartupError):
-                    raise RuntimeError(f"the engine failed to start: {msg.message}")
-            elif not self.process.is_alive():
-                raise RuntimeError(f"the engine process exited with code {self.process.exitcode}")
+        while not self._ready.done():
+            await asyncio.wait([self._ready], timeout=0.2)
+            if not self._ready.done() and not self.process.is_alive():
+                self._conn.deliver()  # its last word (StartupError) may still be unread
+                if not self._ready.done():
+                    raise RuntimeError(self._exit_message())
+        return self._ready.result()
+
+    def _exit_message(self) -> str:
+        self.process.join(1)
+        return f"the engine process exited with code {self.process.exitcode}"
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process (politely, then by force) and release the sockets."""
@@ -150,6 +150,7 @@ class EngineClient:
             if proc.is_alive() and self.info is not None:
                 with contextlib.suppress(EngineError):
                     self._send(Shutdown())
+                    self._conn.flush(timeout_s=1.0)  # the loop will not run to write it
                 proc.join(timeout_s)
             if proc.is_alive():
                 if self.info is not None:
@@ -162,15 +163,9 @@ class EngineClient:
             logger.info(
                 "engine process exited (code %s) in %.2f s", proc.exitcode, time.monotonic() - start
             )
-        if self._recv_task is not None:
-            self._recv_task.cancel()
         self._fail_all(EngineError("the server is shutting down"))
-        for sock in (self._inbox, self._outbox):
-            if sock is not None:
-                sock.close(linger=0)
-        for ctx in (self._actx, self._ctx):
-            if ctx is not None:
-                ctx.term()
+        if self._conn is not None:
+            self._conn.close()
         if self._paths is not None:
             self._paths.remove()
 
@@ -328,21 +323,29 @@ class EngineClient:
 
     def _send_bytes(self, data: bytes) -> None:
         try:
-            self._outbox.send(data, zmq.NOBLOCK)
-        except zmq.ZMQError as e:
+            self._conn.send(data)
+        except ConnectionError as e:
             raise EngineError(f"cannot reach the engine process: {e}") from e
 
     # ---- receiving ----
-    async def _recv_loop(self) -> None:
-        while True:
-            try:
-                data = await self._inbox.recv()
-            except (asyncio.CancelledError, zmq.ContextTerminated):
+    def _on_message(self, data: bytes) -> None:
+        try:
+            msg = decode(data)
+            if not self._ready.done():  # starting: the first message says how it went
+                if isinstance(msg, Ready):
+                    self._ready.set_result(msg.info)
+                elif isinstance(msg, StartupError):
+                    error = RuntimeError(f"the engine failed to start: {msg.message}")
+                    self._ready.set_exception(error)
                 return
-            try:
-                self._dispatch(decode(data))
-            except Exception:
-                logger.exception("failed to dispatch an engine message")
+            self._dispatch(msg)
+        except Exception:
+            logger.exception("failed to dispatch an engine message")
+
+    def _on_lost(self) -> None:
+        """The engine's end of the socket closed: it exited (``_on_process_exit`` reports
+        a death), or it is exiting after a shutdown."""
+        logger.debug("the engine process closed its socket")
 
     def _dispatch(self, msg: FromEngine) -> None:
         match msg:

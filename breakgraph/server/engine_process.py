@@ -1,8 +1,9 @@
 """The engine process: owns the Engine and runs the step loop, apart from the HTTP work.
 
-Idle, it blocks on ZMQ. With work, each iteration drains the inbox without blocking, runs
-one ``engine.step()`` and sends that step's outputs as one message. It exits on a shutdown
-message or when the API process that spawned it is gone.
+Idle, it waits on its socket (server/ipc.py). With work, each iteration reads what arrived
+without blocking, runs one ``engine.step()`` and sends that step's outputs as one message.
+It exits on a shutdown message, when the API process closes its end, or when the API
+process that spawned it is gone.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import zmq
-
 from breakgraph.engine import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
-from breakgraph.server.ipc import IpcPaths, make_socket
+from breakgraph.server.ipc import EngineSocket, IpcPaths
 from breakgraph.server.messages import (
     AbortReq,
     FlushCacheReply,
@@ -62,9 +61,7 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
     )
-    ctx = zmq.Context()
-    inbox = make_socket(ctx, zmq.PULL, paths.to_engine, bind=False)
-    outbox = make_socket(ctx, zmq.PUSH, paths.from_engine, bind=False)
+    sock = EngineSocket.connect(paths.socket_path)
     code = 0
     engine = None
     try:
@@ -75,15 +72,15 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
                 logger.info("warm-up: %s", report)
         except Exception as e:  # the API process reports it in one line; the trace at debug
             logger.debug("engine failed to start", exc_info=True)
-            outbox.send(encode(StartupError(f"{type(e).__name__}: {e}")))
+            sock.send(encode(StartupError(f"{type(e).__name__}: {e}")))
             code = 1
             return
         signal.signal(signal.SIGTERM, _on_sigterm)  # while loading, SIGTERM just ends us
         engine.mark_ready()
         frozen = gc_watch.freeze()  # start-up's objects out of every later collection
         logger.info("ready; %d objects frozen out of garbage collection", frozen)
-        outbox.send(encode(Ready(model_info(engine))))
-        EngineLoop(engine, inbox, outbox, engine_args.shutdown_timeout + SIGTERM_GRACE_S).run()
+        sock.send(encode(Ready(model_info(engine))))
+        EngineLoop(engine, sock, engine_args.shutdown_timeout + SIGTERM_GRACE_S).run()
     except Exception:
         logger.exception("engine loop crashed")
         code = 1
@@ -92,9 +89,8 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
             # its TP workers, if any; the group is not torn down: this process exits next
             # (NCCL's teardown waits on every peer's: 10 s and more on two H200s)
             engine.shutdown(leave_group=False)
-        inbox.close(linger=0)
-        outbox.close(linger=1000)
-        ctx.term()
+        sock.flush(timeout_s=1.0)  # the last outputs, or why the engine failed
+        sock.close()
         tp = sys.modules.get("breakgraph.engine.tp_worker")  # imported only where TP ran
         if tp is not None:
             tp.exit_if_stuck(code)
@@ -129,14 +125,12 @@ class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        inbox: zmq.Socket,
-        outbox: zmq.Socket,
+        sock: EngineSocket,
         sigterm_grace_s: float = SIGTERM_GRACE_S,
     ):
         self.engine = engine
         self.sigterm_grace_s = sigterm_grace_s
-        self.inbox = inbox
-        self.outbox = outbox
+        self.sock = sock
         self._stop = False
         # produced between steps (aborts, rejected adds); sent with the next step's outputs
         self._outputs: list[TokenDelta] = []
@@ -148,9 +142,7 @@ class EngineLoop:
 
     def run(self) -> None:
         while not self._stop:
-            if not self.engine.has_work and not self.inbox.poll(
-                timeout=int(PARENT_CHECK_INTERVAL_S * 1000)
-            ):
+            if not self.engine.has_work and not self.sock.wait(PARENT_CHECK_INTERVAL_S):
                 self._check_parent()
                 continue
             self._drain()
@@ -177,7 +169,10 @@ class EngineLoop:
         self._outputs, self._errors = [], []
 
     def _send(self, msg: FromEngine) -> None:
-        self.outbox.send(encode(msg))
+        try:
+            self.sock.send(encode(msg))
+        except ConnectionError:  # the API process's end is gone: no one to answer
+            self._stop = True
 
     def _check_parent(self) -> None:
         now = time.monotonic()
@@ -194,18 +189,20 @@ class EngineLoop:
             self._stop = True
 
     def _drain(self) -> None:
-        while not self._stop:
-            try:
-                data = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        frames = self.sock.read()
+        received_at = time.time()  # the requests' timeline: they reached the engine
+        for data in frames:
+            if self._stop:
                 return
-            received_at = time.time()  # the request's timeline: it reached the engine
             try:
                 msg = decode(data)
             except ValueError as e:
                 logger.error("dropped a message: %s", e)
                 continue
             self._handle(msg, received_at)
+        if self.sock.closed and not self._stop:
+            logger.warning("the API process closed its end of the socket; engine exiting")
+            self._stop = True
 
     def _handle(self, msg: ToEngine, received_at: float) -> None:
         match msg:

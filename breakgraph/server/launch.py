@@ -129,7 +129,7 @@ def serve(args: argparse.Namespace, on_ready: Callable[[str], None] | None = Non
 
 
 def event_loop_factory(choice: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """``--loop``: uvloop's loop (libuv: the HTTP, ZMQ and queue wake-ups of each request
+    """``--loop``: uvloop's loop (libuv: the HTTP, socket and queue wake-ups of each request
     and each streamed token cost less host time), asyncio's (None), or auto: uvloop where it
     is installed, as uvicorn's own "auto" does."""
     if choice == "asyncio":
