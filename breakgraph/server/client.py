@@ -1,8 +1,8 @@
 """API-side handle on the engine process: spawn it, wait for ready, route its outputs.
 
 Each in-flight request has an asyncio queue; the engine socket's reader (a callback of the
-event loop) decodes the engine's step messages and puts each output on its request's queue (an exception instead ends the
-request: rejected by the engine, or the engine died). Request metrics are kept here, so
+event loop) decodes the engine's step messages and puts each output on its request's queue
+(an exception instead ends the request: rejected by the engine, or the engine died). Request metrics are kept here, so
 they are exact whether or not the HTTP client is still listening.
 """
 

@@ -62,6 +62,7 @@ class FramedSocket:
         self.closed = False
         self._in = bytearray()
         self._out = bytearray()
+        self._chunk = memoryview(bytearray(_READ_BYTES))  # reads land here: no allocation each
 
     @property
     def pending(self) -> int:
@@ -89,15 +90,15 @@ class FramedSocket:
     def read(self) -> list[bytes]:
         while True:
             try:
-                data = self.sock.recv(_READ_BYTES)
+                size = self.sock.recv_into(self._chunk)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
-                data = b""
-            if not data:
+                size = 0
+            if not size:
                 self.closed = True
                 break
-            self._in += data
+            self._in += self._chunk[:size]
         return self._frames()
 
     def _frames(self) -> list[bytes]:
