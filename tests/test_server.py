@@ -587,6 +587,22 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         api_end.close()
 
 
+def test_engine_loop_exits_when_the_api_end_closes(tiny_model_dir):
+    """The API process gone (its end of the socket closed, as at its death): the engine
+    loop stops within its idle wait, without a shutdown message."""
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    engine_end, api_end = socket.socketpair()
+    loop = threading.Thread(target=EngineLoop(engine, EngineSocket(engine_end)).run)
+    try:
+        loop.start()
+        FramedSocket(api_end).send(encode(StatsReq(call_id=1)))
+        api_end.close()
+        loop.join(5)
+        assert not loop.is_alive()
+    finally:
+        engine_end.close()
+
+
 def test_frames_cross_the_socket_whole_in_any_pieces():
     """Length-prefixed frames: many small ones, an empty one and one larger than the
     socket's buffer (the sender keeps what the socket did not take and sends it later)
