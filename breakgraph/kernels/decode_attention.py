@@ -68,8 +68,10 @@ MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
 
 # One pass (one split: the output written directly, no partials, no merge launch) once a
 # step has at least this many (request, kv head) programs, enough to fill the GPU without
-# splitting; 0 never. Not measured yet, so off by default: BREAKGRAPH_DECODE_ONE_PASS=N
-# (benchmarks/decode_ab.py's onepass variants) opts in.
+# splitting; 0 never. Measured on the H200 (Qwen3-0.6B, 1K context, decode_ab.py's onepass
+# variants): batch 8 1.005x, batch 32 0.93x, batch 64 1.03x; and a graph serves every
+# context length, where one pass over 8K keys is the slow case. So off by default:
+# BREAKGRAPH_DECODE_ONE_PASS=N opts in (benchmarks/README.md, twelfth session).
 ONE_PASS_PROGRAMS = int(os.environ.get("BREAKGRAPH_DECODE_ONE_PASS", "0"))
 
 

@@ -72,7 +72,19 @@ class FramedSocket:
     def send(self, data: bytes) -> None:
         if self.closed:
             raise ConnectionError("the other process's end of the socket is closed")
-        self._out += _HEADER.pack(len(data))
+        header = _HEADER.pack(len(data))
+        if not self._out:  # the usual case: header and message straight from where they are
+            try:
+                sent = self.sock.sendmsg([header, data])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # the peer is gone (EPIPE, ECONNRESET)
+                self.closed = True
+                return
+            if sent < len(header) + len(data):  # the socket is full: queue the rest
+                self._out += memoryview(header + data)[sent:]
+            return
+        self._out += header
         self._out += data
         self.write_some()
 
@@ -108,7 +120,8 @@ class FramedSocket:
             end = at + _HEADER.size + size
             if end > len(buf):
                 break
-            frames.append(bytes(buf[at + _HEADER.size : end]))
+            with memoryview(buf) as view:  # one copy per frame (a bytearray slice is two)
+                frames.append(bytes(view[at + _HEADER.size : end]))
             at = end
         if at:
             del buf[:at]
