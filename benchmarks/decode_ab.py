@@ -64,17 +64,15 @@ VARIANTS = {
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
     "nogemv": [(skinny_gemm, "SKINNY_TABLE", "nogemv")],
-    "gemv8": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 8, 1024))],
-    "gemv4": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 4, 1024))],
-    "gemv16": [(skinny_gemm, "SKINNY_TABLE", ("gemv", 16, 512))],
 }
 
 
 def variant(name: str) -> list:
     """VARIANTS' entry; ``onepass<N>``: decode attention in one pass (no split, no merge) from
-    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>][-<projection>...][@<max
-    M>]`` (gemv4-qkv-o@1, gemv2k512w2@1): those projections (default all) on the GEMV kernel
-    with BLOCK_N = BN (BLOCK_K, warps, stages) up to max M rows."""
+    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>]
+    [-<projection>...][@<max M>]`` (gemv8, gemv16k512, gemv4-qkv-o@1, gemv2k512w2@1): those
+    projections (default all) on the GEMV kernel with BLOCK_N = BN (BLOCK_K 1024, 4 warps, 2
+    stages unless given) up to max M rows (8)."""
     if name in VARIANTS:
         return VARIANTS[name]
     if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs

@@ -54,6 +54,7 @@ def test_port_in_use_is_one_line_before_loading(tiny_model_dir):
     [
         (["--port", "99999"], ["--port", "65535"]),
         (["--log-level", "verbose"], ["--log-level", "invalid choice"]),
+        (["--loop", "libuv"], ["--loop", "invalid choice"]),
         (["--no-such-flag"], ["breakgraph serve", "unrecognized arguments: --no-such-flag"]),
         (["--model-path", "/no/such/model"], ["/no/such/model", "no such file"]),
     ],
