@@ -117,7 +117,7 @@ def test_align_groups_rows_by_expert_in_padded_blocks(m, e, k):
     """Every row once, at its expert's block-aligned region; blocks name their expert."""
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int().to(DEVICE)
     block_m = 16
-    sorted_ids, expert_ids, total = fm.moe_align(ids, e, block_m)
+    sorted_ids, expert_ids, total, inverse = fm.moe_align(ids, e, block_m, inverse=True)
     flat = ids.flatten().cpu()
     counts = torch.bincount(flat.long(), minlength=e)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -135,6 +135,8 @@ def test_align_groups_rows_by_expert_in_padded_blocks(m, e, k):
         start += int(padded[expert])
     assert bool((blocks[start // block_m :] == -1).all())
     assert sorted(s[s < m * k].tolist()) == list(range(m * k))
+    inv = inverse.cpu().long()  # each row's sorted position
+    assert bool((s[inv] == torch.arange(m * k, dtype=s.dtype)).all())
 
 
 EXPERT_CASES = [  # (M, E, K, hidden, inter): decode, odd, prefill, 8K (Qwen3-30B-A3B shapes)
@@ -174,18 +176,26 @@ def test_fused_experts_gelu_and_expert_scale(m):
 @pytest.mark.parametrize("m", [7, 256, 8192])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("fuse_act", "sorted_h", "tma"),
-    [(False, False, False), (True, True, False), (False, True, False), (True, True, True),
-     (False, False, True)],
-    ids=["plain", "fused-sorted", "plain-sorted", "fused-sorted-tma", "plain-tma"],
+    ("fuse_act", "sorted_h", "tma", "sorted_y", "tma_store"),
+    [(False, False, False, False, False), (True, True, False, False, False),
+     (False, True, False, False, False), (True, True, True, False, False),
+     (False, False, True, False, False), (True, True, True, True, True),
+     (True, False, False, True, False), (False, True, True, False, True)],
+    ids=["plain", "fused-sorted", "plain-sorted", "fused-sorted-tma", "plain-tma",
+         "all-sorted-tma-store", "fused-sorted-y", "plain-sorted-tma-store"],
 )  # fmt: skip
-def test_fused_experts_config_variants(m, dtype, fuse_act, sorted_h, tma, monkeypatch):
+def test_fused_experts_config_variants(
+    m, dtype, fuse_act, sorted_h, tma, sorted_y, tma_store, monkeypatch
+):
     """The config table's other variants: gate/up as a plain GEMM then SiLU-and-mul, the
-    intermediate rows kept in sorted order (the down GEMM reads them contiguously), and the
-    tiles loaded through TMA descriptors (weights; the sorted rows too)."""
+    intermediate rows kept in sorted order (the down GEMM reads them contiguously), the
+    tiles loaded through TMA descriptors (weights; the sorted rows too), the down GEMM's
+    rows sorted (the top-k sum gathers them), sorted tiles stored through TMA."""
     hidden, inter = _dims(2048, 768)
     x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
-    cfg = fm.moe_config(m, 8, 128)._replace(fuse_act=fuse_act, sorted_h=sorted_h, tma=tma)
+    cfg = fm.moe_config(m, 8, 128)._replace(
+        fuse_act=fuse_act, sorted_h=sorted_h, tma=tma, sorted_y=sorted_y, tma_store=tma_store
+    )
     monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8))
 

@@ -32,7 +32,7 @@ from breakgraph.models.config import ModelConfig
 from breakgraph.models.qwen3_moe import num_experts
 from breakgraph.models.sources import CONFIG_DIR
 
-GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4)]  # fmt: skip
+GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 4, 4), (256, 64, 4, 3), (128, 128, 4, 3)]  # fmt: skip
 BLOCK_M_CANDIDATES = [(16, 1), (32, 4), (64, 8), (128, 8)]  # (BLOCK_M, GROUP_M)
 
 
@@ -135,8 +135,8 @@ def sweep(
     """Best config at this M: per BLOCK_M and variant (fused activation, or for SiLU also a
     plain GEMM then SiLU-and-mul; sorted intermediate rows or not; TMA loads or not) the
     best gate/up GEMM with the default down GEMM, then the best down GEMM; a candidate that
-    fails to compile is skipped. ``table_flags``: fused activation, sorted rows and TMA as
-    the table has them, except TMA flipped (against the table's own config)."""
+    fails to compile is skipped. ``table_flags``: every variant flag as the table has it
+    (fused activation, sorted rows, TMA, sorted down rows, TMA stores): only the tiles."""
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
     best, best_ms = default, with_config(default, lambda: bench_ms(layer))
 
@@ -151,11 +151,13 @@ def sweep(
     sorted_options, tma_options = (False, True), (False, True)
     if table_flags:
         fuse_options, sorted_options = (default.fuse_act,), (default.sorted_h,)
-        tma_options = (not default.tma,)
+        tma_options = (default.tma,)
     block_m_options = [c for c in BLOCK_M_CANDIDATES if not block_ms or c[0] in block_ms]
     variants = itertools.product(block_m_options, fuse_options, sorted_options, tma_options)
     for (block_m, group_m), fuse, sorted_h, tma in variants:
-        base = fm.MoEConfig(block_m, group_m, default.gate_up, default.down, fuse, sorted_h, tma)
+        base = default._replace(
+            block_m=block_m, group_m=group_m, fuse_act=fuse, sorted_h=sorted_h, tma=tma
+        )
         up = min(GEMM_CANDIDATES, key=lambda c, b=base: timed(b._replace(gate_up=c)))
         for down in GEMM_CANDIDATES:
             cfg = base._replace(gate_up=up, down=down)
@@ -209,6 +211,12 @@ def breakdown(layer: Layer) -> None:
         ("sorted_h flipped", default._replace(sorted_h=not default.sorted_h)),
         ("fuse_act flipped", default._replace(fuse_act=not default.fuse_act)),
         ("tma flipped", default._replace(tma=not default.tma)),
+        ("sorted_y flipped", default._replace(sorted_y=not default.sorted_y)),
+        ("tma_store flipped", default._replace(tma_store=not default.tma_store)),
+        (
+            "both flipped",
+            default._replace(sorted_y=not default.sorted_y, tma_store=not default.tma_store),
+        ),
     ):
         if layer.s["activation"] != "silu" and cfg.fuse_act is False:
             continue
@@ -217,6 +225,20 @@ def breakdown(layer: Layer) -> None:
         cells = "  ".join(f"{k} {ms:.3f}" for k, ms in parts)
         graph = with_config(cfg, lambda: bench_ms(graphed(layer)))  # captured under cfg
         print(f"  {name:<16} {total:.3f} ms (graph {graph:.3f}): {cells}", flush=True)
+
+
+VARIANT_FLAGS = ("fuse_act", "sorted_h", "tma", "sorted_y", "tma_store")
+
+
+def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """``["sorted_y=1", ...]`` -> ``{"sorted_y": True}``; a bad item is a usage error."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in VARIANT_FLAGS or value not in ("0", "1"):
+            parser.error(f"--set {item!r}: expected FLAG=0|1 with FLAG one of {VARIANT_FLAGS}")
+        out[name] = value == "1"
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,15 +252,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sweep-table-flags",
         action="store_true",
-        help="the sweep keeps the table's fuse_act and sorted_h, and flips its tma",
+        help="the sweep keeps the table's variant flags and searches the tiles only",
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="also time each kernel of the layer (profiler)"
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FLAG=0|1",
+        help="override the table's variant flags for the whole run (e.g. sorted_y=1 tma_store=1)",
+    )
     args = parser.parse_args(argv)
+    overrides = parse_flag_overrides(args.set, parser)
     if not torch.cuda.is_available():
         print("breakgraph.bench.moe needs a CUDA device; nothing to measure here.")
         return
+    if overrides:
+        table = fm.moe_config
+        fm.moe_config = lambda *a: table(*a)._replace(**overrides)
+        print(f"table flags overridden: {overrides}")
     s = expert_shapes(args.model)
     bw = copy_bandwidth_bytes_per_ms()
     print(f"{torch.cuda.get_device_name()}  {args.model}: {s}  copy {bw / 1e6:.0f} GB/s")

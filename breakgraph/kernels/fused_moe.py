@@ -11,8 +11,10 @@ and a memset (one more for an unfused SiLU), whatever the routing:
    of its share of GEMM blocks, so each block of ``BLOCK_M`` sorted rows has one expert;
 3. ``_moe_gemm_kernel`` (gate/up, SiLU or tanh-GELU and the product fused in the epilogue;
    or, where the config table says it pays, a plain GEMM and then SiLU-and-mul), then again
-   (down, each row scaled by its routing weight) into one row per (token, k);
-4. ``_moe_sum_kernel``: the top-k rows of each token summed in float32.
+   (down, each row scaled by its routing weight) into one row per (token, k), by row id or,
+   where the table says so (``sorted_y``), at its sorted position;
+4. ``_moe_sum_kernel``: the top-k rows of each token summed in float32 (with ``sorted_y``
+   found through the inverse of the sorted order, which the place kernel writes).
 
 Every buffer is sized from the step's token count (a shape, known on the host): the
 padded length is bounded by ``M*K + min(E, M*K) * (BLOCK_M - 1)``, blocks past the live
@@ -118,7 +120,11 @@ class MoEConfig(NamedTuple):
     the gate/up GEMM writes its rows in sorted (expert-grouped, padded) order, so the down
     GEMM reads them contiguously instead of gathering them by row id; ``tma``: the GEMMs load
     their expert weight tiles (and the down GEMM its sorted rows) through Hopper's tensor
-    memory accelerator (host-built descriptors), not per-thread pointers."""
+    memory accelerator (host-built descriptors), not per-thread pointers; ``sorted_y``: the
+    down GEMM writes its rows at their sorted positions too (contiguous tiles, not scattered
+    rows) and the top-k sum gathers each token's rows through the inverse order;
+    ``tma_store``: with ``tma``, a GEMM whose output rows are sorted stores its tiles through
+    a descriptor."""
 
     block_m: int
     group_m: int
@@ -127,6 +133,8 @@ class MoEConfig(NamedTuple):
     fuse_act: bool = True
     sorted_h: bool = False
     tma: bool = False
+    sorted_y: bool = False
+    tma_store: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -299,6 +307,7 @@ def _moe_place_kernel(
     sorted_ids,
     expert_ids,
     num_post_padded,
+    inverse,
     num_rows,
     num_experts,
     num_blocks,
@@ -306,6 +315,7 @@ def _moe_place_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    INVERSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -325,6 +335,8 @@ def _moe_place_kernel(
     hit = expert[:, None] == e[None, :]
     base = tl.sum(tl.where(hit, start[None, :], 0), 1)
     tl.store(sorted_ids + base + rank, offs, mask=ok)
+    if INVERSE:  # each row's sorted position
+        tl.store(inverse + offs, base + rank, mask=ok)
 
     # the expert of this program's share of GEMM blocks: the experts ending at or before
     # the block's first row are behind it; blocks past the total get -1 (never read)
@@ -336,12 +348,12 @@ def _moe_place_kernel(
     tl.store(expert_ids + blocks, owner, mask=blocks < num_blocks)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: bool = False):
     """Rows (token * K + k) grouped by expert, each expert padded to ``block_m`` rows.
 
     Returns (sorted_ids [P] int32, padding rows = M*K; expert_ids [P / block_m] int32, -1
     past the live total; num_post_padded [1] int32, the live total) with P the host bound
-    :func:`max_padded_rows`.
+    :func:`max_padded_rows`; ``inverse``: and each row's sorted position [M*K] int32.
     """
     num_rows = topk_ids.numel()
     device = topk_ids.device
@@ -352,6 +364,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
+    inv = torch.empty(num_rows if inverse else 1, dtype=torch.int32, device=device)
     flat = topk_ids.reshape(-1)
     block = 1024
     _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
@@ -368,6 +381,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         sorted_ids,
         expert_ids,
         num_post_padded,
+        inv,
         num_rows,
         num_experts,
         num_blocks,
@@ -375,8 +389,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         BLOCK_E=block_e,
         BLOCK=place_block,
         BLOCK_B=block_b,
+        INVERSE=inverse,
         num_warps=4,
     )
+    if inverse:
+        return sorted_ids, expert_ids, num_post_padded, inv
     return sorted_ids, expert_ids, num_post_padded
 
 
@@ -415,6 +432,7 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr,
     B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
     A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
+    C_TMA: tl.constexpr = False,  # with C_SORTED, c: a descriptor, [BLOCK_M, BLOCK_N] tiles
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
@@ -423,7 +441,7 @@ def _moe_gemm_kernel(
     a padding position's c row holds act(0) * 0 or whatever its a row held, and no
     row-id-indexed output ever reads it. Through a descriptor (B_TMA, A_TMA), a tile past
     the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
-    half's rows) lands in columns that are never stored."""
+    half's rows) lands in columns that are never stored (C_TMA: clipped at c's columns)."""
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
@@ -491,7 +509,10 @@ def _moe_gemm_kernel(
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
 
-    dtype = c.dtype.element_ty
+    if C_TMA:
+        dtype = c.dtype
+    else:
+        dtype = c.dtype.element_ty
     if GATED:  # round where the twin rounds: gate, up, act(gate), the product
         g = acc.to(dtype).to(tl.float32)
         if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
@@ -504,7 +525,9 @@ def _moe_gemm_kernel(
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         out = out * tl.load(topk_weights + rows, mask=row_ok, other=0.0)[:, None]
-    if C_SORTED:
+    if C_TMA:
+        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(dtype))
+    elif C_SORTED:
         c_ptrs = c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out.to(dtype), mask=n_ok[None, :])
     else:
@@ -522,9 +545,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _launch_gemm(
-    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
+    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False,
+    tma_store=False, **flags,
 ):  # fmt: skip
-    sorted_ids, expert_ids, num_post_padded = align
+    sorted_ids, expert_ids, num_post_padded = align[:3]
     block_n, block_k, warps, stages = cfg
     # the table's tiles are sized for 2-byte inputs: float32 keeps them with fewer stages
     stage_bytes = (block_m + block_n * (2 if flags["GATED"] else 1)) * block_k * a.element_size()
@@ -533,16 +557,19 @@ def _launch_gemm(
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
-    a_arg, b_arg = a, b
+    a_arg, b_arg, c_arg = a, b, c
     tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])
+    c_tma = tma and tma_store and flags["C_SORTED"] and _tma_ok(c)
     if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
         b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
         if flags["A_SORTED"]:
             a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    if c_tma:  # sorted output rows: whole tiles, stored through a descriptor
+        c_arg = TensorDescriptor.from_tensor(c, [block_m, block_n])
     _moe_gemm_kernel[grid](
         a_arg,
         b_arg,
-        c,
+        c_arg,
         topk_weights,
         sorted_ids,
         expert_ids,
@@ -564,6 +591,7 @@ def _launch_gemm(
         IEEE=a.dtype == torch.float32,
         B_TMA=tma,
         A_TMA=tma and flags["A_SORTED"],
+        C_TMA=c_tma,
         num_warps=warps,
         num_stages=stages,
         **flags,
@@ -575,16 +603,28 @@ def _launch_gemm(
 
 @_jit()
 def _moe_sum_kernel(
-    rows, out, hidden, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+    rows,
+    inverse,
+    out,
+    hidden,
+    stride_r,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SORTED: tl.constexpr,
 ):
+    """out[token] = the sum of its TOP_K rows: rows token * TOP_K + k, or (SORTED) the rows
+    at those rows' sorted positions."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
     acc = tl.zeros((BLOCK,), tl.float32)
     for k in tl.static_range(TOP_K):
-        acc += tl.load(rows + (token * TOP_K + k) * stride_r + offs, mask=ok, other=0.0).to(
-            tl.float32
-        )
+        if SORTED:
+            row = tl.load(inverse + token * TOP_K + k).to(tl.int64)
+        else:
+            row = token * TOP_K + k
+        acc += tl.load(rows + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
@@ -611,32 +651,39 @@ def fused_experts_triton(
     topk_weights = topk_weights.float().contiguous()
     cfg = moe_config(m, top_k, num_experts)
     block_m, group_m = cfg.block_m, cfg.group_m
-    align = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts, block_m)
+    align = moe_align(
+        topk_ids.to(torch.int32).contiguous(), num_experts, block_m, inverse=cfg.sorted_y
+    )
     rows = m * top_k
-    h_rows = align[0].shape[0] if cfg.sorted_h else rows
+    padded = align[0].shape[0]
+    h_rows = padded if cfg.sorted_h else rows
     gelu = activation == "gelu_tanh"
     where = dict(A_SORTED=False, C_SORTED=cfg.sorted_h)
     if cfg.fuse_act or gelu:
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma, **where,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma,
+            tma_store=cfg.tma_store, **where,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma, **where,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma,
+            tma_store=cfg.tma_store, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
-    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((padded if cfg.sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
-        A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=False, GATED=False, GELU=False,
-        MUL_WEIGHT=True, tma=cfg.tma,
+        A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
+        GELU=False, MUL_WEIGHT=True, tma=cfg.tma, tma_store=cfg.tma_store,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
+    inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
-        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
-    )
+        y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        SORTED=cfg.sorted_y, num_warps=4,
+    )  # fmt: skip
     return out
