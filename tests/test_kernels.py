@@ -16,6 +16,12 @@ from breakgraph.kernels import fused, kv_store, ops
 from breakgraph.kernels import skinny_gemm as sg
 from breakgraph.kernels.attention_meta import AttentionMeta
 
+try:  # Triton is optional (the CPU-only install)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -206,6 +212,65 @@ def test_extend_attention_split_kv_any_split_count(num_splits):
     cfg = ext._extend_config(head_dim, dtype, q.device)
     ext.ExtendPlan(q, kc, meta, head_dim**-0.5, config=cfg, splits=num_splits)(q, o, kc, vc)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_extend_plan_layers_launch_the_compiled_kernel_directly(splits):
+    """A plan serves every layer of a step: past the first, its kernels launch through the
+    compiled kernels' own launchers, with each layer's tensors; the output is the twin's,
+    and bitwise what a fresh plan (the JIT dispatch) gives for the same layer."""
+    dtype, head_dim = torch.bfloat16, 128
+    layers = [paged_batch(RAGGED_LONG, 2, head_dim, dtype, "cuda", seed=s) for s in range(3)]
+    kc, vc, meta, rows = layers[0]
+    cfg = ext._extend_config(head_dim, dtype, torch.device("cuda"))
+    scale = head_dim**-0.5
+    q0 = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
+    plan = ext.ExtendPlan(q0, kc, meta, scale, config=cfg, splits=splits)
+    launches = [plan.attend] if splits == 0 else [plan.split] + ([plan.merge] if splits > 1 else [])
+    compiled = None
+    for kc, vc, _, _ in layers:
+        q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
+        o, o_jit, o_ref = (torch.full_like(q, 7.0) for _ in range(3))
+        plan(q, o, kc, vc)
+        if compiled is None:
+            compiled = [launch._compiled for launch in launches]
+            assert all(c is not None for c in compiled)
+        else:  # the same compiled kernels, launched directly
+            assert [launch._compiled for launch in launches] == compiled
+        ext.ExtendPlan(q, kc, meta, scale, config=cfg, splits=splits)(q, o_jit, kc, vc)
+        ext.extend_attention_torch(q, o_ref, kc, vc, meta, scale)
+        assert torch.equal(o, o_jit)
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_kernel(out, x, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
+
+
+@gpu
+def test_launch_redispatches_when_arguments_specialize_differently():
+    """A tensor at another alignment, or another integer, goes through the JIT again (it may
+    need another compiled kernel); equal ones reuse the compiled kernel."""
+    from breakgraph.kernels.launch import Launch
+
+    x = torch.randn(4096, device="cuda")
+    out = torch.zeros(4096, device="cuda")
+    launch = Launch(_copy_kernel, (4,), BLOCK=1024)
+    launch(out, x, 4096)
+    first = launch._compiled
+    launch(out[1:], x[1:], 4095)  # 4-byte aligned, another int: dispatched afresh
+    assert torch.equal(out[1:], x[1:])
+    assert launch._spec[0][1] == 4
+    launch(out, x * 2, 4096)  # back to the first specialization: the JIT's cached kernel
+    assert launch._compiled is first and torch.equal(out, x * 2)
+    y = x * 3
+    launch(out, y, 4096)  # same specialization: launched directly
+    assert launch._compiled is first and torch.equal(out, y)
 
 
 @gpu

@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from breakgraph.kernels.attention_meta import AttentionMeta
+from breakgraph.kernels.launch import Launch
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -556,7 +557,9 @@ class ExtendPlan:
 
     Every layer of a step shares the metadata, the shapes, the kernel choice, the grid and
     the split workspace, so the attention break computes them once per step and each layer
-    pays only its launches: ``plan(q, o, k_cache, v_cache)``. Host-known values only.
+    pays only its launches: ``plan(q, o, k_cache, v_cache)``, past the first layer through
+    the compiled kernels' own launchers (:class:`~breakgraph.kernels.launch.Launch`).
+    Host-known values only.
     """
 
     def __init__(
@@ -616,6 +619,7 @@ class ExtendPlan:
         if splits == 0:
             self.grid = (num_heads, batch, num_m_blocks)
             self.consts["SLIDING"] = sliding_window is not None
+            self.attend = Launch(_extend_attention_kernel, self.grid, **self.consts)
             return
         assert block_m % _MERGE_M == 0
         self.grid = (num_heads, batch * num_m_blocks, splits)
@@ -639,6 +643,8 @@ class ExtendPlan:
                 MERGE_M=_MERGE_M,
                 num_warps=4 if block_d <= 128 else 8,
             )
+            self.merge = Launch(_extend_merge_kernel, self.merge_grid, **self.merge_consts)
+        self.split = Launch(_extend_split_kernel, self.grid, **self.consts)
 
     def __call__(
         self, q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -650,20 +656,19 @@ class ExtendPlan:
             k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), self.table_stride,
         )  # fmt: skip
         if self.splits == 0:
-            _extend_attention_kernel[self.grid](
-                q, o, k_cache, v_cache, *self.meta_args, *self.scale_group, *strides, self.window,
-                **self.consts,
-            )  # fmt: skip
+            self.attend(
+                q, o, k_cache, v_cache, *self.meta_args, *self.scale_group, *strides, self.window
+            )
             return
         part_o = o if self.part_o is None else self.part_o
         part_lse = o if self.part_lse is None else self.part_lse
-        _extend_split_kernel[self.grid](
+        self.split(
             q, o, k_cache, v_cache, *self.meta_args, part_o, part_lse, *self.scale_group,
-            *self.split_args, *strides, **self.consts,
+            *self.split_args, *strides,
         )  # fmt: skip
         if self.part_o is None:
             return
-        _extend_merge_kernel[self.merge_grid](
+        self.merge(
             self.part_o, self.part_lse, o, *self.meta_args[2:], *self.split_args, o.stride(0),
-            o.stride(1), **self.merge_consts,
+            o.stride(1),
         )  # fmt: skip
