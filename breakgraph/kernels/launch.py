@@ -28,6 +28,10 @@ except ImportError:
     triton = None
 
 
+# False: every launch through the JIT dispatch (benchmarks/launch_ab.py's reference arm)
+DIRECT = True
+
+
 def _spec(args: tuple) -> list:
     """What of ``args`` the compiled kernel depends on: a tensor's dtype and alignment, any
     other argument's value."""
@@ -47,7 +51,7 @@ class Launch:
 
     def __call__(self, *args: Any) -> None:
         compiled = self._compiled
-        if compiled is not None:
+        if compiled is not None and DIRECT:
             spec = _spec(args)
             if spec == self._spec:
                 self._launch(compiled, args)
