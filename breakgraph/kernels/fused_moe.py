@@ -122,9 +122,7 @@ class MoEConfig(NamedTuple):
     their expert weight tiles (and the down GEMM its sorted rows) through Hopper's tensor
     memory accelerator (host-built descriptors), not per-thread pointers; ``sorted_y``: the
     down GEMM writes its rows at their sorted positions too (contiguous tiles, not scattered
-    rows) and the top-k sum gathers each token's rows through the inverse order;
-    ``tma_store``: with ``tma``, a GEMM whose output rows are sorted stores its tiles through
-    a descriptor."""
+    rows) and the top-k sum gathers each token's rows through the inverse order."""
 
     block_m: int
     group_m: int
@@ -134,7 +132,6 @@ class MoEConfig(NamedTuple):
     sorted_h: bool = False
     tma: bool = False
     sorted_y: bool = False
-    tma_store: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -432,7 +429,6 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr,
     B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
     A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
-    C_TMA: tl.constexpr = False,  # with C_SORTED, c: a descriptor, [BLOCK_M, BLOCK_N] tiles
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
@@ -441,7 +437,7 @@ def _moe_gemm_kernel(
     a padding position's c row holds act(0) * 0 or whatever its a row held, and no
     row-id-indexed output ever reads it. Through a descriptor (B_TMA, A_TMA), a tile past
     the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
-    half's rows) lands in columns that are never stored (C_TMA: clipped at c's columns)."""
+    half's rows) lands in columns that are never stored."""
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
@@ -509,10 +505,7 @@ def _moe_gemm_kernel(
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
 
-    if C_TMA:
-        dtype = c.dtype
-    else:
-        dtype = c.dtype.element_ty
+    dtype = c.dtype.element_ty
     if GATED:  # round where the twin rounds: gate, up, act(gate), the product
         g = acc.to(dtype).to(tl.float32)
         if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
@@ -525,9 +518,7 @@ def _moe_gemm_kernel(
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         out = out * tl.load(topk_weights + rows, mask=row_ok, other=0.0)[:, None]
-    if C_TMA:
-        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(dtype))
-    elif C_SORTED:
+    if C_SORTED:
         c_ptrs = c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out.to(dtype), mask=n_ok[None, :])
     else:
@@ -545,8 +536,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _launch_gemm(
-    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False,
-    tma_store=False, **flags,
+    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
 ):  # fmt: skip
     sorted_ids, expert_ids, num_post_padded = align[:3]
     block_n, block_k, warps, stages = cfg
@@ -557,19 +547,16 @@ def _launch_gemm(
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
-    a_arg, b_arg, c_arg = a, b, c
+    a_arg, b_arg = a, b
     tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])
-    c_tma = tma and tma_store and flags["C_SORTED"] and _tma_ok(c)
     if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
         b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
         if flags["A_SORTED"]:
             a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
-    if c_tma:  # sorted output rows: whole tiles, stored through a descriptor
-        c_arg = TensorDescriptor.from_tensor(c, [block_m, block_n])
     _moe_gemm_kernel[grid](
         a_arg,
         b_arg,
-        c_arg,
+        c,
         topk_weights,
         sorted_ids,
         expert_ids,
@@ -591,7 +578,6 @@ def _launch_gemm(
         IEEE=a.dtype == torch.float32,
         B_TMA=tma,
         A_TMA=tma and flags["A_SORTED"],
-        C_TMA=c_tma,
         num_warps=warps,
         num_stages=stages,
         **flags,
@@ -663,22 +649,20 @@ def fused_experts_triton(
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma,
-            tma_store=cfg.tma_store, **where,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma, **where,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma,
-            tma_store=cfg.tma_store, **where,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
     y = torch.empty((padded if cfg.sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
-        GELU=False, MUL_WEIGHT=True, tma=cfg.tma, tma_store=cfg.tma_store,
+        GELU=False, MUL_WEIGHT=True, tma=cfg.tma,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
