@@ -151,7 +151,11 @@ class MoEConfig(NamedTuple):
 # at M = 8192 the sweep with it (``--sweep --sweep-block-m 128 --sweep-table-flags``) found
 # 1.301 ms against the table's 1.587 before it (gate/up 0.832 vs 0.919 ms and down 0.433 vs
 # 0.490 with the former tiles); at M = 1024, the same tiles, graph 0.390 vs 0.403 ms
-# (h200-2026-12-01f/moe/; benchmarks/README.md, twelfth session).
+# (h200-2026-12-01f/moe/; benchmarks/README.md, twelfth session). Not in the table, measured
+# at M = 8192 (h200-2026-12-01g/moe/): sorted_y (the down GEMM's rows sorted, the sum
+# gathering them) equal (down 0.417 vs 0.422 ms, sum 0.074 vs 0.072); BLOCK_M 64 with TMA
+# (``--sweep --sweep-block-m 64 --sweep-table-flags``) 1.430 ms at best against the table's
+# 1.415; storing the sorted h tiles through TMA slowed gate/up 0.748 -> 0.922 ms (removed).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
