@@ -136,7 +136,7 @@ def sweep(
     plain GEMM then SiLU-and-mul; sorted intermediate rows or not; TMA loads or not) the
     best gate/up GEMM with the default down GEMM, then the best down GEMM; a candidate that
     fails to compile is skipped. ``table_flags``: every variant flag as the table has it
-    (fused activation, sorted rows, TMA, sorted down rows): only the tiles."""
+    (fused activation, sorted rows, TMA, sorted down rows, persistent): only the tiles."""
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
     best, best_ms = default, with_config(default, lambda: bench_ms(layer))
 
@@ -212,6 +212,7 @@ def breakdown(layer: Layer) -> None:
         ("fuse_act flipped", default._replace(fuse_act=not default.fuse_act)),
         ("tma flipped", default._replace(tma=not default.tma)),
         ("sorted_y flipped", default._replace(sorted_y=not default.sorted_y)),
+        ("persistent flipped", default._replace(persistent=not default.persistent)),
     ):
         if layer.s["activation"] != "silu" and cfg.fuse_act is False:
             continue
@@ -222,7 +223,7 @@ def breakdown(layer: Layer) -> None:
         print(f"  {name:<16} {total:.3f} ms (graph {graph:.3f}): {cells}", flush=True)
 
 
-VARIANT_FLAGS = ("fuse_act", "sorted_h", "tma", "sorted_y")
+VARIANT_FLAGS = ("fuse_act", "sorted_h", "tma", "sorted_y", "persistent")
 
 
 def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> dict[str, bool]:

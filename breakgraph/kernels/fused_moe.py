@@ -26,6 +26,7 @@ A row's result does not depend on which rows share its block, so the atomics' or
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -122,7 +123,10 @@ class MoEConfig(NamedTuple):
     their expert weight tiles (and the down GEMM its sorted rows) through Hopper's tensor
     memory accelerator (host-built descriptors), not per-thread pointers; ``sorted_y``: the
     down GEMM writes its rows at their sorted positions too (contiguous tiles, not scattered
-    rows) and the top-k sum gathers each token's rows through the inverse order."""
+    rows) and the top-k sum gathers each token's rows through the inverse order;
+    ``persistent``: the GEMMs run about one program per SM, each looping over the live
+    tiles (none for padding blocks; a flattened loop overlaps a tile's epilogue with the
+    next tile's loads)."""
 
     block_m: int
     group_m: int
@@ -132,6 +136,7 @@ class MoEConfig(NamedTuple):
     sorted_h: bool = False
     tma: bool = False
     sorted_y: bool = False
+    persistent: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -401,17 +406,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
 # ---------------------------------------------------------------------------- Triton: GEMMs
 
 
-@_jit("num_rows")
-def _moe_gemm_kernel(
+@_jit()
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index -> (row block, column block) in grouped order: GROUP_M row blocks at a
+    time over every column block, so the row blocks of one expert share its weight tiles in
+    L2."""
+    group = GROUP_M * num_pid_n
+    first_m = (tile // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % group) % size_m, (tile % group) // size_m
+
+
+@_jit()
+def _moe_gemm_tile(
+    pid_m,
+    pid_n,
     a,
     b,
     c,
     topk_weights,
     sorted_ids,
     expert_ids,
-    num_post_padded,
     num_rows,
-    max_padded,
     n_out,
     k_in,
     top_k,
@@ -423,7 +439,6 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     A_SORTED: tl.constexpr,
     C_SORTED: tl.constexpr,
@@ -431,29 +446,11 @@ def _moe_gemm_kernel(
     GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     IEEE: tl.constexpr,
-    B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
-    A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
+    B_TMA: tl.constexpr = False,
+    A_TMA: tl.constexpr = False,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
-    block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
-    c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight. A_SORTED / C_SORTED:
-    a's / c's rows are in sorted order (row i of the tile is sorted position i), not row ids;
-    a padding position's c row holds act(0) * 0 or whatever its a row held, and no
-    row-id-indexed output ever reads it. Through a descriptor (B_TMA, A_TMA), a tile past
-    the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
-    half's rows) lands in columns that are never stored."""
-    pid = tl.program_id(0)
-    num_pid_m = max_padded // BLOCK_M
-    num_pid_n = tl.cdiv(n_out, BLOCK_N)
-    # grouped order: GROUP_M row blocks share the expert's weight tiles in L2
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-    if pid_m * BLOCK_M >= tl.load(num_post_padded):
-        return
-
+    """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows,
+    column block ``pid_n``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ids + offs_m)
     row_ok = rows < num_rows
@@ -530,7 +527,135 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@_jit("num_rows")
+def _moe_gemm_kernel(
+    a,
+    b,
+    c,
+    topk_weights,
+    sorted_ids,
+    expert_ids,
+    num_post_padded,
+    num_rows,
+    max_padded,
+    n_out,
+    k_in,
+    top_k,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+    B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
+    A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
+    PERSISTENT: tl.constexpr = False,  # a grid of about one program per SM looping over tiles
+):
+    """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
+    block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
+    c = act(gate) * up. MUL_WEIGHT: c scaled by the row's routing weight. A_SORTED / C_SORTED:
+    a's / c's rows are in sorted order (row i of the tile is sorted position i), not row ids;
+    a padding position's c row holds act(0) * 0 or whatever its a row held, and no
+    row-id-indexed output ever reads it. Through a descriptor (B_TMA, A_TMA), a tile past
+    the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
+    half's rows) lands in columns that are never stored. PERSISTENT: each program loops over
+    the live tiles (those of the device's live total, none for padding blocks) in grouped
+    order, the loop flattened so that the next tile's loads overlap this one's epilogue."""
+    num_pid_n = tl.cdiv(n_out, BLOCK_N)
+    if PERSISTENT:
+        live_m = tl.load(num_post_padded) // BLOCK_M
+        num_tiles = live_m * num_pid_n
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, live_m, num_pid_n, GROUP_M)
+            _moe_gemm_tile(
+                pid_m,
+                pid_n,
+                a,
+                b,
+                c,
+                topk_weights,
+                sorted_ids,
+                expert_ids,
+                num_rows,
+                n_out,
+                k_in,
+                top_k,
+                stride_am,
+                stride_be,
+                stride_bn,
+                stride_bk,
+                stride_cm,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                A_PER_TOKEN,
+                A_SORTED,
+                C_SORTED,
+                GATED,
+                GELU,
+                MUL_WEIGHT,
+                IEEE,
+                B_TMA,
+                A_TMA,
+            )
+    else:
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), max_padded // BLOCK_M, num_pid_n, GROUP_M)
+        if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
+            _moe_gemm_tile(
+                pid_m,
+                pid_n,
+                a,
+                b,
+                c,
+                topk_weights,
+                sorted_ids,
+                expert_ids,
+                num_rows,
+                n_out,
+                k_in,
+                top_k,
+                stride_am,
+                stride_be,
+                stride_bn,
+                stride_bk,
+                stride_cm,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                A_PER_TOKEN,
+                A_SORTED,
+                C_SORTED,
+                GATED,
+                GELU,
+                MUL_WEIGHT,
+                IEEE,
+                B_TMA,
+                A_TMA,
+            )
+
+
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter: a few programs, each looping
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -540,7 +665,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _launch_gemm(
-    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False, **flags
+    a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False,
+    persistent=False, **flags,
 ):  # fmt: skip
     sorted_ids, expert_ids, num_post_padded = align[:3]
     block_n, block_k, warps, stages = cfg
@@ -551,6 +677,8 @@ def _launch_gemm(
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
+    if persistent:  # about one program per SM (the live tiles are a device value)
+        grid = (min(grid[0], _sm_count(a.device)),)
     a_arg, b_arg = a, b
     tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])
     if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
@@ -582,6 +710,7 @@ def _launch_gemm(
         IEEE=a.dtype == torch.float32,
         B_TMA=tma,
         A_TMA=tma and flags["A_SORTED"],
+        PERSISTENT=persistent,
         num_warps=warps,
         num_stages=stages,
         **flags,
@@ -653,20 +782,22 @@ def fused_experts_triton(
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma, **where,
+            A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma,
+            persistent=cfg.persistent, **where,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
-            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma, **where,
+            A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma,
+            persistent=cfg.persistent, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
     y = torch.empty((padded if cfg.sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
-        GELU=False, MUL_WEIGHT=True, tma=cfg.tma,
+        GELU=False, MUL_WEIGHT=True, tma=cfg.tma, persistent=cfg.persistent,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
