@@ -418,37 +418,13 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @_jit()
-def _moe_gemm_tile(
-    pid_m,
-    pid_n,
-    a,
-    b,
-    c,
-    topk_weights,
-    sorted_ids,
-    expert_ids,
-    num_rows,
-    n_out,
-    k_in,
-    top_k,
-    stride_am,
-    stride_be,
-    stride_bn,
-    stride_bk,
-    stride_cm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    A_PER_TOKEN: tl.constexpr,
-    A_SORTED: tl.constexpr,
-    C_SORTED: tl.constexpr,
-    GATED: tl.constexpr,
-    GELU: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    IEEE: tl.constexpr,
-    B_TMA: tl.constexpr = False,
-    A_TMA: tl.constexpr = False,
-):
+def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows, n_out,
+    k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+    A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, B_TMA: tl.constexpr = False,
+    A_TMA: tl.constexpr = False
+):  # fmt: skip
     """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows,
     column block ``pid_n``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -577,71 +553,17 @@ def _moe_gemm_kernel(
         num_tiles = live_m * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, live_m, num_pid_n, GROUP_M)
-            _moe_gemm_tile(
-                pid_m,
-                pid_n,
-                a,
-                b,
-                c,
-                topk_weights,
-                sorted_ids,
-                expert_ids,
-                num_rows,
-                n_out,
-                k_in,
-                top_k,
-                stride_am,
-                stride_be,
-                stride_bn,
-                stride_bk,
-                stride_cm,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                A_PER_TOKEN,
-                A_SORTED,
-                C_SORTED,
-                GATED,
-                GELU,
-                MUL_WEIGHT,
-                IEEE,
-                B_TMA,
-                A_TMA,
-            )
+            _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows,
+                n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU,
+                MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), max_padded // BLOCK_M, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
-            _moe_gemm_tile(
-                pid_m,
-                pid_n,
-                a,
-                b,
-                c,
-                topk_weights,
-                sorted_ids,
-                expert_ids,
-                num_rows,
-                n_out,
-                k_in,
-                top_k,
-                stride_am,
-                stride_be,
-                stride_bn,
-                stride_bk,
-                stride_cm,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                A_PER_TOKEN,
-                A_SORTED,
-                C_SORTED,
-                GATED,
-                GELU,
-                MUL_WEIGHT,
-                IEEE,
-                B_TMA,
-                A_TMA,
-            )
+            _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows,
+                n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+                BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU,
+                MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
 
 
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
