@@ -41,6 +41,20 @@ FAMILIES = {
         "Qwen2ForCausalLM",
         dict(num_key_value_heads=1, tie_word_embeddings=False),
     ),
+    # Qwen2.5's long-context layout: YaRN rope (here 4x over a 128-token pretraining context)
+    "qwen2_yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # Qwen3: q/k norms, head_dim not hidden/heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
     # Qwen3-MoE: layers 0 and 2 sparse (8 experts, top-2, renormalized), layer 1 dense

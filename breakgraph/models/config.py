@@ -39,14 +39,31 @@ class ModelConfig:
         rope_params = dict(cfg.get("rope_parameters") or {})
         if rope_params and all(isinstance(v, dict) for v in rope_params.values()):
             rope_params = {}
-        rope_theta = rope_params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_scaling = cfg.get("rope_scaling") or rope_params or None
+        rope_theta = (
+            rope_params.pop("rope_theta", None)
+            or (rope_scaling or {}).get("rope_theta")  # transformers 5's constructor layout
+            or cfg.get("rope_theta", 10000.0)
+        )
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling["rope_type"] = kind
             if kind == "default":
                 rope_scaling = None
+            elif kind in ("llama3", "yarn"):  # the pretraining context, as HF fills it in
+                original = cfg.get("original_max_position_embeddings")
+                if original is not None:  # a top-level value wins (HF: Phi-3's layout)
+                    rope_scaling["original_max_position_embeddings"] = original
+                else:
+                    rope_scaling.setdefault(
+                        "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096)
+                    )
+                if kind == "yarn" and rope_scaling.get("factor") is None:  # HF: their ratio
+                    rope_scaling["factor"] = (
+                        cfg.get("max_position_embeddings", 4096)
+                        / rope_scaling["original_max_position_embeddings"]
+                    )
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         arch = archs[0]
