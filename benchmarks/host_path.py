@@ -164,7 +164,9 @@ def validation(prompts: list[list[int]], batch: bool, reps: int) -> tuple[float,
                         "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
     state = SimpleNamespace(tokenizer=None, info=INFO)
     after = best_ms(lambda: _prepare_generate(raw, state), reps)
-    with patched(protocol, _check_depth=old_check_depth, check_input_ids=old_check_input_ids):
+    # the former pipeline: orjson's Python ints (no simdjson int64 buffer), checked one by one
+    with patched(protocol, _check_depth=old_check_depth, check_input_ids=old_check_input_ids,
+                 _parse_prompt_body=lambda raw: None):  # fmt: skip
         before = best_ms(lambda: _prepare_generate(raw, state), reps)
     return before, after
 
