@@ -457,3 +457,23 @@ def test_skinny_modes(monkeypatch):
     assert -(-1024 // cfg.block_n) * cfg.split_k >= 132
     assert sg.table_config(sg.MAX_M + 1, 1024, 3072) is None
     assert sg.generic_config(151936, 1024).split_k == 1  # the LM head fills the GPU alone
+
+
+def test_host_path_bench_runs_and_the_packed_paths_win():
+    """``benchmarks/host_path.py`` (issue 14's host stages, each against its former
+    implementation in the same run) still runs against the current code, and the stages
+    whose margin is an order of magnitude (the ids' codec and range check) come out ahead."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/host_path.py", "--reps", "1"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = re.findall(rf"^(\d+ x \d+) +(.+?) +{NUM} +{NUM} +{NUM}x$", out.stdout, re.M)
+    stages = {stage for _, stage, *_ in rows}
+    for stage in ("API validation (/generate body)", "GenerateReq decode (engine process)",
+                  "engine range check (decoded ids)", "extend batch build (ids, rows, positions)"):  # fmt: skip
+        assert stage in stages, out.stdout
+    for case, stage, before, after, _ in rows:
+        if stage.startswith(("GenerateReq decode", "engine range check")):
+            assert float(after) < float(before), (case, stage, before, after)
