@@ -13,7 +13,15 @@ import pytest
 from breakgraph.engine.sampling_params import SamplingParams
 from breakgraph.server import messages
 from breakgraph.server.messages import ModelInfo
-from breakgraph.server.protocol import APIError, IntList, check_input_ids, parse_json
+from breakgraph.server.protocol import (
+    APIError,
+    GenerateReqInput,
+    IntList,
+    check_input_ids,
+    parse_json,
+    parse_model,
+    prompts_of,
+)
 
 INFO = ModelInfo("m", "LlamaForCausalLM", 256, 131_072, 64, 1 << 20, "float32", "cpu", 1)
 LONG = 65_536
@@ -157,9 +165,38 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
             check_input_ids([1, 2, bad, 4], INFO)
 
 
+def test_a_batch_body_parses_each_prompt_as_one_array():
+    """A batch of id prompts (input_ids' rows the body's only other arrays) takes the same
+    fast path, one IdArray per row: the same prompts, bytes and 400s as orjson's lists."""
+    from breakgraph.server.messages import IdArray
+    from breakgraph.server.protocol import simdjson
+
+    if simdjson is None:
+        pytest.skip("pysimdjson not installed")
+    rows = [[i % 256 for i in range(n)] for n in (LONG, 7, 1)]
+    for raw in (orjson.dumps({"input_ids": rows, "sampling_params": {"max_new_tokens": 2}}),
+                b'{"rid": "x", "input_ids" : [ \n [1, 2] ,[3]]}'):  # fmt: skip
+        body = parse_json(raw)
+        assert all(type(r) is IdArray for r in body["input_ids"])
+        req = parse_model(GenerateReqInput, body)
+        prompts, is_batch = prompts_of(req, None, INFO)
+        want = orjson.loads(raw)["input_ids"]
+        assert is_batch and [list(p) for p in prompts] == want
+        assert [p.packed for p in prompts] == [array.array("i", w).tobytes() for w in want]
+    body = parse_json(orjson.dumps({"input_ids": [[1, 2], [3, 256]]}))
+    with pytest.raises(APIError, match=re.escape("input_ids[1][1]: token id 256 is out of range")):
+        prompts_of(parse_model(GenerateReqInput, body), None, INFO)
+
+
 @pytest.mark.parametrize(
     "raw",
     [
+        b'{"input_ids": [[1, 2], [3, true]]}',  # a batch: a bool
+        b'{"input_ids": [[1, 2], []]}',  # a batch: an empty prompt
+        b'{"input_ids": [[1, 2], 3]}',  # a batch: a row that is an id
+        b'{"input_ids": [[1, [2]], [3]]}',  # a batch: nested deeper
+        b'{"input_ids": [[1, 2], [3]], "rid": "["}',  # a batch: a bracket in a string
+        b'{"input_ids": [[1, 2], [3]], "sampling_params": {"stop": ["a"]}}',  # another array
         b'{"input_ids": [1, true, 3]}',  # a bool
         b'{"input_ids": [1, 2.0, 3]}',  # a float
         b'{"input_ids": [1, 18446744073709551615]}',  # past 64 bits

@@ -129,15 +129,17 @@ _SIMDJSON = threading.local()  # a parser per thread (off_loop_if_large's thread
 
 
 def _parse_prompt_body(raw: bytes) -> dict[str, Any] | None:
-    """The common large body, an object whose only array is a flat ``input_ids`` of ints
-    (the whole body holds one ``[`` and one ``"input_ids"``), parsed by simdjson: the ids come
-    out as one int64 array (an ``IdArray``), not 64K Python ints converted and checked one by
-    one. None for any other body, or one that simdjson refuses or might read otherwise than
-    orjson (a bool, float or 64-bit-overflowing id, a repeated key): ``parse_json`` parses
-    it with orjson, whose errors name the problem."""
-    if simdjson is None or raw[:1] != b"{" or raw.count(b"[") != 1:
+    """The common large bodies, an object whose only arrays are its ``input_ids``: one flat
+    prompt of ints (the whole body holds one ``[`` and one ``"input_ids"``), or a batch of
+    them (one ``[`` more per prompt, each holding ints), parsed by simdjson: each prompt's
+    ids come out as one int64 array (an ``IdArray``), not 64K Python ints converted and
+    checked one by one. None for any other body, or one that simdjson refuses or might read
+    otherwise than orjson (a bool, float or 64-bit-overflowing id, a repeated key, an empty
+    prompt): ``parse_json`` parses it with orjson, whose errors name the problem."""
+    if simdjson is None or raw[:1] != b"{" or raw.count(b'"input_ids"') != 1:
         return None  # (a body orjson refuses, such as one led by a BOM, goes to orjson)
-    if raw.count(b'"input_ids"') != 1:
+    brackets = raw.count(b"[")
+    if brackets != 1 and not _batch_of_arrays(raw):
         return None
     parser = getattr(_SIMDJSON, "parser", None)
     if parser is None:
@@ -150,19 +152,41 @@ def _parse_prompt_body(raw: bytes) -> dict[str, Any] | None:
         ids = doc.get("input_ids")
         if len(set(keys)) != len(keys) or not isinstance(ids, simdjson.Array) or not len(ids):
             return None
-        # as_buffer flattens nested arrays: the one '[' above rules them out
-        values = np.frombuffer(ids.as_buffer(of_type="i"), dtype=np.int64)
+        if brackets == 1:
+            prompts: IdArray | list[IdArray] = IdArray(_int64(ids))
+        else:  # every '[' is input_ids' or one of its rows': no other array, nothing deeper
+            rows = [ids[i] for i in range(len(ids))]
+            if brackets != 1 + len(rows) or not all(
+                isinstance(r, simdjson.Array) and len(r) for r in rows
+            ):
+                return None
+            prompts = [IdArray(_int64(r)) for r in rows]
         body: dict[str, Any] = {}
         for key in keys:
             if key != "input_ids":
                 value = doc[key]
                 body[key] = value.as_dict() if isinstance(value, simdjson.Object) else value
         del doc, ids  # the parser is reused: nothing may point into its document
+        if brackets != 1:
+            del rows
     except (ValueError, TypeError, KeyError, RuntimeError, UnicodeDecodeError):
         return None
     _check_depth(body)
-    body["input_ids"] = IdArray(values)
+    body["input_ids"] = prompts
     return body
+
+
+def _int64(array: Any) -> np.ndarray:
+    """A simdjson array of ints as int64, copied out of the parser's document (as_buffer
+    flattens nested arrays: the caller's bracket count rules them out)."""
+    return np.frombuffer(array.as_buffer(of_type="i"), dtype=np.int64)
+
+
+def _batch_of_arrays(raw: bytes) -> bool:
+    """Whether ``input_ids``' value opens with ``[`` then ``[`` (whitespace aside): a batch
+    of prompts, worth simdjson's parse; a quick look before any parsing."""
+    at = raw.find(b"[", raw.find(b'"input_ids"'))
+    return at >= 0 and raw[at + 1 : at + 64].lstrip()[:1] == b"["
 
 
 def _int_values(items: list) -> np.ndarray | None:
@@ -417,7 +441,7 @@ def prompts_of(req: GenerateReqInput, tokenizer: Tokenizer | None, info: ModelIn
         ]
         return prompts, not isinstance(req.text, str)
     ids = req.input_ids
-    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+    if isinstance(ids, list) and ids and all(isinstance(x, list | IdArray) for x in ids):
         return [check_input_ids(x, info, f"input_ids[{i}]") for i, x in enumerate(ids)], True
     return [check_input_ids(ids, info)], False
 
