@@ -34,6 +34,8 @@ from breakgraph.models.sources import CONFIG_DIR
 
 GEMM_CANDIDATES = [(64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 4, 4), (256, 64, 4, 3), (128, 128, 4, 3)]  # fmt: skip
 BLOCK_M_CANDIDATES = [(16, 1), (32, 4), (64, 8), (128, 8)]  # (BLOCK_M, GROUP_M)
+# MoEConfig's on/off variants (its bool fields)
+VARIANT_FLAGS = tuple(f for f, v in fm.MoEConfig._field_defaults.items() if isinstance(v, bool))
 
 
 def expert_shapes(model: str) -> dict:
@@ -206,24 +208,17 @@ def breakdown(layer: Layer) -> None:
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
     up, down = dense_halves(layer.m, layer.s)
     print(f"  dense gate/up {up:.3f} ms, dense down {down:.3f} ms")
-    for name, cfg in (
-        ("table", default),
-        ("sorted_h flipped", default._replace(sorted_h=not default.sorted_h)),
-        ("fuse_act flipped", default._replace(fuse_act=not default.fuse_act)),
-        ("tma flipped", default._replace(tma=not default.tma)),
-        ("sorted_y flipped", default._replace(sorted_y=not default.sorted_y)),
-        ("persistent flipped", default._replace(persistent=not default.persistent)),
-    ):
+    flipped = [
+        (f"{f} flipped", default._replace(**{f: not getattr(default, f)})) for f in VARIANT_FLAGS
+    ]
+    for name, cfg in [("table", default), *flipped]:
         if layer.s["activation"] != "silu" and cfg.fuse_act is False:
             continue
         parts = kernel_breakdown(layer, cfg)
         total = sum(ms for _, ms in parts)
         cells = "  ".join(f"{k} {ms:.3f}" for k, ms in parts)
         graph = with_config(cfg, lambda: bench_ms(graphed(layer)))  # captured under cfg
-        print(f"  {name:<16} {total:.3f} ms (graph {graph:.3f}): {cells}", flush=True)
-
-
-VARIANT_FLAGS = ("fuse_act", "sorted_h", "tma", "sorted_y", "persistent")
+        print(f"  {name:<18} {total:.3f} ms (graph {graph:.3f}): {cells}", flush=True)
 
 
 def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> dict[str, bool]:

@@ -26,13 +26,13 @@ A row's result does not depend on which rows share its block, so the atomics' or
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 
+from breakgraph.kernels.extend_attention import _num_sms
 from breakgraph.kernels.fused import silu_and_mul_triton
 
 try:  # Triton is optional: the CPU-only install runs the torch twins
@@ -370,7 +370,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
     num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
-    inv = torch.empty(num_rows if inverse else 1, dtype=torch.int32, device=device)
+    inv = torch.empty(num_rows, dtype=torch.int32, device=device) if inverse else ranks
     flat = topk_ids.reshape(-1)
     block = 1024
     _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
@@ -567,11 +567,6 @@ def _moe_gemm_kernel(
 
 
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _sm_count(device: torch.device) -> int:

@@ -2,8 +2,9 @@
 
 Each in-flight request has an asyncio queue; the engine socket's reader (a callback of the
 event loop) decodes the engine's step messages and puts each output on its request's queue
-(an exception instead ends the request: rejected by the engine, or the engine died). Request metrics are kept here, so
-they are exact whether or not the HTTP client is still listening.
+(an exception instead ends the request: rejected by the engine, or the engine died).
+Request metrics are kept here, so they are exact whether or not the HTTP client is still
+listening.
 """
 
 from __future__ import annotations

@@ -161,14 +161,13 @@ def _parse_prompt_body(raw: bytes) -> dict[str, Any] | None:
             ):
                 return None
             prompts = [IdArray(_int64(r)) for r in rows]
+            del rows  # (views into the parser's document, as below)
         body: dict[str, Any] = {}
         for key in keys:
             if key != "input_ids":
                 value = doc[key]
                 body[key] = value.as_dict() if isinstance(value, simdjson.Object) else value
         del doc, ids  # the parser is reused: nothing may point into its document
-        if brackets != 1:
-            del rows
     except (ValueError, TypeError, KeyError, RuntimeError, UnicodeDecodeError):
         return None
     _check_depth(body)
