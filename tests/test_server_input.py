@@ -353,3 +353,21 @@ def test_log_requests_names_each_request(server):
     assert r.status_code == 200
     log = server.log()
     assert "received logged-1: " in log and "finished logged-1: " in log
+
+
+@pytest.mark.parametrize(
+    "raw,words",
+    [
+        (b'{"input_ids": [[1, 2], [3, 1000000]]}', ["input_ids[1][1]", "out of range"]),
+        (b'{"input_ids": [[1, 2], [3, -1]]}', ["input_ids[1][1]", "out of range"]),
+        (b'{"input_ids": [[1, 2], []]}', ["prompt is empty"]),
+        (b'{"input_ids": [[1, 2], [3, true]]}', ["input_ids[1][1]", "not an integer"]),
+        (b'{"input_ids": [[1, 2], 3]}', []),
+    ],
+)
+def test_bad_batch_of_id_prompts_is_400_and_leaks_nothing(server, raw, words):
+    """A batch body of id prompts (simdjson's path, or orjson's where it falls back): a bad
+    row is a clean 400 naming it, and nothing of the batch's good rows is left behind."""
+    r = httpx.post(f"{server.url}/generate", content=raw, timeout=30)
+    assert_clean_4xx(r, *words)
+    assert_no_leak(server)
