@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU (gloo, 2 ranks): TP2 logits equal TP1's in float32, whole,
+"""Tensor parallelism on the CPU (gloo, 2 ranks; 4 for a few): TP2 logits equal TP1's in float32, whole,
 ragged, over a cached prefix and chunked (dense families, Qwen3-MoE, Gemma 4 text and MoE with
 KV-shared layers, bounded replay on and off); greedy tokens equal; dummy weights equal; a dead worker fails the next step with a clear error; shutdown leaves no
 process behind."""
@@ -67,10 +67,10 @@ def make_args(path, **kw) -> EngineArgs:
 
 
 @contextlib.contextmanager
-def tp1_and_tp2(path, **kw):
-    """A TP1 and a TP2 engine over the same checkpoint, each with a logits tap."""
+def tp1_and_tp2(path, size: int = 2, **kw):
+    """A TP1 and a TP``size`` engine over the same checkpoint, each with a logits tap."""
     tp1 = Engine(make_args(path, **kw))
-    tp2 = Engine(make_args(path, tp_size=2, **kw))
+    tp2 = Engine(make_args(path, tp_size=size, **kw))
     try:
         yield tp1, tp2, LogitsTap(tp1), LogitsTap(tp2)
     finally:
@@ -107,8 +107,16 @@ def test_tp2_with_the_norms_reducing_equals_tp1(checkpoints, family, monkeypatch
     _assert_tp2_logits_equal_tp1(checkpoints[family], reducing_norms=True)
 
 
-def _assert_tp2_logits_equal_tp1(checkpoint, reducing_norms: bool = False):
-    with tp1_and_tp2(checkpoint) as (tp1, tp2, tap1, tap2):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_tp4_logits_equal_tp1(checkpoints, family):
+    """Four ranks (issue 18's sizes, on gloo): llama's 2 KV heads each replicated on two
+    ranks (neither TP2's split nor one head on every rank), the experts' intermediate size
+    split four ways."""
+    _assert_tp2_logits_equal_tp1(checkpoints[family], size=4)
+
+
+def _assert_tp2_logits_equal_tp1(checkpoint, reducing_norms: bool = False, size: int = 2):
+    with tp1_and_tp2(checkpoint, size) as (tp1, tp2, tap1, tap2):
         layers = tp2.model.model.layers
         assert all((layer.reduce_group is not None) == reducing_norms for layer in layers)
         (base,) = prompts([48], seed=2)
@@ -435,11 +443,14 @@ def test_gemma4_tp2_logits_equal_tp1(gemma4_checkpoints):
         assert_prompt_logprobs_equal(tp1, tp2, prompts([12, 19], seed=6), top_k=2)
 
 
-def test_gemma4_moe_tp2_logits_equal_tp1(gemma4_checkpoints):
+@pytest.mark.parametrize("size", [2, 4])
+def test_gemma4_moe_tp2_logits_equal_tp1(gemma4_checkpoints, size):
     """The MoE block (dense MLP and experts, each all-reduced before its norm), k is v on the
     full layers: a ragged batch with prompts past the window, bounded replay, greedy decode
-    (few steps: the CPU runs the experts one by one)."""
-    with tp1_and_tp2(gemma4_checkpoints["moe"]) as (tp1, tp2, tap1, tap2):
+    (few steps: the CPU runs the experts one by one). At TP4 each of the full layers' 2 KV
+    heads is on two ranks, the sliding layers' one on all four, and each expert keeps a
+    quarter of its intermediate size (6)."""
+    with tp1_and_tp2(gemma4_checkpoints["moe"], size) as (tp1, tp2, tap1, tap2):
         ps = prompts([3, 21], seed=3)
         r1, r2 = tp1.generate(ps, greedy(3)), tp2.generate(ps, greedy(3))
         assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
