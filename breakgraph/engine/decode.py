@@ -101,8 +101,8 @@ class DecodeManager:
         assert slots is not None  # make_room() left room
         rows = [r.req_pool_idx for r in reqs]
         prefixes = [r.kv_len for r in reqs]
-        for req, slot in zip(reqs, slots.split(1), strict=True):
-            req.append_kv(slot)
+        for req, slot in zip(reqs, slots.tolist(), strict=True):
+            req.append_kv_slot(slot)
         self.new_token_ratio = max(
             self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
         )

@@ -43,6 +43,9 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0  # tokens of fill_ids whose KV is computed; their slots: kv_slots
     _kv_buf: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # a numpy view of _kv_buf while the request owns it (None while it holds set_kv's
+    # tensor, which it never writes): decode's one-slot append is a numpy store
+    _kv_np: np.ndarray | None = None
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
     last_node: Any = None
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
@@ -103,17 +106,31 @@ class Req:
         return self._kv_buf[: self.kv_len]
 
     def set_kv(self, slots: torch.Tensor) -> None:
-        self._kv_buf, self.kv_len = slots, slots.numel()
+        self._kv_buf, self.kv_len, self._kv_np = slots, slots.numel(), None
 
     def append_kv(self, slots: torch.Tensor) -> None:
-        """Amortized O(1) per token: the buffer grows by doubling (decode appends one)."""
+        """Amortized O(1) per token: the buffer grows by doubling."""
         n = self.kv_len + slots.numel()
-        if n > self._kv_buf.numel() or self._kv_buf.numel() == self.kv_len:
-            buf = torch.empty(max(2 * n, 64), dtype=torch.int64)
-            buf[: self.kv_len] = self._kv_buf[: self.kv_len]
-            self._kv_buf = buf
-        self._kv_buf[self.kv_len : n] = slots
+        self._own_kv(n)
+        self._kv_np[self.kv_len : n] = slots.numpy()
         self.kv_len = n
+
+    def append_kv_slot(self, slot: int) -> None:
+        """Decode's one slot, in a fraction of a tensor store's host time (a decode step
+        makes one per request)."""
+        n = self.kv_len
+        if self._kv_np is None or n == len(self._kv_np):
+            self._own_kv(n + 1)
+        self._kv_np[n] = slot
+        self.kv_len = n + 1
+
+    def _own_kv(self, n: int) -> None:
+        """Room for ``n`` slots in a buffer of the request's own (set_kv's is borrowed)."""
+        if self._kv_np is not None and n <= len(self._kv_np):
+            return
+        buf = torch.empty(max(2 * n, 64), dtype=torch.int64)
+        buf[: self.kv_len] = self._kv_buf[: self.kv_len]
+        self._kv_buf, self._kv_np = buf, buf.numpy()
 
     @property
     def finished(self) -> bool:
