@@ -45,7 +45,13 @@ SAMPLES = [
     Shutdown(),
     Ready(INFO),
     StartupError("ValueError: no such model"),
-    StepResult(12.5, [DELTA, TokenDelta("b", [7])], [RequestError("c", "the prompt is empty")]),
+    StepResult(
+        12.5,
+        [DELTA, TokenDelta("b", [7])],
+        [RequestError("c", "the prompt is empty")],
+        token_rids=["d", "e"],
+        token_ids=[2**31 - 1, 0],
+    ),
     StepResult(None),
     StatsReply(5, {"num_running_reqs": 1, "kv_usage": 0.25}),
     FlushCacheReply(6, True),
@@ -58,6 +64,9 @@ def test_every_message_round_trips():
         back = decode(encode(msg))
         if isinstance(msg, GenerateReq):  # the engine side gets the ids as an int32 array
             back.input_ids = back.input_ids.tolist()
+        if isinstance(msg, StepResult):  # the plain tokens too
+            assert back.plain_tokens() == list(zip(msg.token_rids, msg.token_ids, strict=True))
+            back.token_ids = back.token_ids.tolist()
         assert back == msg
 
 
@@ -74,6 +83,8 @@ def test_wire_names_are_field_names():
     }
     step = msgpack.unpackb(encode(SAMPLES[7]))
     assert step["outputs"][0] == {"rid": "a", **dataclasses.asdict(DELTA)}
+    assert step["token_rids"] == ["d", "e"]
+    assert step["token_ids"] == array.array("i", [2**31 - 1, 0]).tobytes()  # one bin
 
 
 @pytest.mark.parametrize(

@@ -578,7 +578,16 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         launched = steps[:3]  # with overlap the last step only reads the third one back
         assert all(0 < m.forward_ms <= m.step_ms and m.gpu_ms is None for m in launched)  # CPU
         for m in steps[overlap:]:  # a and b share every step: one message carries both tokens
-            assert sorted((o.rid, len(o.token_ids)) for o in m.outputs) == [("a", 1), ("b", 1)]
+            tokens = [(o.rid, len(o.token_ids)) for o in m.outputs]
+            tokens += [(rid, 1) for rid, _ in m.plain_tokens()]
+            assert sorted(tokens) == [("a", 1), ("b", 1)]
+        # the first token (its timeline) and the last (finished) travel as deltas, the one
+        # between as a plain token
+        assert [sorted(rid for rid, _ in m.plain_tokens()) for m in steps[overlap:]] == [
+            [],
+            ["a", "b"],
+            [],
+        ]
         reply = next(m for m in messages if isinstance(m, StatsReply))
         assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
         assert engine.stats()["kv_tokens_used"] == 0

@@ -73,6 +73,23 @@ class _InFlight:
     sent_at: float
     last_token_at: float | None = None
     aborting: bool = False  # an abort was sent: not asked (nor counted) again
+    # the counts of its latest delta, which its plain tokens' deltas carry on
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def counted(self, out: TokenDelta) -> TokenDelta:
+        """A delta from the engine: its counts hold until the next."""
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        return out
+
+    def plain(self, rid: str, token: int) -> TokenDelta:
+        """The delta of a plain token (``StepResult.token_rids``): one token, counted."""
+        self.completion_tokens += 1
+        return TokenDelta(rid, [token], prompt_tokens=self.prompt_tokens,
+                          completion_tokens=self.completion_tokens,
+                          cached_tokens=self.cached_tokens)  # fmt: skip
 
 
 class EngineClient:
@@ -369,13 +386,21 @@ class EngineClient:
             if entry is not None:
                 entry.queue.put_nowait(RequestRejected(err.message))
         routed = []
+        inflight = self._inflight
+        # plain tokens first: a request's delta in the same message comes after its token
+        for rid, token in msg.plain_tokens():
+            entry = inflight.get(rid)
+            if entry is not None:
+                out = entry.plain(rid, token)
+                entry.queue.put_nowait(out)
+                routed.append((entry, out))
         for out in msg.outputs:
-            entry = self._inflight.get(out.rid)
+            entry = inflight.get(out.rid)
             if entry is None:
                 continue
             if out.finished:
-                del self._inflight[out.rid]
-            entry.queue.put_nowait(out)
+                del inflight[out.rid]
+            entry.queue.put_nowait(entry.counted(out))
             routed.append((entry, out))
         asyncio.get_running_loop().call_soon(self._observe_step, msg, routed, now)
 

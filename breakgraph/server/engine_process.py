@@ -134,6 +134,9 @@ class EngineLoop:
         self._stop = False
         # produced between steps (aborts, rejected adds); sent with the next step's outputs
         self._outputs: list[TokenDelta] = []
+        self._token_rids: list[str] = []  # plain tokens (StepResult.token_rids), this step's
+        self._token_ids: list[int] = []
+        self._delta_rids: set[str] = set()  # the rids in _outputs
         self._errors: list[RequestError] = []
         self._parent = multiprocessing.parent_process()
         self._last_parent_check = time.monotonic()
@@ -153,20 +156,38 @@ class EngineLoop:
                 start = time.perf_counter()
                 outs = self.engine.step()
                 step_ms = (time.perf_counter() - start) * 1000.0
-                self._outputs.extend(token_delta(o) for o in outs)
+                self._add_outputs(outs)
             if step_ms is not None or self._outputs or self._errors:
                 self._send_step(step_ms)
             self.engine.release_finished()
             self._check_parent()
         logger.info("engine loop stopped")
 
+    def _add_outputs(self, outs: list[StepOutput]) -> None:
+        """A step's outputs: plain tokens into the message's two columns, the rest as deltas.
+        The API routes the columns first, so a request with a delta in the message already
+        sends any later token as a delta too (its outputs keep their order)."""
+        rids, ids, after = self._token_rids, self._token_ids, self._delta_rids
+        for o in outs:
+            if is_plain(o) and o.rid not in after:
+                rids.append(o.rid)
+                ids.append(o.token_ids[0])
+            else:
+                self._add_delta(o)
+
+    def _add_delta(self, out: StepOutput) -> None:
+        self._outputs.append(token_delta(out))
+        self._delta_rids.add(out.rid)
+
     def _send_step(self, step_ms: float | None) -> None:
-        msg = StepResult(step_ms, self._outputs, self._errors)
+        msg = StepResult(step_ms, self._outputs, self._errors,
+                         token_rids=self._token_rids, token_ids=self._token_ids)  # fmt: skip
         if step_ms is not None:
             t = self.engine.last_step_timing
             msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms = t.forward_ms, t.gpu_ms, t.gpu_step_ms
         self._send(msg)
-        self._outputs, self._errors = [], []
+        self._outputs, self._errors, self._token_rids, self._token_ids = [], [], [], []
+        self._delta_rids = set()
 
     def _send(self, msg: FromEngine) -> None:
         try:
@@ -211,7 +232,7 @@ class EngineLoop:
             case AbortReq():
                 out = self.engine.abort(msg.rid)
                 if out is not None:
-                    self._outputs.append(token_delta(out))
+                    self._add_delta(out)
             case StatsReq():
                 self._send(StatsReply(msg.call_id, self.engine.stats()))
             case FlushCacheReq():
@@ -237,6 +258,20 @@ class EngineLoop:
 
 
 _DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(TokenDelta))
+
+
+def is_plain(out: StepOutput) -> bool:
+    """One token and nothing else: neither the request's first output (its timeline, its
+    counts) nor its last, no logprobs. The API process rebuilds its delta from the rid, the
+    token and what the request's earlier deltas said."""
+    return (
+        out.timeline is None
+        and not out.finished
+        and len(out.token_ids) == 1
+        and not out.logprobs
+        and not out.top_logprobs
+        and out.input_logprobs is None
+    )
 
 
 def token_delta(out: StepOutput) -> TokenDelta:

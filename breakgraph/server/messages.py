@@ -138,6 +138,16 @@ class StepResult:
     forward_ms: float | None = None
     gpu_ms: float | None = None
     gpu_step_ms: float | None = None
+    # the step's plain tokens, most of a decode step's outputs: one token each for requests
+    # that neither start nor finish with it and want nothing else with it (no logprobs);
+    # their rids, and the tokens as one packed int32 field (no map per request on the wire).
+    # A request has at most one entry per message, here or in ``outputs``.
+    token_rids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list, metadata=PACKED_IDS)
+
+    def plain_tokens(self) -> list[tuple[str, int]]:
+        """(rid, token) of each plain token."""
+        return list(zip(self.token_rids, np.asarray(self.token_ids).tolist(), strict=True))
 
 
 @dataclass

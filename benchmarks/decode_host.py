@@ -1,0 +1,219 @@
+"""Host time of a decode step outside the forward, per stage, at large batches (issue 14's
+host path at high concurrency), on the CPU: the engine's scheduler with a real model, the
+forward itself excluded from every stage. A decode step at batch 256 pays its per-request
+Python once per step; under overlap scheduling that time is hidden only while it stays
+below the GPU's step.
+
+Each arm is a subprocess importing breakgraph from a tree: this one, and with ``--ref
+COMMIT`` that commit's (``git archive``), interleaved over ``--rounds``; the ratio is this
+tree's median over the reference's.
+
+Usage: python benchmarks/decode_host.py [--batch 1 64 256] [--ref COMMIT] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Qwen3-0.6B's layout at two layers and hidden 128, a 1K vocabulary (the sampling of a 152K
+# vocabulary on the CPU would be most of the host time measured)
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": True, "eos_token_id": 1,
+}  # fmt: skip
+STAGES = ("schedule", "launch", "process_outputs", "host")
+
+
+def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
+    """Median µs per decode step of each host stage (runs inside an arm's process)."""
+    import torch
+
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+    from breakgraph.engine.request import SamplingParams
+
+    torch.set_num_threads(1)
+    args = EngineArgs(model_path=model_dir, load_format="dummy", device="cpu",
+                      dtype="float32", max_total_tokens=batch * 256 + 4096,
+                      max_running_requests=max(batch, 8))  # fmt: skip
+    engine = Engine(args)
+    sch = engine.scheduler
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(obj, name, call)
+
+    timed(sch, "forward", "forward")
+    timed(sch, "schedule", "schedule")
+    timed(sch, "launch", "launch")
+    timed(sch, "process_outputs", "process_outputs")
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(3, 1000, (64,), generator=g).tolist(), sp)
+    rows: dict[str, list[float]] = defaultdict(list)
+    decodes = 0
+    while engine.has_work:
+        spent.clear()
+        t = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t
+        if sch.last_step_tokens != batch or sch.prefill.waiting:
+            continue  # prefill steps
+        decodes += 1
+        if decodes <= 3:
+            continue  # the first decodes (buffers grow)
+        rows["schedule"].append(spent["schedule"])
+        rows["launch"].append(spent["launch"] - spent["forward"])
+        rows["process_outputs"].append(spent["process_outputs"])
+        rows["host"].append(total - spent["forward"])
+    engine.shutdown()
+    return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
+
+
+def wire(model_dir: str, batch: int, reps: int = 200) -> None:
+    """A decode step's outputs on their way to the API process, this tree's path (plain
+    tokens as two columns) against the former one (a TokenDelta map per request), in the
+    same process: the engine loop's packing and encoding, and the API side's decoding and
+    per-request deltas."""
+    import socket
+
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+    from breakgraph.engine.request import SamplingParams
+    from breakgraph.server.client import _InFlight
+    from breakgraph.server.engine_process import EngineLoop, token_delta
+    from breakgraph.server.ipc import EngineSocket
+    from breakgraph.server.messages import StepResult, decode, encode
+
+    args = EngineArgs(model_path=model_dir, load_format="dummy", device="cpu", dtype="float32",
+                      max_total_tokens=batch * 256 + 4096, max_running_requests=batch)  # fmt: skip
+    engine = Engine(args)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([3 + i % 900] * 8, sp)
+    outs: list = []
+    while not outs or any(o.timeline is not None for o in outs):  # past the first tokens
+        outs = engine.step()
+    assert len(outs) == batch
+    ends = socket.socketpair()
+    loop = EngineLoop(engine, EngineSocket(ends[0]))
+    entries = {o.rid: _InFlight(None, 0.0, 0.0, 0.0) for o in outs}
+
+    def old_engine() -> bytes:
+        return encode(StepResult(1.0, [token_delta(o) for o in outs], []))
+
+    def new_engine() -> bytes:
+        loop._add_outputs(outs)
+        msg = StepResult(1.0, loop._outputs, [], token_rids=loop._token_rids,
+                         token_ids=loop._token_ids)  # fmt: skip
+        data = encode(msg)  # what _send_step sends
+        loop._outputs, loop._token_rids, loop._token_ids, loop._delta_rids = [], [], [], set()
+        return data
+
+    old_bytes, new_bytes = old_engine(), new_engine()
+
+    def old_api() -> list:
+        return [(entries[o.rid], o) for o in decode(old_bytes).outputs]
+
+    def new_api() -> list:
+        msg = decode(new_bytes)
+        return [(entries[r], entries[r].plain(r, t)) for r, t in msg.plain_tokens()]
+
+    assert [d.token_ids for _, d in old_api()] == [d.token_ids for _, d in new_api()]
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times) * 1e6
+
+    for side, old, new in (("engine", old_engine, new_engine), ("api", old_api, new_api)):
+        o, n = best(old), best(new)
+        print(f"batch {batch:4d} wire {side:6s}: former {o:8.1f} µs  this {n:8.1f} µs  "
+              f"({n / o:.3f}x)  bytes {len(old_bytes)} -> {len(new_bytes)}")  # fmt: skip
+    engine.shutdown()
+    for end in ends:
+        end.close()
+
+
+def run_arm(tree: Path, model_dir: str, batch: int, steps: int) -> dict[str, float]:
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+            f"from decode_host import measure; "
+            f"print(json.dumps(measure({model_dir!r}, {batch}, {steps})))")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per run")
+    ap.add_argument("--ref", help="a commit to measure against (git archive of it)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-wire", action="store_true", help="skip the outputs' wire stage")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp, "model")
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(TINY))
+        arms = {"this": ROOT}
+        if a.ref:
+            ref = Path(tmp, "ref")
+            ref.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.ref],
+                                     check=True, capture_output=True).stdout  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
+            arms = {"ref": ref, "this": ROOT}
+        for batch in a.batch:
+            got: dict[str, list[dict[str, float]]] = defaultdict(list)
+            for _ in range(a.rounds):
+                for name, tree in arms.items():
+                    got[name].append(run_arm(tree, str(model_dir), batch, a.steps))
+            for name in arms:
+                med = {k: statistics.median(r[k] for r in got[name]) for k in STAGES}
+                cells = "  ".join(f"{k} {med[k]:8.1f}" for k in STAGES)
+                print(
+                    f"batch {batch:4d} {name:5s} µs/step: {cells}  "
+                    f"({med['host'] / batch:.2f} µs per request)"
+                )
+            if not a.no_wire:
+                wire(str(model_dir), batch)
+            if a.ref:
+                ratios = {
+                    k: statistics.median(r[k] for r in got["this"])
+                    / statistics.median(r[k] for r in got["ref"])
+                    for k in STAGES
+                }
+                print(f"batch {batch:4d} this/ref: "
+                      + "  ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
