@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from breakgraph.engine.request import Req, ReqStatus
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class StepOutput:
     """What one step produced for one request."""
 

@@ -22,7 +22,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: the scheduler reads a few fields per request per step
 class Req:
     rid: str
     # the prompt, int32 and read-only (the engine's copy of the message's packed ids): a 64K
