@@ -45,7 +45,7 @@ from breakgraph.server.protocol import (
     sampling_from_dict,
     unsupported,
 )
-from breakgraph.server.sse import DONE, event_stream, sse
+from breakgraph.server.sse import DONE, GenerationResponse, event_stream, sse
 from breakgraph.server.state import ServerState, server_state
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ async def generate(request: Request) -> Response:
     if states is None:
         return Response(status_code=499)  # client closed the connection; requests aborted
     outs = [_native_output(st, token_text=text) for st in states]
-    return JSONResponse(outs if is_batch else outs[0])
+    return GenerationResponse(outs if is_batch else outs[0])
 
 
 def _prepare_generate(
@@ -180,7 +180,7 @@ async def _single(states: AsyncIterator[GenerationState]):
         await states.aclose()
 
 
-async def _native_events(items, batch: bool = False, token_text=None) -> AsyncIterator[str]:
+async def _native_events(items, batch: bool = False, token_text=None) -> AsyncIterator[bytes]:
     try:
         async for i, st in items:
             yield sse(_native_output(st, i if batch else None, token_text))

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from breakgraph.server.generation import (
     GenerationRequest,
@@ -35,7 +35,7 @@ from breakgraph.server.protocol import (
     per_sample,
     read_body,
 )
-from breakgraph.server.sse import DONE, event_stream, sse
+from breakgraph.server.sse import DONE, GenerationResponse, event_stream, sse
 from breakgraph.server.state import ServerState, server_state
 from breakgraph.tokenizer import Tokenizer
 
@@ -244,7 +244,7 @@ async def completions(request: Request) -> Response:
                 "matched_stop": _matched_stop(st),
             }
         )
-    return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+    return GenerationResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
 
 
 def _prepare_completion(raw: bytes, s: ServerState):
@@ -263,7 +263,7 @@ def _prepare_completion(raw: bytes, s: ServerState):
 
 async def _completion_events(
     s: ServerState, req: CompletionRequest, prompts, gen_reqs, head, want_logprobs
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     sent = _Choices(len(gen_reqs))
     final: dict[int, GenerationState] = {}
     echoed: set[int] = set()
@@ -354,7 +354,7 @@ async def chat_completions(request: Request) -> Response:
         for i, st in enumerate(states)
     ]
     head = {"id": cid, "object": "chat.completion", "created": created, "model": req.model}
-    return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
+    return GenerationResponse({**head, "choices": choices, "usage": _usage(prompts, states)})
 
 
 def _prepare_chat(raw: bytes, s: ServerState):
@@ -370,7 +370,7 @@ def _prepare_chat(raw: bytes, s: ServerState):
 
 async def _chat_events(
     s: ServerState, req: ChatCompletionRequest, prompts, gen_reqs, head
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     sent = _Choices(len(gen_reqs))
     started: set[int] = set()
     final: dict[int, GenerationState] = {}

@@ -1,15 +1,19 @@
 """Server-sent events: ``data: {...}`` lines, a stream that starts at its first event, and an
-abort-safe response (its body generator is always closed, which aborts unfinished requests)."""
+abort-safe response (its body generator is always closed, which aborts unfinished requests);
+and the JSON response of a whole generation. Both are written by orjson: a stream writes one
+event per request per engine step, cumulative (SGLang's ``output_ids`` and ``text`` so far),
+which the standard library's encoder made most of the API process's time at high
+concurrency (``benchmarks/api_cost.py``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-from starlette.responses import StreamingResponse
+import orjson
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from breakgraph.server.client import EngineError
@@ -17,18 +21,31 @@ from breakgraph.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def dumps(data: Any) -> bytes:
+    """``data`` as UTF-8 JSON. A non-finite float (a logprob of -inf) is written as null,
+    which stays valid JSON (the standard library writes ``-Infinity``, or refuses it)."""
+    return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + dumps(data) + b"\n\n"
+
+
+class GenerationResponse(JSONResponse):
+    """A whole generation's JSON body (a batch of long outputs with logprobs can be large)."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
 
 
 class EventStream(StreamingResponse):
     """A text/event-stream response whose body generator is closed however the response ends
     (client gone mid-send included), so the generator's cleanup always runs."""
 
-    def __init__(self, body: AsyncIterator[str]):
+    def __init__(self, body: AsyncIterator[bytes]):
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -41,19 +58,19 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def error_event(e: Exception) -> str:
+def error_event(e: Exception) -> bytes:
     if isinstance(e, APIError):
         return sse(e.body())
     status = e.status if isinstance(e, EngineError) else 500
     return sse(APIError(str(e), status=status).body())
 
 
-async def event_stream(events: AsyncIterator[str]) -> EventStream:
+async def event_stream(events: AsyncIterator[bytes]) -> EventStream:
     """Wait for the first event before answering, so an early error (say, the engine rejects
     the request) is an ordinary HTTP error; later errors become an error event."""
     first = await anext(events, None)
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             if first is not None:
                 yield first
