@@ -477,3 +477,42 @@ def test_host_path_bench_runs_and_the_packed_paths_win():
     for case, stage, before, after, _ in rows:
         if stage.startswith(("GenerateReq decode", "engine range check")):
             assert float(after) < float(before), (case, stage, before, after)
+
+
+def test_decode_host_bench_runs_and_plain_tokens_pack_smaller():
+    """``benchmarks/decode_host.py`` (a decode step's host stages, and its outputs' wire
+    path against the former one in the same process) still runs; the plain tokens'
+    message packs faster than a map per request, into under a third of the bytes."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decode_host.py", "--batch", "64", "--rounds", "1",
+         "--steps", "8"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert re.search(r"^batch +64 this +µs/step: schedule", out.stdout, re.M), out.stdout
+    engine = re.search(rf"wire engine: former +{NUM} µs +this +{NUM} µs.*bytes (\d+) -> (\d+)",
+                       out.stdout)  # fmt: skip
+    assert engine is not None, out.stdout
+    former, this, old_bytes, new_bytes = map(float, engine.groups())
+    assert this < former and new_bytes < old_bytes / 3, out.stdout
+
+
+def test_api_cost_bench_runs(tmp_path):
+    """``benchmarks/api_cost.py`` starts a server on a tiny dummy model, streams closed-loop
+    requests and reads the API process's CPU time per token from /proc."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from decode_host import TINY
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = subprocess.run(
+        [sys.executable, "benchmarks/api_cost.py", "--model-path", str(tmp_path),
+         "--concurrency", "4", "--requests", "8", "--output-len", "8", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    got = re.search(rf"concurrency 4: API {NUM} µs CPU per output token", out.stdout)
+    assert got is not None and float(got.group(1)) > 0, out.stdout
