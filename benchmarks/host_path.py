@@ -1,8 +1,9 @@
 """Host time around the forward for long prompts (issue 14, item 2), on the CPU: API-side
 validation of a /generate body, the GenerateReq codec across the process boundary, the
 engine's range check of the decoded ids, an extend step's batch build, and the radix tree's
-match + insert, for one 65,536-id prompt and for 8 x 8,192. Each stage runs against an
-inline copy of its former implementation in the same run (best of --reps).
+match + insert, for one 65,536-id prompt and for 8 x 8,192; and a prefill step's check that
+no request of its batch computes an admitted prompt, for those and 128 x 64. Each stage
+runs against an inline copy of its former implementation in the same run (best of --reps).
 Usage: python benchmarks/host_path.py [--reps N]"""
 
 from __future__ import annotations
@@ -241,6 +242,43 @@ def radix(prompts: list[list[int]], stored: list[list[int]], reps: int) -> tuple
     return best_ms(run(prompts), reps, setup), best_ms(run(arrays), reps, setup)
 
 
+def old_computes_same_prompt(batch: list, req: Any) -> bool:
+    """The former admission check: every request of the batch compared with ``req``."""
+    n = len(req.input_ids)
+    return any(
+        len(m.input_ids) == n
+        and m.cached_len < n - 1
+        and np.array_equal(m.input_ids, req.input_ids)
+        for m in batch
+    )
+
+
+def admission(prompts: list[list[int]], reps: int) -> tuple[float, float]:
+    """A prefill step's check, per request admitted, that no request of the batch computes
+    its prompt: pairwise before, the batch's prompt index (engine/prefill.py) now."""
+    from breakgraph.engine.prefill import _PromptIndex
+
+    reqs = []
+    for p in prompts:
+        ids = np.array(p, dtype=np.int32)
+        ids.flags.writeable = False
+        reqs.append(SimpleNamespace(input_ids=ids, cached_len=0))
+
+    def before() -> None:
+        batch: list = []
+        for r in reqs:
+            assert not old_computes_same_prompt(batch, r)
+            batch.append(r)
+
+    def after() -> None:
+        index = _PromptIndex()
+        for r in reqs:
+            assert not index.computes(r)
+            index.add(r)
+
+    return best_ms(before, reps), best_ms(after, reps)
+
+
 def diverged(key: list[int], at: int) -> list[int]:
     """``key`` with a different token at ``at`` (and the same after it)."""
     out = list(key)
@@ -280,6 +318,11 @@ def main() -> None:
             rows.append(
                 Row(case, f"radix, list -> array keys, {arm}", *radix(prompts, stored, args.reps))
             )
+    # a burst of short prompts of one length (a benchmark's, or one template's)
+    cases["128 x 64"] = [[rng.randrange(VOCAB) for _ in range(64)] for _ in range(128)]
+    for case, prompts in cases.items():
+        rows.append(Row(case, "prefill admission: prompt computed in the batch?",
+                        *admission(prompts, args.reps)))  # fmt: skip
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} intra-op threads; best of {args.reps} runs")
     print(f"{'case':<10} {'stage':<48} {'before ms':>10} {'after ms':>10} {'before/after':>13}")

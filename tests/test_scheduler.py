@@ -459,3 +459,24 @@ def test_n_samples_share_one_prompt_prefill(tiny_llama_dir, overlap):
     assert len({tuple(o) for o in first}) == 4
     assert [r.output_ids for r in engine.generate([prompt] * 4, sps)] == first
     assert_no_leak(engine)
+
+
+def test_a_prompt_the_batch_computes_waits_a_step_and_hits_the_cache():
+    """In one burst, distinct prompts of one length all go in the first batch; a prompt
+    that one of them computes waits a step and takes its KV from the tree, not computed
+    twice (the batch finds it by content, not by comparing every pair)."""
+    sched, _ = make_scheduler(num_slots=1024, chunk=256, max_running=16)
+    distinct = rand_prompts(6, 6, 20, 21)
+    (same,) = rand_prompts(5, 1, 20, 21)
+    prompts = [*distinct, same, list(same)]
+    rids = [submit(sched, p, max_new_tokens=2) for p in prompts]
+    outs: dict[str, list[StepOutput]] = {}
+    for o in sched.step():
+        outs.setdefault(o.rid, []).append(o)
+    assert sched.last_step_tokens == 7 * 20  # the six and the first copy; the second waits
+    drain(sched, outs)
+    for rid, p in zip(rids, prompts, strict=True):
+        assert tokens(outs[rid]) == model_output(p, 2)
+    cached = [outs[rid][-1].cached_tokens for rid in rids]
+    assert cached == [0] * 7 + [19]  # all but its last token from the tree
+    assert_all_free(sched)
