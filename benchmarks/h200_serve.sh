@@ -4,7 +4,8 @@
 # Triton cache. Stages: warmup, prefill (default both); gemma: gemma-4-e2b in four arms, graphs
 # on/off x KV-sharing fast prefill on/off (issue 12); moe: qwen3-30b-a3b with and without
 # prefill graphs (issue 13); tp: llama-3.1-8b at TP1 and TP2 (issue 17); decode: bench serving
-# at concurrency 1 and 8, this tree and an older one (issue 19); host: the host path around the forward (issue 14), the server's
+# at concurrency 1 and 8, this tree and an older one (issue 19); many: bench serving at
+# concurrency 64-256, this tree and an older one; host: the host path around the forward (issue 14), the server's
 # workloads beside the in-process steps they should approach, in one run (MODEL picks the
 # shape, qwen3-0.6b by default). Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
@@ -157,6 +158,23 @@ decode_stage() {  # issue 19: bench serving at concurrency 1 and 8 against this 
   pushd "$old" >/dev/null || return
   serve "decode_old_$m" --context-length 16384 && { serving "decode_serving_old_$m"; stop; }
   popd >/dev/null
+}
+many_stage() {  # the host path at high concurrency (issue 14; the fourteenth session's
+  # CPU-measured changes): bench serving at concurrency 64, 128 and 256 (CONC), 128 in / 256
+  # out, this tree, then OLD (default .dev/old) when there is one
+  local m=${MODEL:-qwen3-0.6b} old=${OLD:-.dev/old} tree name
+  for tree in . "$old"; do
+    [ -d "$tree" ] || continue
+    name=many_$([ "$tree" = . ] && echo this || echo old)_${m##*/}
+    pushd "$tree" >/dev/null || continue
+    if serve "$name" --context-length 4096 --max-running-requests 256; then
+      python3 -m breakgraph.cli bench serving --url $URL --concurrency ${CONC:-64 128 256} \
+        --input-len 128 --output-len 256 --rounds 1 --json "$OUT/$name.json" 2>&1 \
+        | tee -a "$OUT/serve.log"
+      stop
+    fi
+    popd >/dev/null
+  done
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
