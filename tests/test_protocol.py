@@ -224,3 +224,20 @@ def _parsed(raw: bytes) -> tuple[str, object]:
         return "ok", parse_json(raw)
     except APIError as e:
         return "error", str(e)
+
+
+def test_events_and_bodies_are_valid_json_with_non_finite_floats():
+    """SSE events and whole generation bodies go through orjson: UTF-8 as it is, a -inf
+    logprob (a masked token) as null, not the standard library's invalid ``-Infinity``."""
+    import json
+
+    from breakgraph.server.sse import DONE, GenerationResponse, sse
+
+    data = {"text": "café ☕", "logprobs": [-0.5, float("-inf")], "ids": [1, 2]}
+    event = sse(data)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    back = json.loads(event[len(b"data: ") :])
+    assert back == {"text": "café ☕", "logprobs": [-0.5, None], "ids": [1, 2]}
+    assert "café ☕".encode() in event  # not \\u-escaped
+    assert json.loads(GenerationResponse(data).body) == back
+    assert DONE == b"data: [DONE]\n\n"

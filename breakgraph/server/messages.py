@@ -141,7 +141,8 @@ class StepResult:
     # the step's plain tokens, most of a decode step's outputs: one token each for requests
     # that neither start nor finish with it and want nothing else with it (no logprobs);
     # their rids, and the tokens as one packed int32 field (no map per request on the wire).
-    # A request has at most one entry per message, here or in ``outputs``.
+    # They come before ``outputs``: a request with an entry in both (a token read back by a
+    # retraction's drain, then its finish) has its delta after its token.
     token_rids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list, metadata=PACKED_IDS)
 

@@ -2,8 +2,8 @@
 abort-safe response (its body generator is always closed, which aborts unfinished requests);
 and the JSON response of a whole generation. Both are written by orjson: a stream writes one
 event per request per engine step, cumulative (SGLang's ``output_ids`` and ``text`` so far),
-which the standard library's encoder made most of the API process's time at high
-concurrency (``benchmarks/api_cost.py``)."""
+and the standard library's encoder of those was about a quarter of the API process's busy
+time at concurrency 64 (``benchmarks/api_cost.py``, py-spy)."""
 
 from __future__ import annotations
 
