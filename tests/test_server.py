@@ -596,6 +596,54 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         api_end.close()
 
 
+def test_plain_tokens_keep_each_requests_order(tiny_model_dir):
+    """A request whose delta is already in the message sends its later tokens as deltas
+    too, and the API routes the plain tokens first: each request's queue gets its outputs in
+    the engine's order, with the counts of its latest delta carried onto plain tokens."""
+    from breakgraph.engine.output import StepOutput
+    from breakgraph.server.client import EngineClient, _InFlight
+
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    engine_end, api_end = socket.socketpair()
+    try:
+        loop = EngineLoop(engine, EngineSocket(engine_end))
+        counts = dict(prompt_tokens=7, cached_tokens=3)
+        loop._add_outputs([
+            StepOutput("a", [1], timeline={"first_token": 1.0}, completion_tokens=1, **counts),
+            StepOutput("b", [5], completion_tokens=4, **counts),  # plain
+        ])  # fmt: skip
+        # the same message, later: "a" has a delta in it already; its finish follows
+        loop._add_outputs([
+            StepOutput("a", [2], completion_tokens=2, **counts),
+            StepOutput("b", [6], completion_tokens=5, **counts),
+            StepOutput("b", [7], finished=True, finish_reason={"type": "length"},
+                       completion_tokens=6, **counts),
+        ])  # fmt: skip
+        msg = decode(encode(StepResult(1.0, loop._outputs, [], token_rids=loop._token_rids,
+                                       token_ids=loop._token_ids)))  # fmt: skip
+        assert msg.plain_tokens() == [("b", 5), ("b", 6)]
+        assert [(o.rid, o.token_ids) for o in msg.outputs] == [("a", [1]), ("a", [2]), ("b", [7])]
+
+        async def route() -> dict[str, list]:
+            client = EngineClient(EngineArgs(model_path=str(tiny_model_dir)))
+            for rid in ("a", "b"):
+                client._inflight[rid] = _InFlight(asyncio.Queue(), 0.0, 0.0, 0.0)
+            queues = {rid: e.queue for rid, e in client._inflight.items()}
+            client._inflight["b"].counted(msg.outputs[2])  # counts as of b's first delta
+            client._on_step(msg)
+            await asyncio.sleep(0)
+            return {rid: [q.get_nowait() for _ in range(q.qsize())] for rid, q in queues.items()}
+
+        got = asyncio.run(route())
+        assert [o.token_ids for o in got["a"]] == [[1], [2]]
+        assert [(o.token_ids, o.finished) for o in got["b"]] == [([5], False), ([6], False),
+                                                                  ([7], True)]  # fmt: skip
+        assert [(o.prompt_tokens, o.cached_tokens) for o in got["b"]] == [(7, 3)] * 3
+    finally:
+        engine_end.close()
+        api_end.close()
+
+
 def test_engine_loop_exits_when_the_api_end_closes(tiny_model_dir):
     """The API process gone (its end of the socket closed, as at its death): the engine
     loop stops within its idle wait, without a shutdown message."""
