@@ -31,7 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from decode_host import trees  # benchmarks/ is the script's path
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -129,14 +130,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        arms = {"this": ROOT}
-        if a.ref:
-            ref = Path(tmp, "ref")
-            ref.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.ref],
-                                     check=True, capture_output=True).stdout  # fmt: skip
-            subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
-            arms = {"ref": ref, "this": ROOT}
+        arms = trees(a.ref, Path(tmp))
         got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for _ in range(a.rounds):
             for name, tree in arms.items():

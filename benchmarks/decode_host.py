@@ -161,6 +161,18 @@ def wire(model_dir: str, batch: int, reps: int = 200) -> None:
         end.close()
 
 
+def trees(ref: str | None, tmp: Path) -> dict[str, Path]:
+    """The arms' trees: this one, after ``ref``'s (``git archive`` into ``tmp``) if given."""
+    if ref is None:
+        return {"this": ROOT}
+    dest = tmp / "ref"
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return {"ref": dest, "this": ROOT}
+
+
 def run_arm(tree: Path, model_dir: str, batch: int, steps: int) -> dict[str, float]:
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
             f"from decode_host import measure; "
@@ -183,14 +195,7 @@ def main() -> None:
         model_dir = Path(tmp, "model")
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(TINY))
-        arms = {"this": ROOT}
-        if a.ref:
-            ref = Path(tmp, "ref")
-            ref.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.ref],
-                                     check=True, capture_output=True).stdout  # fmt: skip
-            subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
-            arms = {"ref": ref, "this": ROOT}
+        arms = trees(a.ref, Path(tmp))
         for batch in a.batch:
             got: dict[str, list[dict[str, float]]] = defaultdict(list)
             for _ in range(a.rounds):
