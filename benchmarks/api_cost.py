@@ -4,9 +4,9 @@ detokenizing, one SSE event per request per step). At concurrency C, the API pro
 C events to produce per engine step: C x this cost must stay below the step's time.
 
 It starts ``breakgraph serve`` on the CPU from a tree (this one; with ``--ref COMMIT`` that
-commit's too, from ``git archive``, interleaved over ``--rounds``), runs closed-loop streamed
-requests (``bench serving``'s client) and reads the API process's CPU time from /proc
-around them. The engine process's CPU time per token is printed too; on the CPU it is
+commit's too, from ``git archive``, interleaved over ``--rounds``, every other round in
+reverse order), runs closed-loop streamed requests (``bench serving``'s client) and reads
+the API process's CPU time from /proc around them. The engine process's CPU time per token is printed too; on the CPU it is
 mostly the forward.
 
 Usage: python benchmarks/api_cost.py [--model-path P] [--concurrency 64] [--output-len 64]
@@ -31,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from decode_host import trees  # benchmarks/ is the script's path
+from decode_host import in_turn, trees  # benchmarks/ is the script's path
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -132,8 +132,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         arms = trees(a.ref, Path(tmp))
         got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
-        for _ in range(a.rounds):
-            for name, tree in arms.items():
+        for rnd in range(a.rounds):
+            for name, tree in in_turn(arms, rnd):
                 got[name].append(measure(tree, a))
                 print(name, json.dumps({k: round(v, 2) for k, v in got[name][-1].items()}),
                       flush=True)  # fmt: skip
