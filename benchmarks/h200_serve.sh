@@ -167,13 +167,15 @@ many_stage() {  # the host path at high concurrency (issue 14; the fourteenth se
     [ -d "$tree" ] || continue
     name=many_$([ "$tree" = . ] && echo this || echo old)_${m##*/}
     pushd "$tree" >/dev/null || continue
-    if serve "$name" --context-length 4096 --max-running-requests 256; then
+    serve "$name" --context-length 4096 --max-running-requests 256
+    local up=$?
+    popd >/dev/null  # the client is this tree's for both servers
+    if [ $up = 0 ]; then
       python3 -m breakgraph.cli bench serving --url $URL --concurrency ${CONC:-64 128 256} \
         --input-len 128 --output-len 256 --rounds 1 --json "$OUT/$name.json" 2>&1 \
         | tee -a "$OUT/serve.log"
       stop
     fi
-    popd >/dev/null
   done
 }
 stages=${*:-warmup prefill}
