@@ -75,17 +75,6 @@ def start_server(tree: Path, a, port: int):
     raise SystemExit(f"the server from {tree} did not start in 300 s")
 
 
-def engine_pid(api_pid: int) -> int:
-    """The API process's one child that is the engine (the newest, multiprocessing's
-    resource tracker aside)."""
-    kids = Path(f"/proc/{api_pid}/task/{api_pid}/children").read_text().split()
-    for pid in reversed(kids):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"resource_tracker" not in cmdline:
-            return int(pid)
-    raise SystemExit("no engine process found")
-
-
 async def load(url: str, concurrency: int, requests: int, input_len: int, output_len: int):
     from breakgraph.bench.http_client import ServerClient, random_ids
     from breakgraph.bench.serving import run_level
@@ -99,9 +88,9 @@ async def load(url: str, concurrency: int, requests: int, input_len: int, output
 
 
 def measure(tree: Path, a) -> dict[str, float]:
-    proc, url, _ = start_server(tree, a, free_port())
+    proc, url, info = start_server(tree, a, free_port())
     try:
-        epid = engine_pid(proc.pid)
+        epid = info["engine_pid"]  # /get_server_info's
         asyncio.run(load(url, a.concurrency, a.concurrency, a.input_len, 4))  # warm both up
         api0, eng0, t0 = cpu_s(proc.pid), cpu_s(epid), time.perf_counter()
         level = asyncio.run(load(url, a.concurrency, a.requests, a.input_len, a.output_len))

@@ -100,6 +100,8 @@ def wire(model_dir: str, batch: int, reps: int = 200) -> None:
     per-request deltas."""
     import socket
 
+    from host_path import best_ms  # benchmarks/ is the script's path
+
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.request import SamplingParams
@@ -144,16 +146,8 @@ def wire(model_dir: str, batch: int, reps: int = 200) -> None:
 
     assert [d.token_ids for _, d in old_api()] == [d.token_ids for _, d in new_api()]
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times) * 1e6
-
     for side, old, new in (("engine", old_engine, new_engine), ("api", old_api, new_api)):
-        o, n = best(old), best(new)
+        o, n = best_ms(old, reps) * 1e3, best_ms(new, reps) * 1e3
         print(f"batch {batch:4d} wire {side:6s}: former {o:8.1f} µs  this {n:8.1f} µs  "
               f"({n / o:.3f}x)  bytes {len(old_bytes)} -> {len(new_bytes)}")  # fmt: skip
     engine.shutdown()
