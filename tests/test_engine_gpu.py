@@ -318,12 +318,17 @@ def test_default_buckets_capture_fast_qwen3_0_6b():
 
 
 WARMUP_SCRIPT = r"""
-import json, random, sys
+import json, logging, random, sys
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
 from breakgraph.kernels import jit_watch
 
+class Keep(logging.Handler):  # the after-ready warnings name each argument's specialization
+    seen = []
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+logging.getLogger("breakgraph.kernels.jit_watch").addHandler(Keep())
 eng = Engine(EngineArgs(model_path=sys.argv[1], load_format="dummy", device="cuda",
     max_total_tokens=60000, chunked_prefill_size=1024, max_running_requests=48,
     cuda_graph_max_bs=32, context_length=20000, warmups=sys.argv[2]))
@@ -339,11 +344,18 @@ work = [[base + rand(e)] for e in (1, 32, 5, 700)] + [[rand(n)] for n in (2500, 
 work += [[rand(9) for _ in range(40)], [rand(20) for _ in range(12)]]
 long = rand(12000)  # past DIRECT_MIN_KEYS: the split kernel split and unsplit (2K new tokens)
 work += [[long], [long + rand(1)], [long + rand(77)], [long + rand(1000)], [long + rand(2000)]]
+# bursts of every batch residue (mod 4 and 16) and both token-count parities, as serving
+# traffic admits them; batched prefix hits; decode batches shrinking one by one
+for burst in (2, 6, 10, 3, 5, 13, 14, 22, 30, 34, 46, 17):
+    work.append([rand(rng.randrange(1, 160)) for _ in range(burst)])
+    work.append([base + rand(rng.randrange(1, 60)) for _ in range(burst % 9 + 1)])
 for prompts in work:
     eng.generate(prompts, [sp[i % 2] for i in range(len(prompts))])
+varied = [SamplingParams(max_new_tokens=1 + i, temperature=0.0, ignore_eos=True) for i in range(46)]
+eng.generate([rand(2 * i + 2) for i in range(46)], varied)
 st = jit_watch.stats()
 print(json.dumps({"warmup_requests": report.requests if report else 0,
-                  "after_ready": st.after_ready, "names": st.names_after_ready}))
+                  "after_ready": st.after_ready, "names": Keep.seen or st.names_after_ready}))
 """
 
 

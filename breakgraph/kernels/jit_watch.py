@@ -35,7 +35,9 @@ def _on_compile(*, fn=None, repr=None, **_: object) -> None:  # noqa: A002 - Tri
         if _STATS.ready_since is not None:
             _STATS.after_ready += 1
             _STATS.names_after_ready.append(name)
-            logger.warning("kernel compiled after ready (a stall in traffic): %s", name)
+            # the repr names each argument's specialization (type, 16-divisible, == 1):
+            # what the warm-up missed
+            logger.warning("kernel compiled after ready (a stall in traffic): %s", repr or name)
     return None  # a truthy return from a Triton hook would skip the compile
 
 
