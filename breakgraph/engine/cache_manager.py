@@ -86,9 +86,11 @@ class CacheManager:
     def cache_prefill(self, reqs: list[Req]) -> None:
         """Insert what each request's prefill computed so concurrent requests can reuse it.
 
-        Done right after scheduling: the KV is written by this step's forward before any
-        later step reads it. Where the tree already held a token, the request switches to
-        the tree's slot (its own was freed), so its table row is rewritten there.
+        Done right after the step is launched: the KV is written by this step's forward
+        before any later step reads it. Where the tree already held a token, the request
+        switches to the tree's slot (its own was freed; this step's forward still writes
+        and reads it, and only a later step can reuse it), so its table row is rewritten
+        there, in stream order after this step.
         """
         if self.tree.disable:
             return

@@ -49,6 +49,9 @@ class PrefillManager:
         self.device = device
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # mid-prefill: continues first next step
+        # the last batch's prefill requests, whose computed tokens go into the prefix tree
+        # once the step is launched (cache_computed)
+        self.uncached: list[Req] = []
         # admission hooks: room for the request beside its KV (a penalty-pool row), and
         # what it takes once admitted
         self.has_room: Callable[[Req], bool] = lambda req: True
@@ -162,8 +165,19 @@ class PrefillManager:
                 prefixes.append(req.kv_len)
                 new_slots.append(slot)
         batch = self._build(reqs, extends, prefixes, new_slots)
-        self.cache.cache_prefill(prefill_reqs)
+        self.uncached = prefill_reqs
         return reqs, batch
+
+    def cache_computed(self) -> None:
+        """Insert the last batch's prefill tokens into the prefix tree.
+
+        The scheduler calls this right after launching the batch, so the radix insert runs
+        while the GPU computes (a cold prompt's TTFT no longer waits for it) and before the
+        next batch is scheduled: a later request still finds these tokens. Before the
+        launch, nothing reads the tree's view of them."""
+        reqs, self.uncached = self.uncached, []
+        if reqs:
+            self.cache.cache_prefill(reqs)
 
     def _fit_kv(self, extend: int, reserve: int, alone: bool) -> int:
         """Cut ``extend`` to the KV room left after ``reserve`` slots.

@@ -205,6 +205,7 @@ class Scheduler:
             reqs, batch = scheduled
             self.last_step_tokens = batch.num_tokens
             launched = self.launch(reqs, batch)
+            self.prefill.cache_computed()  # the radix insert, while the GPU runs the step
         if self.cfg.overlap:
             previous, self.in_flight = self.in_flight, launched
             launched = previous
