@@ -35,7 +35,8 @@ class EngineArgs:
     # TP on CUDA: all-reduces up to 4 MB (decode, short prefills) go to one kernel over
     # symmetric memory unless this is set; larger ones and the CPU (gloo) use the collective
     disable_custom_all_reduce: bool = False
-    cuda_graph_max_bs: int = 160
+    # the largest decode graph's batch; None: by GPU memory (engine.default_cuda_graph_max_bs)
+    cuda_graph_max_bs: int | None = None
     # requests with penalties, logit_bias or min_new_tokens running at once when the decode
     # graphs apply them (rows of device state a graph reads by address); more wait in queue
     max_penalized_requests: int = 64
@@ -124,7 +125,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "and short prefills', run as one kernel over symmetric memory, falling back to NCCL "
         "with a warning where it cannot be set up)",
     )
-    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=d.cuda_graph_max_bs,
+        help="the largest decode graph's batch (default by GPU memory: 256 on an H100 or H200, "
+        "512 from --tp-size 4 or past 160 GB, 160 below 60 GB); larger batches replay it in "
+        "pieces",
+    )
     g.add_argument("--disable-cuda-graph", action="store_true", help="decode runs eagerly")
     g.add_argument(
         "--max-penalized-requests",

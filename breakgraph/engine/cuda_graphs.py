@@ -211,9 +211,8 @@ class DecodeGraphs(_GraphsBase):
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        bs = batch.batch_size
-        logits = self.bank.run(bs, **self._live(batch))
-        return None if logits is None else logits[:bs]
+        (logits,) = _replay_rows(self.bank, batch.batch_size, self._live(batch), lambda o: (o,))
+        return logits
 
     def run_penalized(
         self, batch: ForwardBatch, penalty_rows: torch.Tensor
@@ -221,9 +220,37 @@ class DecodeGraphs(_GraphsBase):
         """(logits, logits with the penalty pool applied), or None (no bank or no bucket)."""
         if self.penalized_bank is None:
             return None
-        bs = batch.batch_size
-        out = self.penalized_bank.run(bs, **self._live(batch), penalty_rows=penalty_rows)
-        return None if out is None else (out[0][:bs], out[1][:bs])
+        live = {**self._live(batch), "penalty_rows": penalty_rows}
+        out = _replay_rows(self.penalized_bank, batch.batch_size, live, tuple)
+        return None if out[0] is None else out
+
+
+def _replay_rows(bank, bs: int, live: dict[str, torch.Tensor], parts) -> tuple:
+    """A decode step of ``bs`` rows through ``bank`` -> ``parts(output)``, each part cut to
+    ``bs`` rows (all None where the bank has no bucket).
+
+    A batch over the largest bucket replays it piece by piece, each piece ``max_size`` rows
+    or fewer, its outputs copied out before the next replay overwrites them. Each piece
+    reads the weights again, a small cost beside the eager step it replaces: every kernel
+    of every layer launched from Python, many times the graph's time at these sizes (the
+    cliff a concurrency just over the largest bucket fell off). Decode rows are independent
+    requests, so the pieces compute what one step would."""
+    most = bank.max_size
+    if bs <= most:
+        out = bank.run(bs, **live)
+        return (None,) if out is None else tuple(t[:bs] for t in parts(out))
+    results: list[torch.Tensor] | None = None
+    for start in range(0, bs, most):
+        n = min(most, bs - start)
+        out = bank.run(n, **{name: t[start : start + n] for name, t in live.items()})
+        if out is None:
+            return (None,)
+        out = parts(out)
+        if results is None:
+            results = [t.new_empty((bs, *t.shape[1:])) for t in out]
+        for dst, src in zip(results, out, strict=True):
+            dst[start : start + n].copy_(src[:n])
+    return tuple(results)
 
 
 class PrefillGraphs(_GraphsBase):

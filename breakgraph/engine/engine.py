@@ -65,7 +65,10 @@ def capture_graphs(
     """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
     # padding rows of graph steps read this table row: all zeros, i.e. slot 0
     pad_req_idx = req_pool.alloc()
-    decode_bs = None if args.disable_cuda_graph else min(args.cuda_graph_max_bs, max_running)
+    graph_max_bs = args.cuda_graph_max_bs or default_cuda_graph_max_bs(
+        torch.cuda.get_device_properties(runner.kv_pool.device).total_memory, args.tp_size
+    )
+    decode_bs = None if args.disable_cuda_graph else min(graph_max_bs, max_running)
     buckets = None
     if args.cuda_graph_backend_prefill in ("auto", "breakable"):
         max_tokens = min(
@@ -75,8 +78,20 @@ def capture_graphs(
         buckets = [b for b in buckets if b <= context_len]
     runner.capture_graphs(
         pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
-        tail_max_rows=min(args.cuda_graph_max_bs, max_running),
+        tail_max_rows=min(graph_max_bs, max_running),
     )  # fmt: skip
+
+
+def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:
+    """The largest decode graph by GPU memory, SGLang's tiers: 256 rows on an 80-160 GB GPU
+    (H100, H200), 512 from four TP ranks or on a larger GPU, 160 below 60 GB. Above it a
+    decode step replays the largest graph in pieces (``DecodeGraphs``)."""
+    gib = total_memory / 2**30
+    if gib < 60:
+        return 160
+    if gib < 160 and tp_size < 4:
+        return 256
+    return 512
 
 
 def configure_model(model, args: EngineArgs):

@@ -89,6 +89,8 @@ class ModelRunner:
             logits = graphs.run(batch)
             if logits is not None:
                 self.step_counts[f"{batch.mode.value}_graph"] += 1
+                if decode and batch.batch_size > graphs.bank.max_size:
+                    self.step_counts["decode_graph_in_pieces"] += 1
                 return logits
         self.step_counts[f"{batch.mode.value}_eager"] += 1
         return self._forward_eager(batch)

@@ -81,8 +81,10 @@ def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
         go([rand(chunk + chunk // 2)])
     # concurrent prefills of mixed sizes, greedy and sampled
     go([rand(n) for n in (5, 64, 300, 17)], [greedy, sampled, seeded, sampled])
-    # every decode batch size with a graph, and eager decode above the largest at doubling
-    # sizes (the decode kernel's split count, a compile-time constant, halves as bs doubles)
+    # every decode batch size with a graph, and sizes above the largest at doubling steps:
+    # with graphs those replay in pieces (their sampling and read-back still see the whole
+    # batch); without, eager decode (its kernel's split count, a compile-time constant,
+    # halves as bs doubles)
     decode_sizes = runner.decode_graphs.bank.sizes if runner.decode_graphs is not None else [1]
     max_run = engine.max_running_requests
     eager_sizes, bs = set(), max(decode_sizes) + 1
