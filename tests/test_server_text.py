@@ -177,3 +177,52 @@ def test_api_process_with_a_tokenizer_never_loads_torch(server):
     """Tokenizing and detokenizing the embedded model's text need no torch in the API process."""
     assert generate(server, {"text": QUESTION, "sampling_params": GREEDY}).status_code == 200
     assert not torch_loaded(server.proc.pid)
+
+
+# ---- --incremental-streaming-output ----
+def same_logprobs(got: list, want: list) -> None:
+    """[logprob, id, text] triples (or lists of them, top-k): ids and texts equal, logprobs
+    within float32 noise (the streamed run hits the prefix cache, a different computation)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if g is None or w is None:  # the prompt's first token has no top-k
+            assert g is w, (g, w)
+            continue
+        if g and isinstance(g[0], list):
+            same_logprobs(g, w)
+            continue
+        assert g[1:] == w[1:] and (g[0] is None) == (w[0] is None), (g, w)
+        assert g[0] is None or abs(g[0] - w[0]) < 1e-4, (g, w)
+
+
+@pytest.fixture(scope="module")
+def incremental_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "incremental.log"
+    srv = ServerProcess(["--incremental-streaming-output"], log).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_incremental_stream_events_add_up_to_the_whole_answer(incremental_server):
+    """Each event carries only its new text, ids and output logprobs; the prompt's logprobs
+    come once, in a stream's first event. Joined per index, they equal the whole answer."""
+    srv = incremental_server
+    lp = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    body = {"text": [CHATML, "The capital of France is"], "sampling_params": GREEDY, **lp}
+    whole = generate(srv, body).json()
+    events = stream_generate(srv, body)
+    assert events[-1] == "[DONE]"
+    for index, want in enumerate(whole):
+        mine = [e for e in events[:-1] if e["index"] == index]
+        assert len(mine) > 2
+        assert "".join(e["text"] for e in mine) == want["text"]
+        assert [t for e in mine for t in e["output_ids"]] == want["output_ids"]
+        metas = [e["meta_info"] for e in mine]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            same_logprobs([x for m in metas for x in m[key]], want["meta_info"][key])
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            same_logprobs(metas[0][key], want["meta_info"][key])
+            assert len(metas[0][key]) >= 5 and all(m[key] == [] for m in metas[1:]), key
+        assert metas[-1]["completion_tokens"] == len(want["output_ids"])
+        assert metas[-1]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert whole[0]["text"] == ANSWER

@@ -51,6 +51,7 @@ class EngineArgs:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_requests: bool = False
+    incremental_streaming_output: bool = False  # /generate stream events: the new part only
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -191,6 +192,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--log-requests", action="store_true", help="log each request received and finished"
+    )
+    g.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate streams: each event carries only what is new since the last one "
+        "(text, output_ids, output logprobs; input logprobs in the first event only) instead "
+        "of everything so far (SGLang's flag)",
     )
 
 

@@ -105,9 +105,16 @@ class GenerationState:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    def meta_info(self, token_text: Callable[[int], str] | None = None) -> dict:
+    def meta_info(
+        self,
+        token_text: Callable[[int], str] | None = None,
+        since: int = 0,
+        with_input: bool = True,
+    ) -> dict:
         """SGLang's meta_info; logprobs as [logprob, token id, text or None] triples (text with
-        ``token_text``: return_text_in_logprobs)."""
+        ``token_text``: return_text_in_logprobs). ``since``: the output logprobs from that
+        output on only; ``with_input`` False: the prompt's logprobs as empty lists (an
+        incremental stream's later events)."""
         now, now_perf = time.time(), time.perf_counter()
         meta = {
             "id": self.rid,
@@ -128,16 +135,15 @@ class GenerationState:
         def tops(entries: list[list[list] | None]) -> list:
             return [None if e is None else [triple(lp, int(t)) for lp, t in e] for e in entries]
 
-        meta["input_token_logprobs"] = [
-            triple(lp, tok)
-            for lp, tok in zip(self.input_logprobs, self.input_logprob_ids, strict=False)
-        ]
+        inputs = zip(self.input_logprobs, self.input_logprob_ids, strict=False)
+        meta["input_token_logprobs"] = [triple(lp, tok) for lp, tok in inputs] if with_input else []
         meta["output_token_logprobs"] = [
-            triple(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
+            triple(lp, tok)
+            for lp, tok in zip(self.logprobs[since:], self.output_ids[since:], strict=False)
         ]
         if self.top_logprobs_num > 0:
-            meta["input_top_logprobs"] = tops(self.input_top_logprobs)
-            meta["output_top_logprobs"] = tops(self.top_logprobs)
+            meta["input_top_logprobs"] = tops(self.input_top_logprobs) if with_input else []
+            meta["output_top_logprobs"] = tops(self.top_logprobs[since:])
         return meta
 
 

@@ -101,13 +101,30 @@ router = APIRouter()
 
 # ---- generation ----
 def _native_output(
-    state: GenerationState, index: int | None = None, token_text=None
+    state: GenerationState, index: int | None = None, token_text=None, sent: _Sent | None = None
 ) -> dict[str, Any]:
-    meta = state.meta_info(token_text)
-    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    """A response or stream event: everything so far, or with ``sent`` (an incremental
+    stream) only what the stream's earlier events did not carry, ``sent`` moved past it."""
+    if sent is None:
+        meta = state.meta_info(token_text)
+        out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    else:
+        meta = state.meta_info(token_text, since=sent.ids, with_input=sent.first)
+        text = state.text if state.text is None else state.text[sent.text :]
+        out = {"text": text, "output_ids": state.output_ids[sent.ids :], "meta_info": meta}
+        sent.ids, sent.text, sent.first = len(state.output_ids), len(state.text or ""), False
     if index is not None:
         out["index"] = index
     return out
+
+
+@dataclasses.dataclass
+class _Sent:
+    """How much of one stream's output its earlier events carried (incremental streams)."""
+
+    ids: int = 0
+    text: int = 0
+    first: bool = True
 
 
 @router.post("/generate")
@@ -130,11 +147,18 @@ async def generate(request: Request) -> Response:
     if req.stream:
         if not is_batch:
             states = stream_generation(s.client, s.tokenizer, gen_reqs[0])
-            return await event_stream(_native_events(_single(states), token_text=text))
+            events = _native_events(
+                _single(states), token_text=text, incremental=s.incremental_streaming_output
+            )
+            return await event_stream(events)
         streams = [stream_generation(s.client, s.tokenizer, r) for r in gen_reqs]
-        return await event_stream(
-            _native_events(merge_streams(streams), batch=True, token_text=text)
+        events = _native_events(
+            merge_streams(streams),
+            batch=True,
+            token_text=text,
+            incremental=s.incremental_streaming_output,
         )
+        return await event_stream(events)
 
     states = await run_to_completion(s.client, s.tokenizer, gen_reqs, request.is_disconnected)
     if states is None:
@@ -180,10 +204,14 @@ async def _single(states: AsyncIterator[GenerationState]):
         await states.aclose()
 
 
-async def _native_events(items, batch: bool = False, token_text=None) -> AsyncIterator[bytes]:
+async def _native_events(
+    items, batch: bool = False, token_text=None, incremental: bool = False
+) -> AsyncIterator[bytes]:
+    sent: dict[int, _Sent] = {}
     try:
         async for i, st in items:
-            yield sse(_native_output(st, i if batch else None, token_text))
+            since = sent.setdefault(i, _Sent()) if incremental else None
+            yield sse(_native_output(st, i if batch else None, token_text, since))
         yield DONE
     finally:
         await items.aclose()

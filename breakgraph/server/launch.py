@@ -195,8 +195,9 @@ async def _serve_on(
             **dataclasses.asdict(engine_args),
         }
         state = ServerState(
-            client, tokenizer, info, name, args.model_path, server_args, args.max_request_bytes
-        )
+            client, tokenizer, info, name, args.model_path, server_args, args.max_request_bytes,
+            incremental_streaming_output=engine_args.incremental_streaming_output,
+        )  # fmt: skip
         config = uvicorn.Config(
             create_app(state),
             host=args.host,

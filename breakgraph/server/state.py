@@ -23,6 +23,7 @@ class ServerState:
     model_path: str | None
     server_args: dict[str, Any] = field(default_factory=dict)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    incremental_streaming_output: bool = False  # /generate stream events: the new part only
 
     def require_alive(self) -> None:
         if not self.client.alive:
