@@ -10,7 +10,9 @@ the API process's CPU time from /proc around them. The engine process's CPU time
 mostly the forward.
 
 Usage: python benchmarks/api_cost.py [--model-path P] [--concurrency 64] [--output-len 64]
-       [--requests 128] [--ref COMMIT] [--rounds 2]
+       [--requests 128] [--ref COMMIT] [--rounds 2] [--flags="..."] [--ref-flags="..."]
+(``--flags``/``--ref-flags``: more ``serve`` flags for this tree's/the ref's server, e.g.
+``--ref HEAD --flags=--incremental-streaming-output``: one flag against its absence)
 (a fast engine step shows the API's cost best: a tiny config of --load-format dummy, e.g.
 ``--model-path DIR`` with benchmarks/decode_host.py's TINY as DIR/config.json)
 """
@@ -53,10 +55,10 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_server(tree: Path, a, port: int):
+def start_server(tree: Path, a, port: int, flags: str = ""):
     cmd = [sys.executable, "-m", "breakgraph.cli", "serve", "--port", str(port),
            "--device", "cpu", "--max-running-requests", str(a.concurrency),
-           "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning", *flags.split()]  # fmt: skip
     if a.model_path:
         cmd += ["--model-path", a.model_path, "--load-format", a.load_format]
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -87,8 +89,8 @@ async def load(url: str, concurrency: int, requests: int, input_len: int, output
                                vocab, rng)  # fmt: skip
 
 
-def measure(tree: Path, a) -> dict[str, float]:
-    proc, url, info = start_server(tree, a, free_port())
+def measure(tree: Path, a, flags: str = "") -> dict[str, float]:
+    proc, url, info = start_server(tree, a, free_port(), flags)
     try:
         epid = info["engine_pid"]  # /get_server_info's
         asyncio.run(load(url, a.concurrency, a.concurrency, a.input_len, 4))  # warm both up
@@ -117,13 +119,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--ref", help="a commit to measure against (git archive of it)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--flags", default="", help="more serve flags for this tree's server")
+    ap.add_argument("--ref-flags", default="", help="more serve flags for the ref's server")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         arms = trees(a.ref, Path(tmp))
         got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for rnd in range(a.rounds):
             for name, tree in in_turn(arms, rnd):
-                got[name].append(measure(tree, a))
+                got[name].append(measure(tree, a, a.flags if name == "this" else a.ref_flags))
                 print(name, json.dumps({k: round(v, 2) for k, v in got[name][-1].items()}),
                       flush=True)  # fmt: skip
         med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}

@@ -179,7 +179,7 @@ def test_api_process_with_a_tokenizer_never_loads_torch(server):
     assert not torch_loaded(server.proc.pid)
 
 
-# ---- --incremental-streaming-output ----
+# ---- --incremental-streaming-output, --stream-interval ----
 def same_logprobs(got: list, want: list) -> None:
     """[logprob, id, text] triples (or lists of them, top-k): ids and texts equal, logprobs
     within float32 noise (the streamed run hits the prefix cache, a different computation)."""
@@ -198,7 +198,8 @@ def same_logprobs(got: list, want: list) -> None:
 @pytest.fixture(scope="module")
 def incremental_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "incremental.log"
-    srv = ServerProcess(["--incremental-streaming-output"], log).wait_ready()
+    args = ["--incremental-streaming-output", "--stream-interval", "3"]
+    srv = ServerProcess(args, log).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -226,3 +227,25 @@ def test_incremental_stream_events_add_up_to_the_whole_answer(incremental_server
         assert metas[-1]["completion_tokens"] == len(want["output_ids"])
         assert metas[-1]["finish_reason"] == want["meta_info"]["finish_reason"]
     assert whole[0]["text"] == ANSWER
+
+
+def test_stream_interval_sends_the_first_token_then_every_third(incremental_server):
+    """--stream-interval 3: the first token at once, then events of at least three tokens,
+    the end at once; the OpenAI stream likewise, its text the whole answer."""
+    events = stream_generate(incremental_server, {"text": CHATML, "sampling_params": GREEDY})
+    sizes = [len(e["output_ids"]) for e in events[:-1]]
+    assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and 1 <= sizes[-1], sizes
+    assert sum(sizes) == events[-2]["meta_info"]["completion_tokens"] and len(sizes) <= 7
+    assert "".join(e["text"] for e in events[:-1]) == ANSWER
+    client = openai.OpenAI(base_url=f"{incremental_server.url}/v1", api_key="x", max_retries=0)
+    chunks = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(deltas) == ANSWER and len(deltas) <= 7

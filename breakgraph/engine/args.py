@@ -52,6 +52,7 @@ class EngineArgs:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_requests: bool = False
     incremental_streaming_output: bool = False  # /generate stream events: the new part only
+    stream_interval: int = 1  # a stream's events: every this many tokens (first and last at once)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -192,6 +193,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--log-requests", action="store_true", help="log each request received and finished"
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=d.stream_interval,
+        help="a stream sends an event once this many new tokens are in (and its first token "
+        "and its end at once): fewer, larger events, less API-process time per token at high "
+        "concurrency (SGLang's flag)",
     )
     g.add_argument(
         "--incremental-streaming-output",

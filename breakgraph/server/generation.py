@@ -148,9 +148,14 @@ class GenerationState:
 
 
 async def stream_generation(
-    client: EngineClient, tokenizer: Tokenizer | None, req: GenerationRequest
+    client: EngineClient,
+    tokenizer: Tokenizer | None,
+    req: GenerationRequest,
+    interval: int = 1,
 ) -> AsyncIterator[GenerationState]:
-    """Yield the request's state (the same object, updated) until it finishes."""
+    """Yield the request's state (the same object, updated) until it finishes: once at least
+    ``interval`` tokens came in since the last yield (``--stream-interval``), and at once
+    for the first state, the first token and the end."""
     rid = req.rid or uuid.uuid4().hex
     state = GenerationState(
         rid=rid,
@@ -181,6 +186,7 @@ async def stream_generation(
         received_perf=req.received_perf,
     )
     stamps["sent"] = client.sent_at(rid) or time.time()  # the client's stamp, before the send
+    shown = None  # completion tokens at the last yield (None: nothing yielded yet)
     try:
         while not state.finished:
             items = [await queue.get()]
@@ -213,7 +219,10 @@ async def stream_generation(
                 else:
                     state.text = text.feed(new_ids)
                 stamps["detokenized"] = time.time()
-            yield state
+            n = state.completion_tokens
+            if state.finished or shown is None or (shown == 0 < n) or n - shown >= interval:
+                shown = n
+                yield state
     finally:
         if not state.finished:
             client.abort(rid)
@@ -230,7 +239,8 @@ async def run_to_completion(
 
     async def last(req: GenerationRequest) -> GenerationState:
         final = None
-        async for state in stream_generation(client, tokenizer, req):
+        # only the end is wanted: no interval reaches it sooner
+        async for state in stream_generation(client, tokenizer, req, interval=1 << 62):
             final = state
         return final
 

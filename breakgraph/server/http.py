@@ -146,12 +146,12 @@ async def generate(request: Request) -> Response:
 
     if req.stream:
         if not is_batch:
-            states = stream_generation(s.client, s.tokenizer, gen_reqs[0])
+            states = stream_generation(s.client, s.tokenizer, gen_reqs[0], s.stream_interval)
             events = _native_events(
                 _single(states), token_text=text, incremental=s.incremental_streaming_output
             )
             return await event_stream(events)
-        streams = [stream_generation(s.client, s.tokenizer, r) for r in gen_reqs]
+        streams = [stream_generation(s.client, s.tokenizer, r, s.stream_interval) for r in gen_reqs]
         events = _native_events(
             merge_streams(streams),
             batch=True,

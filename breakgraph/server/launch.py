@@ -197,6 +197,7 @@ async def _serve_on(
         state = ServerState(
             client, tokenizer, info, name, args.model_path, server_args, args.max_request_bytes,
             incremental_streaming_output=engine_args.incremental_streaming_output,
+            stream_interval=engine_args.stream_interval,
         )  # fmt: skip
         config = uvicorn.Config(
             create_app(state),

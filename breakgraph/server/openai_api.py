@@ -155,7 +155,8 @@ async def _run(
 
 def _streams(s: ServerState, gen_reqs: list[GenerationRequest]):
     s.require_alive()
-    return merge_streams([stream_generation(s.client, s.tokenizer, r) for r in gen_reqs])
+    interval = s.stream_interval
+    return merge_streams([stream_generation(s.client, s.tokenizer, r, interval) for r in gen_reqs])
 
 
 # ---- /v1/completions ----

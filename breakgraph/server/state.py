@@ -24,6 +24,7 @@ class ServerState:
     server_args: dict[str, Any] = field(default_factory=dict)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     incremental_streaming_output: bool = False  # /generate stream events: the new part only
+    stream_interval: int = 1  # a stream's events: every this many tokens (first and last at once)
 
     def require_alive(self) -> None:
         if not self.client.alive:
