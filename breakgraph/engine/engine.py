@@ -65,9 +65,10 @@ def capture_graphs(
     """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
     # padding rows of graph steps read this table row: all zeros, i.e. slot 0
     pad_req_idx = req_pool.alloc()
-    graph_max_bs = args.cuda_graph_max_bs or default_cuda_graph_max_bs(
-        torch.cuda.get_device_properties(runner.kv_pool.device).total_memory, args.tp_size
-    )
+    graph_max_bs = args.cuda_graph_max_bs
+    if graph_max_bs is None:
+        total = torch.cuda.get_device_properties(runner.kv_pool.device).total_memory
+        graph_max_bs = default_cuda_graph_max_bs(total, args.tp_size)
     decode_bs = None if args.disable_cuda_graph else min(graph_max_bs, max_running)
     buckets = None
     if args.cuda_graph_backend_prefill in ("auto", "breakable"):
