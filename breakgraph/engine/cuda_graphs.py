@@ -211,8 +211,7 @@ class DecodeGraphs(_GraphsBase):
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        (logits,) = _replay_rows(self.bank, batch.batch_size, self._live(batch), lambda o: (o,))
-        return logits
+        return _replay_rows(self.bank, batch.batch_size, self._live(batch))
 
     def run_penalized(
         self, batch: ForwardBatch, penalty_rows: torch.Tensor
@@ -221,13 +220,12 @@ class DecodeGraphs(_GraphsBase):
         if self.penalized_bank is None:
             return None
         live = {**self._live(batch), "penalty_rows": penalty_rows}
-        out = _replay_rows(self.penalized_bank, batch.batch_size, live, tuple)
-        return None if out[0] is None else out
+        return _replay_rows(self.penalized_bank, batch.batch_size, live)
 
 
-def _replay_rows(bank, bs: int, live: dict[str, torch.Tensor], parts) -> tuple:
-    """A decode step of ``bs`` rows through ``bank`` -> ``parts(output)``, each part cut to
-    ``bs`` rows (all None where the bank has no bucket).
+def _replay_rows(bank, bs: int, live: dict[str, torch.Tensor]):
+    """A decode step of ``bs`` rows through ``bank`` -> its output (a tensor or a tuple of
+    them) cut to ``bs`` rows, or None where the bank has no bucket.
 
     A batch over the largest bucket replays it piece by piece, each piece ``max_size`` rows
     or fewer, its outputs copied out before the next replay overwrites them. Each piece
@@ -238,19 +236,21 @@ def _replay_rows(bank, bs: int, live: dict[str, torch.Tensor], parts) -> tuple:
     most = bank.max_size
     if bs <= most:
         out = bank.run(bs, **live)
-        return (None,) if out is None else tuple(t[:bs] for t in parts(out))
-    results: list[torch.Tensor] | None = None
+        if out is None:
+            return None
+        return tuple(t[:bs] for t in out) if isinstance(out, tuple) else out[:bs]
+    results = None
     for start in range(0, bs, most):
         n = min(most, bs - start)
         out = bank.run(n, **{name: t[start : start + n] for name, t in live.items()})
         if out is None:
-            return (None,)
-        out = parts(out)
+            return None
+        parts = out if isinstance(out, tuple) else (out,)
         if results is None:
-            results = [t.new_empty((bs, *t.shape[1:])) for t in out]
-        for dst, src in zip(results, out, strict=True):
+            results = tuple(t.new_empty((bs, *t.shape[1:])) for t in parts)
+        for dst, src in zip(results, parts, strict=True):
             dst[start : start + n].copy_(src[:n])
-    return tuple(results)
+    return results if isinstance(out, tuple) else results[0]
 
 
 class PrefillGraphs(_GraphsBase):

@@ -186,7 +186,7 @@ async def stream_generation(
         received_perf=req.received_perf,
     )
     stamps["sent"] = client.sent_at(rid) or time.time()  # the client's stamp, before the send
-    shown = None  # completion tokens at the last yield (None: nothing yielded yet)
+    shown = None  # completion tokens at the last yield, all detokenized (None: no yield yet)
     try:
         while not state.finished:
             items = [await queue.get()]
@@ -213,16 +213,17 @@ async def stream_generation(
                     state.finished = True
                     state.finish_reason = item.finish_reason
             state.output_ids += new_ids
-            if text is not None:
+            n = state.completion_tokens
+            if not (state.finished or shown is None or (shown == 0 < n) or n - shown >= interval):
+                continue  # not due: its tokens are detokenized with the next state shown
+            if text is not None:  # the ids since the last state shown
                 if state.finished:
                     state.text = text.finish(state.output_ids, state.finish_reason)
                 else:
-                    state.text = text.feed(new_ids)
+                    state.text = text.feed(state.output_ids[shown or 0 :])
                 stamps["detokenized"] = time.time()
-            n = state.completion_tokens
-            if state.finished or shown is None or (shown == 0 < n) or n - shown >= interval:
-                shown = n
-                yield state
+            shown = n
+            yield state
     finally:
         if not state.finished:
             client.abort(rid)
