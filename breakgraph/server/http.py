@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import breakgraph
 from breakgraph.engine import gc_watch
 from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.server.asgi import HotRoutes
 from breakgraph.server.client import EngineError
 from breakgraph.server.generation import (
     GenerationRequest,
@@ -28,6 +29,7 @@ from breakgraph.server.generation import (
     stamp_received,
     stream_generation,
 )
+from breakgraph.server.openai_api import chat_completions, completions
 from breakgraph.server.openai_api import router as openai_router
 from breakgraph.server.protocol import (
     APIError,
@@ -70,6 +72,15 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     return app
+
+
+def create_asgi_app(state: ServerState) -> HotRoutes:
+    """What uvicorn serves: :func:`create_app` with the generation routes called directly
+    (server/asgi.py)."""
+    app = create_app(state)
+    hot = {("POST", "/generate"): generate, ("POST", "/v1/completions"): completions,
+           ("POST", "/v1/chat/completions"): chat_completions}  # fmt: skip
+    return HotRoutes(app, hot)
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:

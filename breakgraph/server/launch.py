@@ -30,7 +30,7 @@ from breakgraph.engine.args import EngineArgs
 from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
 from breakgraph.server.client import EngineClient
 from breakgraph.server.detokenize import load_tokenizer
-from breakgraph.server.http import create_app
+from breakgraph.server.http import create_asgi_app
 from breakgraph.server.protocol import max_token_bytes
 from breakgraph.server.state import ServerState
 
@@ -200,7 +200,7 @@ async def _serve_on(
             stream_interval=engine_args.stream_interval,
         )  # fmt: skip
         config = uvicorn.Config(
-            create_app(state),
+            create_asgi_app(state),
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),

@@ -7,6 +7,7 @@ time at concurrency 64 (``benchmarks/api_cost.py``, py-spy)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,7 +44,12 @@ class GenerationResponse(JSONResponse):
 
 class EventStream(StreamingResponse):
     """A text/event-stream response whose body generator is closed however the response ends
-    (client gone mid-send included), so the generator's cleanup always runs."""
+    (client gone mid-send included), so the generator's cleanup always runs.
+
+    It streams in the caller's task. Starlette's StreamingResponse (under uvicorn's ASGI 2.3)
+    starts a task group per response and sends from a second task, so the headers and the
+    first event waited for that task's start-up and a loop turn, on every request's TTFT.
+    Here a small watcher task listens for the client's disconnect and cancels the stream."""
 
     def __init__(self, body: AsyncIterator[bytes]):
         super().__init__(
@@ -51,11 +57,35 @@ class EventStream(StreamingResponse):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        ended = False  # set before the stream's last await returns: no cancel after the end
+
+        async def cancel_on_disconnect() -> bool:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if ended:  # uvicorn answers a pending receive with a disconnect once it is done
+                return False
+            streaming.cancel()
+            return True
+
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
+        complete = False
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+            ended = complete = True
+        except asyncio.CancelledError:
+            ended = True
+            if not (watcher.done() and not watcher.cancelled() and watcher.result()):
+                raise  # not the client's disconnect (the server is stopping, say)
+            streaming.uncancel()  # the client left: the response is over, not this task
         finally:
-            with anyio.CancelScope(shield=True):
+            ended = True
+            watcher.cancel()
+            if complete:  # the body ran to its end: closing it is a formality
                 await self.body_iterator.aclose()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
 
 
 def error_event(e: Exception) -> bytes:
