@@ -1,5 +1,5 @@
 """How much of a measured TTFT is the client's: one server, the same streamed /generate
-requests (32 new token ids, 1 output token) sent in turn through httpx, aiohttp (the benches'
+requests (32 new token ids by default, 1 output token) sent in turn through httpx, aiohttp (the benches'
 client) and a raw asyncio socket; TTFT p50 of each after a warm-up.
 Usage: python benchmarks/client_overhead.py [--url http://127.0.0.1:30000] [--requests 60]"""
 
@@ -49,7 +49,7 @@ async def via_socket(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], co
     return ttft
 
 
-async def main(url: str, requests: int) -> None:
+async def main(url: str, requests: int, tokens: int) -> None:
     rng = random.Random(0)
     parts = urlsplit(url)
     async with (
@@ -61,11 +61,11 @@ async def main(url: str, requests: int) -> None:
                 "socket": (via_socket, conn)}  # fmt: skip
         ttft: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(requests):
-            body = {"input_ids": [rng.randrange(1000, 30000) for _ in range(32)], "stream": True,
-                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}  # fmt: skip
-            content = orjson.dumps(body)
             for name, (fn, handle) in ways.items():
-                ttft[name].append(await fn(handle, content))
+                # a prompt of its own: the same one again would be a prefix-cache hit
+                body = {"input_ids": [rng.randrange(1000, 30000) for _ in range(tokens)],
+                        "stream": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}  # fmt: skip
+                ttft[name].append(await fn(handle, orjson.dumps(body)))
         conn[1].close()
     warm = requests // 6
     for name, xs in ttft.items():
@@ -76,5 +76,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--tokens", type=int, default=32, help="prompt length (new token ids)")
     args = ap.parse_args()
-    asyncio.run(main(args.url, args.requests))
+    asyncio.run(main(args.url, args.requests, args.tokens))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,8 +161,7 @@ class ForwardBatch:
             rows_of = np.repeat(np.asarray(req_pool_indices, dtype=np.int64), ext)
             rows64.append(rows_of * table_width + positions)
             rows32.append(out_cache_loc)
-        i64 = upload_many(rows64, torch.int64, dev, pin)
-        i32 = upload_many(rows32, torch.int32, dev, pin)
+        i64, i32 = upload_groups([(rows64, torch.int64), (rows32, torch.int32)], dev, pin)
         return cls(
             mode=mode,
             input_ids=i64[0],
@@ -201,8 +201,20 @@ def upload_many(
     rows: Sequence[IntSeq], dtype: torch.dtype, device: torch.device, pin: bool | None = None
 ) -> list[torch.Tensor]:
     """Upload int (or float) rows in one host buffer (pinned on CUDA) and one non-blocking
-    copy. A row is a list, a numpy array or a CPU tensor; numpy copies each into the buffer
-    (a list converts in C; an array or tensor is a memcpy).
+    copy: :func:`upload_groups` with one group."""
+    return upload_groups([(rows, dtype)], device, pin)[0]
+
+
+def upload_groups(
+    groups: Sequence[tuple[Sequence[IntSeq], torch.dtype]],
+    device: torch.device,
+    pin: bool | None = None,
+) -> list[list[torch.Tensor]]:
+    """Upload groups of rows, each group of one dtype, in one host buffer (pinned on CUDA)
+    and one non-blocking copy: a step's metadata is a single pinned allocation and a single
+    copy whatever its dtypes. A row is a list, a numpy array or a CPU tensor; numpy copies
+    each into the buffer (a list converts in C; an array or tensor is a memcpy). Returns
+    each group's device rows.
 
     Each row starts on a 16-byte boundary of the buffer. Triton specializes a pointer
     argument on 16-byte alignment, so rows packed end to end would hand the kernels a
@@ -210,19 +222,31 @@ def upload_many(
     the first): a compilation in traffic for every class the warm-up missed."""
     if pin is None:
         pin = device.type == "cuda"
-    lengths = [len(r) for r in rows]
-    align = max(1, _ROW_ALIGN_BYTES // dtype.itemsize)
-    offsets, off = [], 0
-    for n in lengths:
-        offsets.append(off)
-        off += -(-n // align) * align
-    host = torch.empty(off, dtype=dtype, pin_memory=pin)
+    placed, off = [], 0  # (row, dtype, byte offset, length) in upload order
+    for rows, dtype in groups:
+        for r in rows:
+            n = len(r)
+            placed.append((r, dtype, off, n))
+            off += -(-n * dtype.itemsize // _ROW_ALIGN_BYTES) * _ROW_ALIGN_BYTES
+    host = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
     buf = host.numpy()
-    for r, n, o in zip(rows, lengths, offsets, strict=True):
+    for r, dtype, o, n in placed:
         if n:
-            buf[o : o + n] = r.numpy() if isinstance(r, torch.Tensor) else r
+            view = buf[o : o + n * dtype.itemsize].view(_numpy_dtype(dtype))
+            view[:] = r.numpy() if isinstance(r, torch.Tensor) else r
     dev = host.to(device, non_blocking=True)
-    return [dev[o : o + n] for o, n in zip(offsets, lengths, strict=True)]
+    out, at = [], 0
+    for rows, _ in groups:
+        out.append([
+            dev[o : o + n * dtype.itemsize].view(dtype) for _, dtype, o, n in placed[at : at + len(rows)]
+        ])  # fmt: skip
+        at += len(rows)
+    return out
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 @dataclass

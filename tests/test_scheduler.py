@@ -504,6 +504,9 @@ def test_step_metadata_rows_start_16_byte_aligned(batch, extra):
             "table_slots",
         )
     }  # fmt: skip
+    # one upload: the int64 and the int32 rows share one buffer (one pinned copy on CUDA)
+    assert len({t.untyped_storage().data_ptr() for t in tensors.values()}) == 1
+    assert fb.input_ids.dtype == torch.int64 and fb.seq_lens.dtype == torch.int32
     base = min(t.data_ptr() for t in tensors.values())
     for name, t in tensors.items():
         assert (t.data_ptr() - base) % 16 == 0, name
