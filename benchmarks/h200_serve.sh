@@ -7,7 +7,8 @@
 # at concurrency 1 and 8, this tree and an older one (issue 19); many: bench serving at
 # concurrency 64-256, this tree and an older one; host: the host path around the forward (issue 14), the server's
 # workloads beside the in-process steps they should approach, in one run (MODEL picks the
-# shape, qwen3-0.6b by default). Results under ${OUT:-results}.
+# shape, qwen3-0.6b by default); coldab: cold 256 x1 on this tree and an older one, both up at
+# once, in alternating rounds. Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
@@ -177,6 +178,35 @@ many_stage() {  # the host path at high concurrency (issue 14; the fourteenth se
       stop
     fi
   done
+}
+coldab_stage() {  # cold 256 x1 (issue 14's last goal) on this tree and OLD (default .dev/old),
+  # both up at once (started in turn: --mem-fraction-static counts the GPU memory in use),
+  # ROUNDS rounds of 10 waves alternating which goes first; then the client's share of the
+  # TTFT on each (aiohttp, httpx and a raw socket); MODEL default llama-3.1-8b
+  local m=${MODEL:-llama-3.1-8b} old=${OLD:-.dev/old} r p
+  mkdir -p "$OUT/coldab"  # one tarball at the end: at most 8 files come back from the device
+  python3 -m breakgraph.cli bench step --models "$m" -N 256 -P 0 --reps 5 --no-hf --no-compile 2>&1 \
+    | grep -E "graphs|floor|eager" | tee -a "$OUT/serve.log"
+  for arm in ". 30121 this 0.3" "$old 30122 old 0.62"; do
+    set -- $arm
+    (cd "$1" && python3 -m breakgraph.cli serve --model-path "$m" --load-format dummy --port $2 \
+      --mem-fraction-static $4 --context-length 70000 > "$OUT/server_coldab_$3.log" 2>&1) &
+    for _ in $(seq 600); do curl -sf http://127.0.0.1:$2/health >/dev/null && break; sleep 0.5; done
+  done
+  for r in $(seq ${ROUNDS:-8}); do
+    for p in $([ $((r % 2)) = 0 ] && echo "30122 30121" || echo "30121 30122"); do
+      echo "== round $r port $p ($([ $p = 30121 ] && echo this || echo old))" | tee -a "$OUT/serve.log"
+      python3 -m breakgraph.cli bench prefill cold 256 1 --waves 10 --url http://127.0.0.1:$p \
+        --json "$OUT/coldab/cold256_${p}_$r.json" 2>&1 | grep -E "TTFT|timeline" | tee -a "$OUT/serve.log"
+    done
+  done
+  for p in 30121 30122; do
+    echo "== client overhead, port $p" | tee -a "$OUT/serve.log"
+    python3 benchmarks/client_overhead.py --url http://127.0.0.1:$p --requests 120 --tokens 256 \
+      2>&1 | tail -3 | tee -a "$OUT/serve.log"
+  done
+  pkill -TERM -f "port 3012[12]"; sleep 3
+  (cd "$OUT" && tar czf coldab.tgz coldab && rm -rf coldab)
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
