@@ -13,9 +13,9 @@ import os
 import random
 import statistics
 import subprocess
-import time
 
 import orjson
+from client_overhead import via_socket  # benchmarks/, the script's own folder
 
 
 def cpu_s(pid: int) -> float:
@@ -41,14 +41,7 @@ async def run(port: int, requests: int, tokens: int, vocab: int) -> None:
         body = orjson.dumps({"input_ids": [rng.randrange(1, vocab) for _ in range(tokens)],
                              "stream": True,
                              "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})  # fmt: skip
-        head = b"POST /generate HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
-        t0, ttft = time.perf_counter(), None
-        writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        while (line := await reader.readline()) != b"0\r\n":  # the chunked body's last chunk
-            if ttft is None and line.startswith(b"data:"):
-                ttft = time.perf_counter() - t0
-        await reader.readline()
-        return ttft
+        return await via_socket((reader, writer), body)
 
     for _ in range(50):  # warm-up
         await one()
