@@ -329,6 +329,25 @@ def test_disconnect_mid_stream_frees_kv(server):
     assert abort_count(server) == aborts + 1
 
 
+def test_a_body_cut_short_leaks_nothing_and_logs_no_error(server):
+    """The generation routes are served without FastAPI's stack (server/asgi.py): a client
+    gone in the middle of sending its body is dropped quietly there too, with nothing
+    admitted; a stream it reads to its end and a later request are unaffected."""
+    before = server.log().count("Traceback")
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            sock.sendall(head.encode() + b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [1, 2')
+    body = {"input_ids": [3, 1, 4], "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 7
+    after = wait_idle(server)
+    assert (after["num_running_reqs"], after["kv_tokens_used"]) == (0, 0)
+    assert after["num_inflight_requests"] == 0
+    assert server.log().count("Traceback") == before, server.log()
+
+
 def test_disconnect_while_waiting_for_a_whole_answer(server):
     aborts = abort_count(server)
     long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True}
