@@ -11,15 +11,12 @@ answers (the app's exception handlers)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
-
-logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 

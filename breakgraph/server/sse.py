@@ -58,7 +58,7 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
-        ended = False  # set before the stream's last await returns: no cancel after the end
+        ended = False  # set with no await after the stream's end: no cancel after it
 
         async def cancel_on_disconnect() -> bool:
             while (await receive())["type"] != "http.disconnect":
@@ -72,9 +72,8 @@ class EventStream(StreamingResponse):
         complete = False
         try:
             await self.stream_response(send)
-            ended = complete = True
+            complete = True
         except asyncio.CancelledError:
-            ended = True
             if not (watcher.done() and not watcher.cancelled() and watcher.result()):
                 raise  # not the client's disconnect (the server is stopping, say)
             streaming.uncancel()  # the client left: the response is over, not this task
