@@ -56,3 +56,26 @@ def test_a_bad_stream_interval_is_refused_in_one_line(value, capsys):
         cli.build_parser().parse_args(["serve", "--stream-interval", value])
     assert e.value.code == 2
     assert "--stream-interval" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_a_bad_idle_spin_is_refused_in_one_line(value, capsys):
+    from breakgraph import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", "--idle-spin-ms", value])
+    assert e.value.code == 2
+    assert "--idle-spin-ms" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_idle_spin_defaults_by_device_and_sleep_on_idle_turns_it_off():
+    from breakgraph import cli
+    from breakgraph.engine.args import IDLE_SPIN_MS_CUDA, EngineArgs
+
+    parse = cli.build_parser().parse_args
+    assert parse(["serve"]).idle_spin_ms is None
+    assert parse(["serve", "--sleep-on-idle"]).idle_spin_ms == 0.0
+    assert parse(["serve", "--idle-spin-ms", "2.5"]).idle_spin_ms == 2.5
+    assert EngineArgs(device="cpu").resolved_idle_spin_s() == 0.0
+    assert EngineArgs(device="cuda").resolved_idle_spin_s() == IDLE_SPIN_MS_CUDA / 1000
+    assert EngineArgs(device="cuda", idle_spin_ms=0.0).resolved_idle_spin_s() == 0.0

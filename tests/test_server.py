@@ -341,7 +341,8 @@ def test_a_body_cut_short_leaks_nothing_and_logs_no_error(server):
     body = {"input_ids": [3, 1, 4], "sampling_params": GREEDY, "stream": True}
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 7
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert len(json.loads(events[-2][len("data: ") :])["output_ids"]) == 6  # events coalesce
     after = wait_idle(server)
     assert (after["num_running_reqs"], after["kv_tokens_used"]) == (0, 0)
     assert after["num_inflight_requests"] == 0
@@ -677,6 +678,64 @@ def test_engine_loop_exits_when_the_api_end_closes(tiny_model_dir):
         assert not loop.is_alive()
     finally:
         engine_end.close()
+
+
+def test_idle_spin_polls_after_work_then_sleeps(tiny_model_dir):
+    """--idle-spin-ms: the engine loop polls its socket (no sleep) for the spin right after
+    it worked, and waits in plain poll otherwise; input arriving during the spin is read."""
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    engine_end, api_end = socket.socketpair()
+    sock = EngineSocket(engine_end)
+    spins: list[float] = []
+    real_wait = sock.wait
+
+    def wait(timeout_s, spin_s=0.0):
+        spins.append(spin_s)
+        return real_wait(timeout_s, spin_s)
+
+    sock.wait = wait
+    loop = EngineLoop(engine, sock, idle_spin_s=0.05)
+    thread = threading.Thread(target=loop.run)
+    api = FramedSocket(api_end)
+    try:
+        thread.start()
+        time.sleep(0.05)  # the first wait: nothing happened yet, no spin
+        api.send(encode(StatsReq(call_id=1)))
+        deadline = time.monotonic() + 5
+        replies = []
+        while not replies and time.monotonic() < deadline:
+            replies = api.read()
+            time.sleep(0.005)
+        assert replies
+        # the wait after the work spins first; the one after its timeout (an idle second)
+        # sleeps from the start
+        while len(spins) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spins[:3] == [0.0, 0.05, 0.0], spins
+    finally:
+        api_end.close()
+        thread.join(5)
+        engine_end.close()
+    assert not thread.is_alive()
+
+
+def test_socket_wait_spins_then_sleeps():
+    """EngineSocket.wait: input during the spin returns at once; none returns False at the
+    timeout, the spin capped by it."""
+    a, b = socket.socketpair()
+    try:
+        sock, peer = EngineSocket(a), FramedSocket(b)
+        timer = threading.Timer(0.02, peer.send, args=(b"hello",))
+        timer.start()
+        t0 = time.monotonic()
+        assert sock.wait(5.0, spin_s=1.0) and time.monotonic() - t0 < 0.5
+        assert sock.read() == [b"hello"]
+        t0 = time.monotonic()
+        assert not sock.wait(0.05, spin_s=10.0)  # the spin never outlasts the timeout
+        assert 0.04 < time.monotonic() - t0 < 1.0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_frames_cross_the_socket_whole_in_any_pieces():

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # a full 128K-token context as JSON token ids fits ~20 times
 DEFAULT_SHUTDOWN_TIMEOUT_S = 15.0  # under Kubernetes' default 30 s termination grace
+# how long an idle engine on CUDA keeps polling after its last work (--idle-spin-ms): the
+# next request's host path then runs on a hot core (benchmarks/README.md, sixteenth session)
+IDLE_SPIN_MS_CUDA = 5.0
 
 
 @dataclass
@@ -53,6 +56,14 @@ class EngineArgs:
     log_requests: bool = False
     incremental_streaming_output: bool = False  # /generate stream events: the new part only
     stream_interval: int = 1  # a stream's events: every this many tokens (first and last at once)
+    # the engine polls its socket this long after its last work before it sleeps in poll;
+    # None: IDLE_SPIN_MS_CUDA on CUDA, 0 on the CPU (where it would take a core from the API)
+    idle_spin_ms: float | None = None
+
+    def resolved_idle_spin_s(self) -> float:
+        if self.idle_spin_ms is not None:
+            return self.idle_spin_ms / 1000.0
+        return IDLE_SPIN_MS_CUDA / 1000.0 if self.resolved_device() == "cuda" else 0.0
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -201,6 +212,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="a stream sends an event once this many new tokens are in (and its first token "
         "and its end at once): fewer, larger events, less API-process time per token at high "
         "concurrency (SGLang's flag)",
+    )
+    g.add_argument(
+        "--idle-spin-ms",
+        type=_non_negative_float,
+        default=d.idle_spin_ms,
+        help="after its last work the engine polls for new requests this long before it "
+        f"sleeps (default {IDLE_SPIN_MS_CUDA:g} on CUDA, 0 on the CPU): a request arriving "
+        "meanwhile runs its host path on a hot core; 0 always sleeps (SGLang's "
+        "--sleep-on-idle), SGLang's default never does",
+    )
+    g.add_argument(
+        "--sleep-on-idle",
+        dest="idle_spin_ms",
+        action="store_const",
+        const=0.0,
+        help="never poll when idle: --idle-spin-ms 0 (SGLang's flag)",
     )
     g.add_argument(
         "--incremental-streaming-output",

@@ -80,7 +80,8 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
         frozen = gc_watch.freeze()  # start-up's objects out of every later collection
         logger.info("ready; %d objects frozen out of garbage collection", frozen)
         sock.send(encode(Ready(model_info(engine))))
-        EngineLoop(engine, sock, engine_args.shutdown_timeout + SIGTERM_GRACE_S).run()
+        grace_s = engine_args.shutdown_timeout + SIGTERM_GRACE_S
+        EngineLoop(engine, sock, grace_s, engine_args.resolved_idle_spin_s()).run()
     except Exception:
         logger.exception("engine loop crashed")
         code = 1
@@ -127,10 +128,13 @@ class EngineLoop:
         engine: Engine,
         sock: EngineSocket,
         sigterm_grace_s: float = SIGTERM_GRACE_S,
+        idle_spin_s: float = 0.0,
     ):
         self.engine = engine
         self.sigterm_grace_s = sigterm_grace_s
         self.sock = sock
+        self.idle_spin_s = idle_spin_s  # --idle-spin-ms
+        self._worked = False  # the last iteration stepped or read input
         self._stop = False
         # produced between steps (aborts, rejected adds); sent with the next step's outputs
         self._outputs: list[TokenDelta] = []
@@ -145,9 +149,13 @@ class EngineLoop:
 
     def run(self) -> None:
         while not self._stop:
-            if not self.engine.has_work and not self.sock.wait(PARENT_CHECK_INTERVAL_S):
-                self._check_parent()
-                continue
+            if not self.engine.has_work:
+                # polled for idle_spin_s right after work, then asleep in poll
+                spin, self._worked = (self.idle_spin_s if self._worked else 0.0), False
+                if not self.sock.wait(PARENT_CHECK_INTERVAL_S, spin):
+                    self._check_parent()
+                    continue
+            self._worked = True
             self._drain()
             if self._stop:
                 break

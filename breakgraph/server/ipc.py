@@ -157,9 +157,21 @@ class EngineSocket(FramedSocket):
         sock.connect(path)
         return cls(sock)
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether input (or the peer's close) arrived within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+    def wait(self, timeout_s: float, spin_s: float = 0.0) -> bool:
+        """Whether input (or the peer's close) arrived within ``timeout_s``. For the first
+        ``spin_s`` of it the socket is polled without sleeping (``--idle-spin-ms``): input
+        arriving then is read on a core that has not gone idle."""
+        now = time.monotonic()
+        deadline = now + timeout_s
+        spin_until = now + min(spin_s, timeout_s)
+        while now < spin_until:
+            self._poll.modify(self.sock, select.POLLIN | (select.POLLOUT if self._out else 0))
+            ready = self._poll.poll(0)
+            if ready:
+                self.write_some()
+                if any(ev & ~select.POLLOUT for _, ev in ready):
+                    return True
+            now = time.monotonic()
         while True:
             self._poll.modify(self.sock, select.POLLIN | (select.POLLOUT if self._out else 0))
             ready = self._poll.poll(max(deadline - time.monotonic(), 0.0) * 1000)
