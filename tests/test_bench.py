@@ -177,7 +177,10 @@ def test_serving(server, tmp_path):
         # 8 tokens per request, 2 requests: the aggregate rate is output / wall time
         assert r["output_tok_s"] == pytest.approx(16 / r["wall_s"])
         assert r["timeline_p50_ms"]["decode"] > 0  # the server's stages, decode included
-    assert out.count("round 2, concurrency 1: validate ") == 1
+        # the server's decode step: its decode stage over the 7 tokens after the first
+        assert 0 < r["server_decode_step_p50_ms"] < r["e2e_p50_ms"]
+    assert out.count("round 2, concurrency 1: server decode step p50 ") == 1
+    assert len(re.findall(r"server decode step p50 [\d.]+ ms; validate ", out)) == 4
     assert_png(tmp_path / "serving.png")
 
 
