@@ -12,9 +12,9 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from breakgraph.bench import moe as bm
+from breakgraph.bench.decode import profile_calls
 from breakgraph.bench.kernels import bench_ms
 
 
@@ -44,12 +44,7 @@ def synced(fn, calls: int = 30) -> float:
 
 def profiled(fn, calls: int = 20) -> tuple[list[tuple[str, float]], float]:
     """Mean ms of each kernel of one call, and the span of a call (its kernels and gaps)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, calls)
     ks = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,

@@ -156,18 +156,10 @@ async def generate(request: Request) -> Response:
             return tokenizer.decode([tok], skip_special_tokens=False)
 
     if req.stream:
-        if not is_batch:
-            states = stream_generation(s.client, s.tokenizer, gen_reqs[0], s.stream_interval)
-            events = _native_events(
-                _single(states), token_text=text, incremental=s.incremental_streaming_output
-            )
-            return await event_stream(events)
         streams = [stream_generation(s.client, s.tokenizer, r, s.stream_interval) for r in gen_reqs]
+        items = merge_streams(streams) if is_batch else _single(streams[0])
         events = _native_events(
-            merge_streams(streams),
-            batch=True,
-            token_text=text,
-            incremental=s.incremental_streaming_output,
+            items, batch=is_batch, token_text=text, incremental=s.incremental_streaming_output
         )
         return await event_stream(events)
 

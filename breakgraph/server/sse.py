@@ -58,13 +58,12 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
-        ended = False  # set with no await after the stream's end: no cancel after it
 
         async def cancel_on_disconnect() -> bool:
+            # uvicorn also answers a pending receive with a disconnect once the response is
+            # done; the watcher is cancelled first (no await after the stream's end)
             while (await receive())["type"] != "http.disconnect":
                 pass
-            if ended:  # uvicorn answers a pending receive with a disconnect once it is done
-                return False
             streaming.cancel()
             return True
 
@@ -78,7 +77,6 @@ class EventStream(StreamingResponse):
                 raise  # not the client's disconnect (the server is stopping, say)
             streaming.uncancel()  # the client left: the response is over, not this task
         finally:
-            ended = True
             watcher.cancel()
             if complete:  # the body ran to its end: closing it is a formality
                 await self.body_iterator.aclose()
