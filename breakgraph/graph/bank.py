@@ -1,11 +1,12 @@
 """GraphBank: one BreakableGraph per row-count bucket over bank-owned static inputs.
 
 Each static input is one buffer of the largest bucket's size; bucket ``b`` is captured on
-the views ``buf[:b]``. ``run(n, **live)`` copies the live rows into ``buf[:n]``, fills rows
-``n:b`` with the input's pad value, and replays bucket ``b`` (the smallest that fits, if its
-padding stays within ``max_pad_factor``; the smallest bucket takes any smaller ``n``);
-otherwise it returns None and the caller runs eagerly. All buckets share one memory pool,
-captured largest first so smaller buckets reuse its blocks.
+the views ``buf[:b]``. ``run(n, **live)`` copies the live rows into ``buf[:n]`` (one
+multi-tensor copy per dtype), fills rows ``n:b`` with the input's pad value, and replays
+bucket ``b`` (the smallest that fits, if its padding stays within ``max_pad_factor``; the
+smallest bucket takes any smaller ``n``); otherwise it returns None and the caller runs
+eagerly. All buckets share one memory pool, captured largest first so smaller buckets reuse
+its blocks.
 
 Capture runs every bucket once eagerly before capturing any, so lazily sized workspaces and
 JIT-compiled kernels of every shape exist first; it then checks that the captures compiled
@@ -203,14 +204,23 @@ class GraphBank:
         size = self.bucket_for(n)
         if size is None or size not in self.graphs:
             return None
+        copies: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for spec in self.inputs:
-            buf = self.static[spec.name]
-            buf[:n].copy_(live[spec.name], non_blocking=True)
+            buf, src = self.static[spec.name], live[spec.name]
+            dst, srcs = copies.setdefault((buf.dtype, src.dtype, src.device), ([], []))
+            dst.append(buf[:n])
+            srcs.append(src)
             # rows past n hold the pad value except up to the high-water mark of live rows
             dirty = self._dirty_rows[spec.name]
             if dirty > n:
                 buf[n:dirty].fill_(spec.pad_value)
             self._dirty_rows[spec.name] = n
+        # the live rows in one launch per dtype pair (a multi-tensor copy), not one per input
+        for dst, srcs in copies.values():
+            if len(dst) == 1:
+                dst[0].copy_(srcs[0], non_blocking=True)
+            else:
+                torch._foreach_copy_(dst, srcs, non_blocking=True)
         if self.check_addresses:
             self.check_guard()
         return self.graphs[size].replay()
