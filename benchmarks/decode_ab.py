@@ -68,13 +68,20 @@ VARIANTS = {
 
 
 def variant(name: str) -> list:
-    """VARIANTS' entry; ``onepass<N>``: decode attention in one pass (no split, no merge) from
-    N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>]
+    """VARIANTS' entry; ``a+b``: both; ``splits<N>`` / ``bn<N>``: decode attention's
+    split count / keys per iteration fixed at N; ``onepass<N>``: decode attention in one pass (no
+    split, no merge) from N (request, kv head) programs; or for ``gemv<BN>[k<BK>][w<warps>][s<stages>]
     [-<projection>...][@<max M>]`` (gemv8, gemv16k512, gemv4-qkv-o@1, gemv2k512w2@1): those
     projections (default all) on the GEMV kernel with BLOCK_N = BN (BLOCK_K 1024, 4 warps, 2
     stages unless given) up to max M rows (8)."""
+    if "+" in name:  # several switches at once: splits16+bn64
+        return [switch for part in name.split("+") for switch in variant(part)]
     if name in VARIANTS:
         return VARIANTS[name]
+    found = re.fullmatch(r"(splits|bn)(\d+)", name)
+    if found:  # decode attention's split count, or its keys per iteration, fixed
+        attr = "default_num_kv_splits" if found.group(1) == "splits" else "_decode_block_n"
+        return [(decode_attention, attr, lambda *_, v=int(found.group(2)): v)]
     if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs
         return [(decode_attention, "ONE_PASS_PROGRAMS", int(name[len("onepass") :]))]
     spec, _, max_m = name.partition("@")

@@ -176,6 +176,41 @@ def test_graph_bf16_logits_within_noise(small_dir):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
 
 
+def test_long_context_batch_1_replays_its_own_capture(small_dir, monkeypatch):
+    """Batch 1 whose sequence reaches LONG_CONTEXT_MIN_TOKENS replays the long-context
+    capture (decode attention in smaller key blocks over more splits); shorter steps and
+    larger batches the plain bank. bf16 logits within noise of eager (a prefill and one
+    decode step per batch: the decode's input is the prefill's greedy token)."""
+    from breakgraph.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "LONG_CONTEXT_MIN_TOKENS", 300)
+    eager = engine(small_dir, graphs=False, dtype="bfloat16")
+    graph = engine(small_dir, graphs=True, dtype="bfloat16")
+    graphs = graph.runner.decode_graphs
+    replays = {"long": 0, "plain": 0}
+
+    def counted(name, run):
+        def wrapped(*args, **kwargs):
+            replays[name] += 1
+            return run(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(graphs.long_bank, "run", counted("long", graphs.long_bank.run))
+    monkeypatch.setattr(graphs.bank, "run", counted("plain", graphs.bank.run))
+    tap_e, tap_g = LogitsTap(eager), LogitsTap(graph)
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(5, 1000, (n,), generator=g).tolist()  # noqa: E731
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    for prompts in ([rand(500)], [rand(40)], [rand(400), rand(400)]):  # long, short, batch 2
+        graph.generate(prompts, sp)
+        eager.generate(prompts, sp)
+    assert replays == {"long": 1, "plain": 2}, replays
+    assert len(tap_e.steps) == len(tap_g.steps)
+    for a, b in zip(tap_e.steps, tap_g.steps, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
 def forbid_host_syncs_in_steps(eng: Engine) -> None:
     """Make ``schedule`` and ``launch`` raise on any host sync (sync debug mode "error")."""
     sched = eng.scheduler

@@ -25,7 +25,7 @@ from torch import nn
 
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from breakgraph.graph import GraphBank, StaticInput
-from breakgraph.kernels import jit_watch, ops, pdl
+from breakgraph.kernels import decode_attention, jit_watch, ops, pdl
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ class DecodeGraphs(_GraphsBase):
     With a fixed ``penalties`` pool (engine/penalties.py) a second bank captures the same
     forward followed by the pool's ``apply`` on each row's pool row (a static input, padding
     rows on the neutral row 0): steps with penalties, logit_bias or min_new_tokens replay it
-    and get both logits; the others replay the plain bank and pay nothing for it."""
+    and get both logits; the others replay the plain bank and pay nothing for it. Batch 1
+    over a long context replays a third capture, with decode attention's long-context
+    variant (``long_bank``)."""
 
     def __init__(
         self,
@@ -157,6 +159,12 @@ class DecodeGraphs(_GraphsBase):
                 split_at_breaks=False,
                 fn=self._forward_penalized,
             )
+        # batch 1 over a long context: decode attention's long-context variant, captured once
+        # more (kernels/decode_attention.py) and replayed by the step's longest sequence
+        self.long_bank = self._bank(
+            inputs, sizes[:1], pool, check_addresses, name="decode graphs, long context",
+            split_at_breaks=False, capture_context=lambda size: decode_attention.long_context(),
+        )  # fmt: skip
         n = self.bank.max_size
         self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
         self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -198,6 +206,7 @@ class DecodeGraphs(_GraphsBase):
 
     def capture(self) -> None:
         self.bank.capture()
+        self.long_bank.capture()
         if self.penalized_bank is not None:
             self.penalized_bank.capture()
 
@@ -211,7 +220,12 @@ class DecodeGraphs(_GraphsBase):
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        return _replay_rows(self.bank, batch.batch_size, self._live(batch))
+        bank = self.bank
+        if batch.batch_size <= self.long_bank.max_size and (
+            max(batch.seq_lens_cpu) >= decode_attention.LONG_CONTEXT_MIN_TOKENS
+        ):
+            bank = self.long_bank
+        return _replay_rows(bank, batch.batch_size, self._live(batch))
 
     def run_penalized(
         self, batch: ForwardBatch, penalty_rows: torch.Tensor

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -73,6 +75,31 @@ MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
 # context length, where one pass over 8K keys is the slow case. So off by default:
 # BREAKGRAPH_DECODE_ONE_PASS=N opts in (benchmarks/README.md, twelfth session).
 ONE_PASS_PROGRAMS = int(os.environ.get("BREAKGRAPH_DECODE_ONE_PASS", "0"))
+
+
+# A step over a long context at batch 1 runs more, smaller programs: keys in blocks of 64 over
+# 128 splits (the decode graphs capture this variant once more for batch 1 and replay it when
+# the step's longest sequence has LONG_CONTEXT_MIN_TOKENS keys or more: engine/cuda_graphs.py).
+# On an H200 (benchmarks/decode_ab.py --variants base bn64+splits128, 7 interleaved rounds,
+# two runs; benchmarks/README.md, seventeenth session): at 8K context Llama-3.1-8B batch 1
+# 0.969x / 0.969x, Qwen3-0.6B 0.966x / 0.947x; at 1K it lost (1.014-1.022x), at batch 2 and
+# more it gained little or lost (0.99-1.03x).
+LONG_CONTEXT_BLOCK_N = 64
+LONG_CONTEXT_SPLITS = 128
+LONG_CONTEXT_MIN_TOKENS = 4096
+_long_context = False  # set while the long-context variant is captured
+
+
+@contextlib.contextmanager
+def long_context() -> Iterator[None]:
+    """Launches in this scope take the long-context variant (:data:`LONG_CONTEXT_BLOCK_N`,
+    :data:`LONG_CONTEXT_SPLITS`) where it has smaller key blocks than the default."""
+    global _long_context
+    saved, _long_context = _long_context, True
+    try:
+        yield
+    finally:
+        _long_context = saved
 
 
 @functools.cache
@@ -290,16 +317,20 @@ def decode_attention_triton(
 ) -> None:
     """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), the partials
     merged by a second launch (one program per head), or with ``merge_in_split`` in the same
-    launch by each kv head's last split to finish (default: :data:`MERGE_IN_SPLIT`).
+    launch by each kv head's last split to finish (default: :data:`MERGE_IN_SPLIT`). Inside
+    :func:`long_context`, smaller key blocks over more splits (unless ``num_kv_splits``).
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the
     device. ``workspace`` defaults to a module-wide one, so addresses stay stable. Reads
     the meta's key side only (one query row per request).
     """
+    block_n = _decode_block_n(q.shape[-1], q.dtype)
+    if _long_context and block_n > LONG_CONTEXT_BLOCK_N:
+        block_n, num_kv_splits = LONG_CONTEXT_BLOCK_N, num_kv_splits or LONG_CONTEXT_SPLITS
     _launch_decode(
         q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace,
-        block_n=_decode_block_n(q.shape[-1], q.dtype), num_warps=4, num_stages=2,
+        block_n=block_n, num_warps=4, num_stages=2,
         sliding_window=sliding_window,
         merge_in_split=MERGE_IN_SPLIT if merge_in_split is None else merge_in_split,
     )  # fmt: skip
