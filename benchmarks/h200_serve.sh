@@ -182,15 +182,17 @@ many_stage() {  # the host path at high concurrency (issue 14; the fourteenth se
 coldab_stage() {  # cold 256 x1 (issue 14's last goal) on this tree and OLD (default .dev/old),
   # both up at once (started in turn: --mem-fraction-static counts the GPU memory in use),
   # ROUNDS rounds of 10 waves alternating which goes first; then the client's share of the
-  # TTFT on each (aiohttp, httpx and a raw socket); MODEL default llama-3.1-8b
-  local m=${MODEL:-llama-3.1-8b} old=${OLD:-.dev/old} r p
+  # TTFT on each (aiohttp, httpx and a raw socket); MODEL default llama-3.1-8b; OLD=. with
+  # OLD_FLAGS (e.g. "--idle-spin-ms 0") compares one flag on this tree
+  local m=${MODEL:-llama-3.1-8b} old=${OLD:-.dev/old} r p flags
   mkdir -p "$OUT/coldab"  # one tarball at the end: at most 8 files come back from the device
   python3 -m breakgraph.cli bench step --models "$m" -N 256 -P 0 --reps 5 --no-hf --no-compile 2>&1 \
     | grep -E "graphs|floor|eager" | tee -a "$OUT/serve.log"
   for arm in ". 30121 this 0.3" "$old 30122 old 0.62"; do
     set -- $arm
+    flags=$([ "$3" = old ] && echo "${OLD_FLAGS:-}")
     (cd "$1" && python3 -m breakgraph.cli serve --model-path "$m" --load-format dummy --port $2 \
-      --mem-fraction-static $4 --context-length 70000 > "$OUT/server_coldab_$3.log" 2>&1) &
+      --mem-fraction-static $4 --context-length 70000 $flags > "$OUT/server_coldab_$3.log" 2>&1) &
     for _ in $(seq 600); do curl -sf http://127.0.0.1:$2/health >/dev/null && break; sleep 0.5; done
   done
   for r in $(seq ${ROUNDS:-8}); do
