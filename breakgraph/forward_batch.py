@@ -222,25 +222,33 @@ def upload_groups(
     the first): a compilation in traffic for every class the warm-up missed."""
     if pin is None:
         pin = device.type == "cuda"
-    placed, off = [], 0  # (row, dtype, byte offset, length) in upload order
+    # each group a run of rows, each row padded to the boundary: (dtype, start byte, lengths,
+    # [length, padding, length, padding, ...] in elements)
+    layout, off = [], 0
     for rows, dtype in groups:
-        for r in rows:
-            n = len(r)
-            placed.append((r, dtype, off, n))
-            off += -(-n * dtype.itemsize // _ROW_ALIGN_BYTES) * _ROW_ALIGN_BYTES
+        per = _ROW_ALIGN_BYTES // dtype.itemsize  # elements per boundary
+        lengths = [len(r) for r in rows]
+        pieces = []
+        for n in lengths:
+            pieces += (n, -n % per)
+        layout.append((dtype, off, lengths, pieces))
+        off += sum(pieces) * dtype.itemsize
     host = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
     buf = host.numpy()
-    for r, dtype, o, n in placed:
-        if n:
-            view = buf[o : o + n * dtype.itemsize].view(_numpy_dtype(dtype))
-            view[:] = r.numpy() if isinstance(r, torch.Tensor) else r
+    for (rows, _), (dtype, start, lengths, pieces) in zip(groups, layout, strict=True):
+        view = buf[start : start + sum(pieces) * dtype.itemsize].view(_numpy_dtype(dtype))
+        at = 0
+        for r, n, pad in zip(rows, lengths, pieces[1::2], strict=True):
+            if n:
+                view[at : at + n] = r.numpy() if isinstance(r, torch.Tensor) else r
+            at += n + pad
     dev = host.to(device, non_blocking=True)
-    out, at = [], 0
-    for rows, _ in groups:
-        out.append([
-            dev[o : o + n * dtype.itemsize].view(dtype) for _, dtype, o, n in placed[at : at + len(rows)]
-        ])  # fmt: skip
-        at += len(rows)
+    # the device rows: one split per group (its rows and the padding between them)
+    out = []
+    for dtype, start, _, pieces in layout:
+        size = sum(pieces) * dtype.itemsize
+        parts = torch.split_with_sizes(dev[start : start + size].view(dtype), pieces)
+        out.append(list(parts[0::2]))
     return out
 
 
