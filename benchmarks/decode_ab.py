@@ -125,6 +125,9 @@ def kernel_table(fn, reps: int = 10) -> list[tuple[str, float, float]]:
 
 
 def run(args) -> list[dict]:
+    # every variant replays its plain capture, never the long-context one (the variant
+    # bn64+splits128 is that one's kernel): the switches decide what each arm runs
+    decode_attention.LONG_CONTEXT_MIN_TOKENS = 1 << 62
     max_bs = max(args.batch_sizes)
     results = []
     for model in args.models:
