@@ -41,18 +41,6 @@ def sum_rows(y: torch.Tensor, inverse: torch.Tensor, m: int, top_k: int) -> torc
     return out
 
 
-def graph_of(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 def run(m: int) -> None:
     s = bm.expert_shapes("qwen3-30b-a3b")
     layer = bm.Layer(m, s)
@@ -102,7 +90,7 @@ def run(m: int) -> None:
         return sum_rows(y, inv, m, k)
 
     try:
-        g, out = graph_of(chain)
+        g, out = bm.capture(chain)
         ms = bench_ms(g.replay)
         ref = ops.fused_experts(x, gu_w, dn_w, w, ids, "silu")
         err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()

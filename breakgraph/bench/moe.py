@@ -79,6 +79,20 @@ class Layer:
         return sum(hit) / len(hit) * 3 * h * i * 2
 
 
+def capture(fn):
+    """``fn`` run once on a side stream (compiles, allocations, as torch asks), then captured
+    in a CUDA graph: (graph, the captured call's output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graphed(layer: Layer):
     """The layer as a graph step runs it: routing + experts captured once over a static
     logits buffer that each call refills from the cycle, then one replay."""
@@ -88,14 +102,7 @@ def graphed(layer: Layer):
         w, ids = ops.moe_route(static, layer.s["top_k"])
         return ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, layer.s["activation"])
 
-    side = torch.cuda.Stream()  # warm up (compiles, allocations) off the capture, as torch asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph, _ = capture(body)
     turn = itertools.cycle(layer.logits)
 
     def replay() -> None:
