@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
-from breakgraph.forward_batch import ForwardBatch, ForwardMode
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_groups
 
 
 def make_engine(path, **kw) -> Engine:
@@ -480,6 +481,25 @@ def test_a_prompt_the_batch_computes_waits_a_step_and_hits_the_cache():
     cached = [outs[rid][-1].cached_tokens for rid in rids]
     assert cached == [0] * 7 + [19]  # all but its last token from the tree
     assert_all_free(sched)
+
+
+def test_upload_groups_keeps_empty_rows_and_groups_and_every_row_aligned():
+    """Rows of any length (empty too) from lists, arrays and tensors; an empty group; each
+    group's rows in their dtype, equal to their input, each starting on a 16-byte boundary
+    of the one buffer they share."""
+    rows64 = [[5, 6, 7], [], np.arange(4, dtype=np.int32), torch.arange(3)]
+    rows32 = [np.array([9], dtype=np.int64), [], torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)]
+    empty, i64, i32 = upload_groups(
+        [([], torch.int64), (rows64, torch.int64), (rows32, torch.int32)], torch.device("cpu")
+    )
+    assert empty == []
+    assert [t.tolist() for t in i64] == [[5, 6, 7], [], [0, 1, 2, 3], [0, 1, 2]]
+    assert [t.tolist() for t in i32] == [[9], [], [1, 2, 3, 4, 5]]
+    assert {t.dtype for t in i64} == {torch.int64} and {t.dtype for t in i32} == {torch.int32}
+    live = [t for t in i64 + i32 if t.numel()]
+    assert len({t.untyped_storage().data_ptr() for t in live}) == 1
+    base = min(t.data_ptr() for t in live)
+    assert all((t.data_ptr() - base) % 16 == 0 for t in live)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 6])
