@@ -16,29 +16,12 @@ Usage: python benchmarks/decode_split_launch.py [MODEL ...]   (default qwen3-0.6
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 
 from breakgraph.bench.decode import decode_batch, decode_engine
-
-
-def timed(fn, synced_reps: int = 30, b2b_reps: int = 50) -> tuple[float, float]:
-    """(median ms with a sync around each call, mean ms back to back)."""
-    walls = []
-    for _ in range(synced_reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
-    t0 = time.perf_counter()
-    for _ in range(b2b_reps):
-        fn()
-    torch.cuda.synchronize()
-    return statistics.median(walls), (time.perf_counter() - t0) * 1e3 / b2b_reps
+from breakgraph.bench.step import time_ms
 
 
 def split_capture(graphs, layers, k: int):
@@ -69,6 +52,11 @@ def split_capture(graphs, layers, k: int):
         second.replay()
 
     return replay, out
+
+
+def timed(fn) -> tuple[float, float]:
+    """(median ms with a sync around each call, mean ms back to back)."""
+    return time_ms(fn, 30), time_ms(fn, 50, back_to_back=True)
 
 
 def main(models: list[str]) -> None:

@@ -222,34 +222,33 @@ def upload_groups(
     the first): a compilation in traffic for every class the warm-up missed."""
     if pin is None:
         pin = device.type == "cuda"
-    # each group a run of rows, each row padded to the boundary: (dtype, start byte, lengths,
+    # each group a run of rows, each row padded to the boundary: (dtype, start byte, bytes,
     # [length, padding, length, padding, ...] in elements)
     layout, off = [], 0
     for rows, dtype in groups:
         per = _ROW_ALIGN_BYTES // dtype.itemsize  # elements per boundary
-        lengths = [len(r) for r in rows]
         pieces = []
-        for n in lengths:
+        for r in rows:
+            n = len(r)
             pieces += (n, -n % per)
-        layout.append((dtype, off, lengths, pieces))
-        off += sum(pieces) * dtype.itemsize
+        size = sum(pieces) * dtype.itemsize
+        layout.append((dtype, off, size, pieces))
+        off += size
     host = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
     buf = host.numpy()
-    for (rows, _), (dtype, start, lengths, pieces) in zip(groups, layout, strict=True):
-        view = buf[start : start + sum(pieces) * dtype.itemsize].view(_numpy_dtype(dtype))
+    for (rows, _), (dtype, start, size, pieces) in zip(groups, layout, strict=True):
+        view = buf[start : start + size].view(_numpy_dtype(dtype))
         at = 0
-        for r, n, pad in zip(rows, lengths, pieces[1::2], strict=True):
+        for r, n, pad in zip(rows, pieces[0::2], pieces[1::2], strict=True):
             if n:
                 view[at : at + n] = r.numpy() if isinstance(r, torch.Tensor) else r
             at += n + pad
     dev = host.to(device, non_blocking=True)
     # the device rows: one split per group (its rows and the padding between them)
-    out = []
-    for dtype, start, _, pieces in layout:
-        size = sum(pieces) * dtype.itemsize
-        parts = torch.split_with_sizes(dev[start : start + size].view(dtype), pieces)
-        out.append(list(parts[0::2]))
-    return out
+    return [
+        list(torch.split_with_sizes(dev[start : start + size].view(dtype), pieces)[0::2])
+        for dtype, start, size, pieces in layout
+    ]
 
 
 @functools.cache

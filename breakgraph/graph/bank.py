@@ -217,10 +217,7 @@ class GraphBank:
             self._dirty_rows[spec.name] = n
         # the live rows in one launch per dtype pair (a multi-tensor copy), not one per input
         for dst, srcs in copies.values():
-            if len(dst) == 1:
-                dst[0].copy_(srcs[0], non_blocking=True)
-            else:
-                torch._foreach_copy_(dst, srcs, non_blocking=True)
+            torch._foreach_copy_(dst, srcs, non_blocking=True)
         if self.check_addresses:
             self.check_guard()
         return self.graphs[size].replay()

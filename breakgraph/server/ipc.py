@@ -164,21 +164,17 @@ class EngineSocket(FramedSocket):
         now = time.monotonic()
         deadline = now + timeout_s
         spin_until = now + min(spin_s, timeout_s)
-        while now < spin_until:
+        while True:
             self._poll.modify(self.sock, select.POLLIN | (select.POLLOUT if self._out else 0))
-            ready = self._poll.poll(0)
+            # no sleep while spinning, then asleep until the deadline
+            sleep_s = 0.0 if now < spin_until else max(deadline - now, 0.0)
+            ready = self._poll.poll(sleep_s * 1000)
             if ready:
                 self.write_some()
                 if any(ev & ~select.POLLOUT for _, ev in ready):
                     return True
             now = time.monotonic()
-        while True:
-            self._poll.modify(self.sock, select.POLLIN | (select.POLLOUT if self._out else 0))
-            ready = self._poll.poll(max(deadline - time.monotonic(), 0.0) * 1000)
-            self.write_some()
-            if any(ev & ~select.POLLOUT for _, ev in ready):
-                return True
-            if time.monotonic() >= deadline:
+            if now >= deadline:
                 return False
 
 
