@@ -1,5 +1,6 @@
 """Radix prefix cache: matches, ownership on insert, locks, LRU eviction, no slot leak."""
 
+import heapq
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -22,6 +23,34 @@ def _insert_fresh(alloc: SlotAllocator, cache: RadixCache, key: list[int]) -> to
     present = cache.insert(key, slots)
     alloc.free(slots[:present])
     return slots
+
+
+def _nodes(cache: RadixCache) -> list:
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def _lru_victims(cache: RadixCache, n: int) -> set[int]:
+    """The ids of the nodes ``evict(n)`` frees, found the slow way: every unlocked leaf in
+    a heap by (last access, id), a parent joining it once its last child is popped."""
+    left = {id(node): len(node.children) for node in _nodes(cache)}
+    heap = [(x.last_access, x.id, x) for x in _nodes(cache) if not x.children and not x.lock_ref]
+    heapq.heapify(heap)
+    victims, freed = set(), 0
+    while freed < n and heap:
+        _, _, leaf = heapq.heappop(heap)
+        victims.add(leaf.id)
+        freed += len(leaf.key)
+        parent = leaf.parent
+        if parent is not cache.root:
+            left[id(parent)] -= 1
+            if not left[id(parent)] and not parent.lock_ref:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return victims
 
 
 def _contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
@@ -257,7 +286,10 @@ def test_random_operations_match_model_and_never_leak(seed):
 
     def check_evict(n: int) -> None:
         before = dict(model)
+        expected_victims, nodes = _lru_victims(cache, n), _nodes(cache)
         freed = cache.evict(n)
+        # the same nodes as a walk of the whole tree finds (evict pops a heap it keeps)
+        assert {x.id for x in nodes if x.parent is None} == expected_victims
         after = _contents(cache)
         removed = set(before) - set(after)
         assert all(after[p] == before[p] for p in after), "eviction changed surviving slots"

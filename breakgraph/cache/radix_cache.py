@@ -96,6 +96,15 @@ class RadixCache:
         self.root = TreeNode(next(self._ids), _NO_KEY, _EMPTY, None)
         self._evictable_size = 0
         self._protected_size = 0
+        self._num_nodes = 0  # besides the root
+        # eviction candidates, (last_access, id, node), kept as nodes become unlocked leaves
+        # (inserted, unlocked, or left childless by an eviction) so that ``evict`` pops
+        # instead of walking the tree: under a full KV pool every allocation evicts, and a
+        # walk of a large tree costs milliseconds of host time per step. Entries go stale
+        # (the node was touched since, gained a child, got locked or left the tree): ``evict``
+        # re-keys or drops them as it pops, and the heap is rebuilt once stale entries
+        # outnumber the nodes.
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
 
     # ---- sizes ---------------------------------------------------------------------------
 
@@ -178,6 +187,8 @@ class RadixCache:
                 leaf.last_access = now
                 node.children[int(key[i])] = leaf
                 self._evictable_size += len(leaf.key)
+                self._num_nodes += 1
+                self._push_leaf(leaf)
                 values.append(leaf.value)
                 return i, leaf, values
             n = _common_prefix_len(child.key, key, i)
@@ -245,6 +256,7 @@ class RadixCache:
         """
         parent = child.parent
         upper = TreeNode(next(self._ids), child.key[:n], child.value[:n], parent)
+        self._num_nodes += 1
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.children[int(child.key[n])] = child
@@ -276,6 +288,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
+                if not node.children:
+                    self._push_leaf(node)
             node = node.parent
 
     def _check_attached(self, node: TreeNode) -> None:
@@ -292,20 +306,40 @@ class RadixCache:
         """
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+        heap, freed = self._leaf_heap, 0
+        while freed < num_tokens and self._evictable_size > 0:
+            if not heap:  # only if a candidate was missed: find them the slow way
+                self._rebuild_leaf_heap()
+                if not heap:
+                    break
+            at, _, leaf = heapq.heappop(heap)
+            if leaf.parent is None or leaf.children or leaf.lock_ref:
+                continue  # evicted, no longer a leaf, or locked: pushed again if that ends
+            if at != leaf.last_access:  # touched since: its place is further back
+                heapq.heappush(heap, (leaf.last_access, leaf.id, leaf))
+                continue
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self._evictable_size -= len(leaf.key)
+            self._num_nodes -= 1
             parent = leaf.parent
             del parent.children[int(leaf.key[0])]
             leaf.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def _push_leaf(self, node: TreeNode) -> None:
+        """``node`` became an unlocked leaf: an eviction candidate at its access time."""
+        heap = self._leaf_heap
+        heapq.heappush(heap, (node.last_access, node.id, node))
+        if len(heap) > 2 * self._num_nodes + 64:  # mostly stale entries: start afresh
+            self._rebuild_leaf_heap()
+
+    def _rebuild_leaf_heap(self) -> None:
+        heap = self._leaf_heap
+        heap[:] = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
+        heapq.heapify(heap)
 
     def _evictable_leaves(self) -> list[TreeNode]:
         leaves, stack = [], [self.root]
@@ -328,6 +362,8 @@ class RadixCache:
             self.allocator.free(torch.cat([n.value for n in nodes]))
         self.root.children = {}
         self._evictable_size = 0
+        self._num_nodes = 0
+        self._leaf_heap.clear()
         return True
 
     # ---- debugging -----------------------------------------------------------------------
@@ -362,6 +398,18 @@ class RadixCache:
                 f"sizes drifted: evictable {self._evictable_size} (actual {evictable}), "
                 f"protected {self._protected_size} (actual {protected})"
             )
+        if self._num_nodes != len(self._nodes()) - 1:
+            raise RuntimeError(
+                f"node count drifted: {self._num_nodes}, actually {len(self._nodes()) - 1}"
+            )
+        # every unlocked leaf has a heap entry no later than its access time (``evict`` pops
+        # it, or re-keys it, in LRU order)
+        earliest: dict[int, int] = {}
+        for at, node_id, _ in self._leaf_heap:
+            earliest[node_id] = min(at, earliest.get(node_id, at))
+        for leaf in self._evictable_leaves():
+            if earliest.get(leaf.id, leaf.last_access + 1) > leaf.last_access:
+                raise RuntimeError(f"{leaf} is an unlocked leaf without an eviction entry")
 
     def pretty(self, max_tokens: int = 8) -> str:
         """Indented dump: one line per node with its first tokens, length, locks, access time."""
