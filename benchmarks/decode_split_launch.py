@@ -10,7 +10,9 @@ This times, in one process, the engine's one-graph capture against two-graph cap
 before layer K (the same static inputs, filled from a real 1K-context step; replays only, no
 input copies): synced and back to back, and the logits' largest difference. The second
 capture begins in a pre-hook of layer K, in the first one's memory pool.
-Written at the end of the seventeenth session, when no device time was left: not yet run.
+Result (H200, eighteenth session; h200-2026-12-02c/decode/split_launch.log): no gain. Qwen3-0.6B
+synced 0.839 ms one graph, 0.836-0.839 split before layer 1, 3 or 6; Llama-3.1-8B 4.157 against
+4.153-4.156. That host's synced step was only 0.016 ms over back to back: little to take.
 Usage: python benchmarks/decode_split_launch.py [MODEL ...]   (default qwen3-0.6b llama-3.1-8b)
 """
 

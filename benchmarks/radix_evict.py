@@ -2,13 +2,15 @@
 
 Once a server has run a while, the radix tree holds every finished request's KV and the pool
 is full: each new prompt's allocation evicts, and so does a decode step whenever its new
-slots run out. The tree here: one shared 512-token system prompt and N cached 256-token
-conversations under it, the pool exactly full. Each step: a new conversation's 256 slots
-(evicting the least recently used one) and its insert. Timed per step, best of --reps
-rounds of --steps steps: ``RadixCache`` (eviction pops a heap of candidates it keeps) against
-an inline copy of the former eviction (a walk of the whole tree and a heap of every unlocked
-leaf, per call), in the same run.
-Usage: python benchmarks/radix_evict.py [--leaves 1000 4000 16000] [--steps 200] [--reps 5]"""
+slots run out. The tree here: one shared 512-token system prompt and N cached --turn-token
+conversations under it, the pool exactly full. Each step: a new conversation of --new
+tokens after the system prompt (evicting the least recently used turns it needs room for)
+and its insert. Timed per step, best of --reps rounds of --steps steps: ``RadixCache``
+(eviction pops a heap of candidates it keeps, one free for all it evicts) against an inline
+copy of the former eviction (a walk of the whole tree and a heap of every unlocked leaf per
+call, a free per leaf), in the same run.
+Usage: python benchmarks/radix_evict.py [--leaves 1000 4000 16000] [--turn 256] [--new 256 4096]
+       [--steps 100] [--reps 3]"""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from breakgraph.cache import RadixCache, SlotAllocator
 
-SYSTEM, TURN = 512, 256
+SYSTEM = 512
 
 
 class WalkEvict(RadixCache):
@@ -49,20 +51,9 @@ class WalkEvict(RadixCache):
         return freed
 
 
-def full_tree(cls: type[RadixCache], leaves: int, rng: np.random.Generator) -> RadixCache:
-    alloc = SlotAllocator(SYSTEM + leaves * TURN + 1)
-    tree = cls(alloc)
-    system = rng.integers(0, 150_000, SYSTEM, dtype=np.int32)
-    tree.system = system
-    for i in range(leaves):
-        step(tree, conversation(system, i, rng))
-    assert alloc.available == 0
-    return tree
-
-
-def conversation(system: np.ndarray, i: int, rng: np.random.Generator) -> np.ndarray:
-    """The system prompt and the i-th conversation's turn (first id unique: no shared ids)."""
-    turn = rng.integers(0, 150_000, TURN, dtype=np.int32)
+def conversation(system: np.ndarray, i: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The system prompt and the i-th conversation's n ids (its first id unique)."""
+    turn = rng.integers(0, 150_000, n, dtype=np.int32)
     turn[0] = i
     return np.concatenate([system, turn])
 
@@ -79,10 +70,14 @@ def step(tree: RadixCache, key: np.ndarray) -> None:
     tree.unlock(m.node)
 
 
-def per_step_us(cls: type[RadixCache], leaves: int, steps: int, reps: int) -> float:
+def per_step_us(cls, leaves: int, turn: int, new: int, steps: int, reps: int) -> float:
     rng = np.random.default_rng(0)
-    tree = full_tree(cls, leaves, rng)
-    keys = [conversation(tree.system, leaves + i, rng) for i in range(steps * reps)]
+    tree = cls(SlotAllocator(SYSTEM + leaves * turn + 1))
+    system = rng.integers(0, 150_000, SYSTEM, dtype=np.int32)
+    for i in range(leaves):
+        step(tree, conversation(system, i, turn, rng))
+    assert tree.allocator.available == 0
+    keys = [conversation(system, leaves + i, new, rng) for i in range(steps * reps)]
     best = float("inf")
     for r in range(reps):
         t0 = time.perf_counter()
@@ -95,14 +90,20 @@ def per_step_us(cls: type[RadixCache], leaves: int, steps: int, reps: int) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--leaves", type=int, nargs="+", default=[1000, 4000, 16000])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--turn", type=int, default=256, help="ids per cached conversation")
+    ap.add_argument("--new", type=int, nargs="+", default=[256, 4096], help="ids per new one")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    print(f"{'cached turns':>12} {'walk us/step':>13} {'heap us/step':>13} {'walk/heap':>10}")
+    print(
+        f"{'cached':>7} {'new ids':>8} {'walk us/step':>13} {'heap us/step':>13} {'walk/heap':>10}"
+    )
     for n in args.leaves:
-        walk = per_step_us(WalkEvict, n, args.steps, args.reps)
-        heap = per_step_us(RadixCache, n, args.steps, args.reps)
-        print(f"{n:>12} {walk:>13.1f} {heap:>13.1f} {walk / heap:>9.2f}x", flush=True)
+        for new in args.new:
+            steps = max(1, min(args.steps, n * args.turn // new // args.reps))  # within the tree
+            walk = per_step_us(WalkEvict, n, args.turn, new, steps, args.reps)
+            heap = per_step_us(RadixCache, n, args.turn, new, steps, args.reps)
+            print(f"{n:>7} {new:>8} {walk:>13.1f} {heap:>13.1f} {walk / heap:>9.2f}x", flush=True)
 
 
 if __name__ == "__main__":
