@@ -122,6 +122,24 @@ def test_lock_protects_from_eviction():
     assert cache.total_size() == 0 and alloc.available == alloc.capacity
 
 
+def test_a_hot_prefix_keeps_one_eviction_entry():
+    """Requests that match, lock and release the same cached prompt over and over leave its
+    node one entry in the eviction heap (no growth with the traffic), and it is still
+    evicted, least recently used first."""
+    alloc, cache = _cache()
+    _insert_fresh(alloc, cache, [1, 2, 3])
+    _insert_fresh(alloc, cache, [7, 8])
+    for _ in range(1000):
+        m = cache.match_prefix([1, 2, 3])
+        cache.lock(m.node)
+        cache.unlock(m.node)
+    assert len(cache._leaf_heap) == 2
+    cache.check_invariants()
+    assert cache.evict(1) == 2  # [7, 8]: [1, 2, 3] was touched since
+    assert cache.evict(1) == 3 and cache.total_size() == 0
+    cache.check_invariants()
+
+
 def test_lock_survives_split():
     alloc, cache = _cache()
     _insert_fresh(alloc, cache, [1, 2, 3, 4, 5])

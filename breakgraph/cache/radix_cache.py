@@ -49,7 +49,7 @@ def _as_key(key: Sequence[int] | np.ndarray) -> np.ndarray:
 class TreeNode:
     """One edge of the radix tree: a run of tokens (int32 array) and their KV slots."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "in_heap")
 
     def __init__(self, node_id: int, key: np.ndarray, value: torch.Tensor, parent: TreeNode | None):
         self.id = node_id
@@ -59,6 +59,7 @@ class TreeNode:
         self.value = value
         self.lock_ref = 0
         self.last_access = 0
+        self.in_heap = False  # has an entry in the tree's eviction heap
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -96,14 +97,12 @@ class RadixCache:
         self.root = TreeNode(next(self._ids), _NO_KEY, _EMPTY, None)
         self._evictable_size = 0
         self._protected_size = 0
-        self._num_nodes = 0  # besides the root
-        # eviction candidates, (last_access, id, node), kept as nodes become unlocked leaves
-        # (inserted, unlocked, or left childless by an eviction) so that ``evict`` pops
-        # instead of walking the tree: under a full KV pool every allocation evicts, and a
-        # walk of a large tree costs milliseconds of host time per step. Entries go stale
-        # (the node was touched since, gained a child, got locked or left the tree): ``evict``
-        # re-keys or drops them as it pops, and the heap is rebuilt once stale entries
-        # outnumber the nodes.
+        # eviction candidates, (last_access, id, node), at most one per node: a node gets one
+        # when it becomes an unlocked leaf (inserted, unlocked, or left childless by an
+        # eviction) and has none, so that ``evict`` pops instead of walking the tree (under a
+        # full KV pool every allocation evicts, and a walk of a large tree costs milliseconds
+        # of host time). An entry may go stale (its node was touched since, gained a child or
+        # got locked): ``evict`` re-keys it or drops it as it pops it.
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []
 
     # ---- sizes ---------------------------------------------------------------------------
@@ -187,7 +186,6 @@ class RadixCache:
                 leaf.last_access = now
                 node.children[int(key[i])] = leaf
                 self._evictable_size += len(leaf.key)
-                self._num_nodes += 1
                 self._push_leaf(leaf)
                 values.append(leaf.value)
                 return i, leaf, values
@@ -256,7 +254,6 @@ class RadixCache:
         """
         parent = child.parent
         upper = TreeNode(next(self._ids), child.key[:n], child.value[:n], parent)
-        self._num_nodes += 1
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.children[int(child.key[n])] = child
@@ -313,35 +310,38 @@ class RadixCache:
                 if not heap:
                     break
             at, _, leaf = heapq.heappop(heap)
-            if leaf.parent is None or leaf.children or leaf.lock_ref:
-                continue  # evicted, no longer a leaf, or locked: pushed again if that ends
+            if leaf.children or leaf.lock_ref:
+                leaf.in_heap = False  # no longer a candidate: pushed again if that ends
+                continue
             if at != leaf.last_access:  # touched since: its place is further back
                 heapq.heappush(heap, (leaf.last_access, leaf.id, leaf))
                 continue
+            leaf.in_heap = False
             values.append(leaf.value)
             freed += len(leaf.key)
             self._evictable_size -= len(leaf.key)
-            self._num_nodes -= 1
             parent = leaf.parent
             del parent.children[int(leaf.key[0])]
             leaf.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                self._push_leaf(parent)
         if values:  # one free for every leaf: each call costs tens of µs
             self.allocator.free(values[0] if len(values) == 1 else torch.cat(values))
         return freed
 
     def _push_leaf(self, node: TreeNode) -> None:
-        """``node`` became an unlocked leaf: an eviction candidate at its access time."""
-        heap = self._leaf_heap
-        heapq.heappush(heap, (node.last_access, node.id, node))
-        if len(heap) > 2 * self._num_nodes + 64:  # mostly stale entries: start afresh
-            self._rebuild_leaf_heap()
+        """``node`` became an unlocked leaf: an eviction candidate (an entry it already has
+        stays, ``evict`` re-keys it)."""
+        if not node.in_heap:
+            node.in_heap = True
+            heapq.heappush(self._leaf_heap, (node.last_access, node.id, node))
 
     def _rebuild_leaf_heap(self) -> None:
-        heap = self._leaf_heap
-        heap[:] = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
-        heapq.heapify(heap)
+        for _, _, node in self._leaf_heap:
+            node.in_heap = False
+        self._leaf_heap.clear()
+        for node in self._evictable_leaves():
+            self._push_leaf(node)
 
     def _evictable_leaves(self) -> list[TreeNode]:
         leaves, stack = [], [self.root]
@@ -364,7 +364,6 @@ class RadixCache:
             self.allocator.free(torch.cat([n.value for n in nodes]))
         self.root.children = {}
         self._evictable_size = 0
-        self._num_nodes = 0
         self._leaf_heap.clear()
         return True
 
@@ -400,18 +399,22 @@ class RadixCache:
                 f"sizes drifted: evictable {self._evictable_size} (actual {evictable}), "
                 f"protected {self._protected_size} (actual {protected})"
             )
-        if self._num_nodes != len(self._nodes()) - 1:
-            raise RuntimeError(
-                f"node count drifted: {self._num_nodes}, actually {len(self._nodes()) - 1}"
-            )
-        # every unlocked leaf has a heap entry no later than its access time (``evict`` pops
-        # it, or re-keys it, in LRU order)
-        earliest: dict[int, int] = {}
-        for at, node_id, _ in self._leaf_heap:
-            earliest[node_id] = min(at, earliest.get(node_id, at))
-        for leaf in self._evictable_leaves():
-            if earliest.get(leaf.id, leaf.last_access + 1) > leaf.last_access:
-                raise RuntimeError(f"{leaf} is an unlocked leaf without an eviction entry")
+        # the eviction heap: one entry per node that has its flag set, each in the tree and no
+        # later than its node's access time (``evict`` re-keys it), every unlocked leaf among them
+        entries = {node.id: (at, node) for at, _, node in self._leaf_heap}
+        if len(entries) != len(self._leaf_heap):
+            raise RuntimeError("a node has two eviction entries")
+        nodes = self._nodes()
+        for node in nodes:
+            entry = entries.pop(node.id, None)
+            if node.in_heap != (entry is not None):
+                raise RuntimeError(f"{node}'s eviction-entry flag is {node.in_heap}")
+            if entry is not None and entry[0] > node.last_access:
+                raise RuntimeError(f"{node}'s eviction entry is later than its last access")
+            if not node.children and node is not self.root and not node.lock_ref and not entry:
+                raise RuntimeError(f"{node} is an unlocked leaf without an eviction entry")
+        if entries:
+            raise RuntimeError(f"eviction entries of nodes not in the tree: {list(entries)}")
 
     def pretty(self, max_tokens: int = 8) -> str:
         """Indented dump: one line per node with its first tokens, length, locks, access time."""
