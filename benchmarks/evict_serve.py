@@ -5,8 +5,9 @@ the pool is full. This fills each server's pool with distinct --tokens-id prompt
 output token each, --concurrency at once), then sends --requests more one at a time, each
 of which evicts, and prints their TTFT p50 and the server's stages (the eviction runs in
 "schedule"). Several servers: rounds alternate which one goes first. Size the pool with
-``--max-total-tokens`` on the servers (--fill defaults to 1.1x what it holds: /get_server_info).
-Usage: python benchmarks/evict_serve.py URL [URL ...] [--tokens 64] [--requests 25] [--rounds 4]"""
+``--max-total-tokens`` on the servers: the fill sends 1.1x what it holds (/get_server_info).
+Usage: python benchmarks/evict_serve.py URL [URL ...] [--tokens 64] [--requests 25] [--rounds 4]
+(two servers of two trees: `OLD=<tree> bash benchmarks/h200_serve.sh evictab`)"""
 
 from __future__ import annotations
 

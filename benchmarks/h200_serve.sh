@@ -8,7 +8,8 @@
 # concurrency 64-256, this tree and an older one; host: the host path around the forward (issue 14), the server's
 # workloads beside the in-process steps they should approach, in one run (MODEL picks the
 # shape, qwen3-0.6b by default); coldab: cold 256 x1 on this tree and an older one, both up at
-# once, in alternating rounds. Results under ${OUT:-results}.
+# once, in alternating rounds; evictab: TTFT with the prefix cache full, this tree and an older
+# one. Results under ${OUT:-results}.
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
 serve() {  # serve NAME [flags]: start, wait for /health, record startup seconds
@@ -209,6 +210,22 @@ coldab_stage() {  # cold 256 x1 (issue 14's last goal) on this tree and OLD (def
   done
   pkill -TERM -f "port 3012[12]"; sleep 3
   (cd "$OUT" && tar czf coldab.tgz coldab && rm -rf coldab)
+}
+evictab_stage() {  # TTFT with the prefix cache full (every prompt evicts; issue 14) on this
+  # tree and OLD (default .dev/old), both up at once: benchmarks/evict_serve.py, MODEL default
+  # qwen3-0.6b, POOL tokens each (default 262144: about 4,000 cached 64-id prompts)
+  local m=${MODEL:-qwen3-0.6b} old=${OLD:-.dev/old}
+  for arm in ". 30121 this" "$old 30122 old"; do
+    set -- $arm
+    (cd "$1" && python3 -m breakgraph.cli serve --model-path "$m" --load-format dummy --port $2 \
+      --mem-fraction-static 0.3 --max-total-tokens ${POOL:-262144} > "$OUT/server_evictab_$3.log" 2>&1) &
+  done
+  for p in 30121 30122; do
+    for _ in $(seq 600); do curl -sf http://127.0.0.1:$p/health >/dev/null && break; sleep 0.5; done
+  done
+  python3 benchmarks/evict_serve.py http://127.0.0.1:30121 http://127.0.0.1:30122 --tokens 64 \
+    --requests 25 --rounds ${ROUNDS:-4} 2>&1 | tee -a "$OUT/serve.log"
+  pkill -TERM -f "port 3012[12]"; sleep 3
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
