@@ -42,11 +42,8 @@ class WalkEvict(RadixCache):
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
-            self._evictable_size -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[int(leaf.key[0])]
-            leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            parent = self._detach_leaf(leaf)
+            if parent is not None:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 

@@ -319,15 +319,23 @@ class RadixCache:
             leaf.in_heap = False
             values.append(leaf.value)
             freed += len(leaf.key)
-            self._evictable_size -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[int(leaf.key[0])]
-            leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            parent = self._detach_leaf(leaf)
+            if parent is not None:
                 self._push_leaf(parent)
         if values:  # one free for every leaf: each call costs tens of µs
             self.allocator.free(values[0] if len(values) == 1 else torch.cat(values))
         return freed
+
+    def _detach_leaf(self, leaf: TreeNode) -> TreeNode | None:
+        """Take an evicted leaf out of the tree (its slots are the caller's to free); return
+        its parent if that is now an unlocked leaf itself."""
+        self._evictable_size -= len(leaf.key)
+        parent = leaf.parent
+        del parent.children[int(leaf.key[0])]
+        leaf.parent = None
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            return parent
+        return None
 
     def _push_leaf(self, node: TreeNode) -> None:
         """``node`` became an unlocked leaf: an eviction candidate (an entry it already has
