@@ -115,10 +115,12 @@ def test_200_mixed_requests_leave_no_slot(tiny_llama_dir):
             if out is not None:
                 done.add(out.rid)
         done.update(o.rid for o in engine.step() if o.finished)
+        engine.tree.check_invariants()  # sizes, locks and the eviction heap, after every step
         if rng.random() < 0.05 and not engine.has_work:
             assert engine.flush_cache()
     while engine.has_work:
         done.update(o.rid for o in engine.step() if o.finished)
+        engine.tree.check_invariants()
     assert done == set(live)
     assert_no_leak(engine)
 
