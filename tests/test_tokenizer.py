@@ -2,6 +2,7 @@
 chat template rendering, and streaming detokenization."""
 
 import json
+import random
 import unicodedata
 
 import jinja2
@@ -9,6 +10,7 @@ import pytest
 from gguf import GGUFReader
 
 from breakgraph.models.gguf_loader import EmbeddedModelMissing, find_embedded_gguf
+from breakgraph.server.detokenize import TextStream
 from breakgraph.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_level_pre_tokenizer
 
 CHATML_PROMPT = (
@@ -173,6 +175,46 @@ def test_incremental_detokenizer_flushes_a_dangling_byte(tok):
     streamed = "".join(detok.feed([i]) for i in ids)
     assert streamed == "ok"
     assert streamed + detok.flush() == tok.decode(ids)
+
+
+def _shown_by_whole_text_search(detok_text: str, stop: list[str], shown: str) -> str:
+    """TextStream.feed's former body: every stop string searched for in the whole text."""
+    text = detok_text
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    text = text[: len(text) - held]
+    return text if text.startswith(shown) else shown
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_text_stream_shows_what_a_whole_text_search_shows(tok, seed):
+    """A stream searches only the newly decoded text for stop strings; what it shows after
+    every chunk of ids equals a search of the whole text: stop strings late in a long
+    output, spanning chunks, overlapping, with their prefixes (held back) earlier on."""
+    rng = random.Random(seed)
+    words = ["the", " fox", " over", " lazy", " dog", " é", "🤖", "\n", ":", " User"]
+    stop = rng.sample(["\n\nUser:", "fox fox jumps", "🤖 é!", " dog dog dog", "jumps"], 3)
+    pieces = [rng.choice(words) for _ in range(600)]
+    for s in stop:  # a prefix of each, then (for two of them) the whole string, later on
+        pieces.insert(rng.randrange(len(pieces)), s[: rng.randrange(1, len(s))])
+    for s in stop[:2]:
+        pieces.insert(rng.randrange(len(pieces) // 2, len(pieces)), s)
+    ids = tok.encode("".join(pieces))
+    stream, shown, detok, i = TextStream(tok, stop), "", IncrementalDetokenizer(tok), 0
+    while i < len(ids):
+        chunk = ids[i : i + rng.choice([1, 1, 2, 5])]
+        i += len(chunk)
+        detok.feed(chunk)
+        shown = _shown_by_whole_text_search(detok.text, stop, shown)
+        assert stream.feed(chunk) == shown
+    assert len(shown) < len(detok.text)  # a stop string cut it
 
 
 def test_llama3_pre_tokenizer_groups_digits_by_three():

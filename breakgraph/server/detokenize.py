@@ -65,18 +65,32 @@ class TextStream:
         self.no_stop_trim = no_stop_trim
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.text = ""  # what may be shown so far
+        self._searched = 0  # the length of the decoded text already searched for stop strings
+        self._cut: int | None = None  # where the earliest stop string found so far starts
 
     def feed(self, ids: list[int]) -> str:
         """Add generated ids; return the text that may be shown now (cumulative)."""
         self._detok.feed(ids)
         text = self._detok.text
-        for s in self.stop:
-            if s in text:
-                text = text[: text.index(s)]
+        cut = self._stop_at(text)
+        if cut is not None:
+            text = text[:cut]
         text = text[: len(text) - self._held_back(text)]
         if text.startswith(self.text):  # never take back what was shown
             self.text = text
         return self.text
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the earliest stop string in ``text`` starts (None: nowhere). The decoded text
+        only grows, so only matches that end in its new part are searched for: a search of
+        the whole text per token made a long output's stream quadratic in the API process
+        (``benchmarks/text_stream.py``)."""
+        for s in self.stop:
+            i = text.find(s, max(0, self._searched - len(s) + 1))
+            if i >= 0 and (self._cut is None or i < self._cut):
+                self._cut = i
+        self._searched = len(text)
+        return self._cut
 
     def finish(self, output_ids: list[int], finish_reason: dict | None) -> str:
         text = final_text(
