@@ -5,7 +5,7 @@ the earliest stop string, hold back a tail that could start one. The stream now 
 the newly decoded text for stop strings; the former body searched the whole text, every token.
 Per output length, the mean µs per token over a whole output fed one id at a time (the
 embedded SmolLM2 tokenizer, English-like text, two stop strings that never occur), the former
-body inline in the same run.
+search inline in the same run.
 Usage: python benchmarks/text_stream.py [--tokens 4096 16384 32768]"""
 
 from __future__ import annotations
@@ -20,18 +20,11 @@ STOP = ["STOPHERE", "\n\nUser:"]
 
 
 class WholeTextStream(TextStream):
-    """The former ``feed``: every stop string searched for in the whole text."""
+    """The former search: every stop string looked for in the whole text, every token."""
 
-    def feed(self, ids: list[int]) -> str:
-        self._detok.feed(ids)
-        text = self._detok.text
-        for s in self.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        text = text[: len(text) - self._held_back(text)]
-        if text.startswith(self.text):
-            self.text = text
-        return self.text
+    def _stop_at(self, text: str) -> int | None:
+        cuts = [text.index(s) for s in self.stop if s in text]
+        return min(cuts) if cuts else None
 
 
 def us_per_token(cls, tok, ids: list[int]) -> float:

@@ -177,19 +177,14 @@ def test_incremental_detokenizer_flushes_a_dangling_byte(tok):
     assert streamed + detok.flush() == tok.decode(ids)
 
 
-def _shown_by_whole_text_search(detok_text: str, stop: list[str], shown: str) -> str:
-    """TextStream.feed's former body: every stop string searched for in the whole text."""
+def _shown_by_whole_text_search(detok_text: str, stream: TextStream, shown: str) -> str:
+    """What TextStream.feed showed before: every stop string searched for in the whole text
+    (the stream's own hold-back of a stop string's prefix, which did not change)."""
     text = detok_text
-    for s in stop:
+    for s in stream.stop:
         if s in text:
             text = text[: text.index(s)]
-    held = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    text = text[: len(text) - held]
+    text = text[: len(text) - stream._held_back(text)]
     return text if text.startswith(shown) else shown
 
 
@@ -212,7 +207,7 @@ def test_text_stream_shows_what_a_whole_text_search_shows(tok, seed):
         chunk = ids[i : i + rng.choice([1, 1, 2, 5])]
         i += len(chunk)
         detok.feed(chunk)
-        shown = _shown_by_whole_text_search(detok.text, stop, shown)
+        shown = _shown_by_whole_text_search(detok.text, stream, shown)
         assert stream.feed(chunk) == shown
     assert len(shown) < len(detok.text)  # a stop string cut it
 

@@ -221,8 +221,9 @@ class DecodeGraphs(_GraphsBase):
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         bank = self.bank
-        if batch.batch_size <= self.long_bank.max_size and (
-            max(batch.seq_lens_cpu) >= decode_attention.LONG_CONTEXT_MIN_TOKENS
+        if (
+            batch.batch_size <= self.long_bank.max_size
+            and batch.max_seq_len >= decode_attention.LONG_CONTEXT_MIN_TOKENS
         ):
             bank = self.long_bank
         return _replay_rows(bank, batch.batch_size, self._live(batch))
