@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import statistics
 
@@ -50,6 +51,17 @@ def _gemv_table(
     return table
 
 
+def _swept_table(path: str) -> dict:
+    """The table with each shape's batch-1 GEMV config replaced by the best one that
+    ``benchmarks/gemv_sweep.py --json PATH`` measured for it."""
+    with open(path) as f:
+        swept = {(r["n"], r["k"]): skinny_gemm.SkinnyConfig(**r["best"]) for r in json.load(f)}
+    table = dict(skinny_gemm.SKINNY_TABLE)
+    for shape, cfg in swept.items():
+        table[shape] = [(1, cfg)] + [(m, c) for m, c in table.get(shape, ()) if m > 1]
+    return table
+
+
 def _no_gemv_table() -> dict:
     """The table without its GEMV entries (batch 1 back on the tensor-core kernel or cuBLAS)."""
     return {
@@ -64,6 +76,8 @@ VARIANTS = {
     "nopdl": [(pdl, "MODE", "0")],
     "merge": [(decode_attention, "MERGE_IN_SPLIT", True)],
     "nogemv": [(skinny_gemm, "SKINNY_TABLE", "nogemv")],
+    # each shape's batch-1 GEMV config from benchmarks/gemv_sweep.py's JSON ($GEMV_SWEEP)
+    "swept": [(skinny_gemm, "SKINNY_TABLE", "swept")],
 }
 
 
@@ -102,6 +116,8 @@ def switches(name: str, model: str):
         saved.append((module, attr, getattr(module, attr)))
         if value == "nogemv":
             value = _no_gemv_table()
+        elif value == "swept":
+            value = _swept_table(os.environ.get("GEMV_SWEEP", "gemv.json"))
         elif isinstance(value, tuple) and value[0] == "gemv":
             value = _gemv_table(model, *value[1:])
         setattr(module, attr, value)

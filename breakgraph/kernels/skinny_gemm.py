@@ -54,27 +54,109 @@ class SkinnyConfig(NamedTuple):
 # (it never did for qkv / gate_up: each program re-reads the rows). A shape not here stays on
 # cuBLAS; another GPU's table serves without an edit: BREAKGRAPH_SKINNY=PATH (below).
 #
-# M = 1 takes the GEMV kernel (_V, _VG for gate/up, which holds its up rows too), chosen in
-# the decode graph rather than alone: a projection timed alone reads its weight from L2 and
-# has no neighbours, while in the batch-1 graph every kernel's ramp and tail count. Every
-# shape on it at once made the step 0.83-0.87x (Qwen3-0.6B, 1K and 8K context) and 0.95x
-# (Llama-3.1-8B) the table's before it; one shape at a time gained little, and GEMV at 2+ rows
-# lost (``python benchmarks/decode_ab.py --variants base gemv2k2048w2@1 ...``, which
-# regenerates the comparison; benchmarks/README.md, eleventh session).
+# M = 1 takes the GEMV kernel, with each shape's best config of a sweep (BLOCK_N weight rows
+# per program, BLOCK_K, warps, stages: ``_v``) timed as one CUDA graph of launches on
+# distinct weight copies (DRAM reads, one launch after another, as in the decode graph):
+# ``python benchmarks/gemv_sweep.py --models ...`` regenerates them (2026-12-02, one H200;
+# benchmarks/h200-2026-12-02d/gemv/), kept where they beat cuBLAS by >= 3%. Against the one
+# config every shape had before (BLOCK_N 2, BLOCK_K 2048, 2 warps, chosen in the Qwen3-0.6B
+# decode graph), the batch-1 decode graph step took 0.94-0.95x on Qwen3-0.6B and Llama-3.1-8B
+# (1K and 8K context); the families that were on cuBLAS at M = 1 before, 0.90x (Qwen3-8B)
+# and 0.73x (Gemma 4 E2B) (``GEMV_SWEEP=PATH python benchmarks/decode_ab.py --variants base
+# swept``). GEMV at 2+ rows lost (``decode_ab.py --variants base gemv2k2048w2@8``, eleventh
+# session), so M >= 2 keeps the tensor-core kernel's classes or cuBLAS.
 _C = SkinnyConfig
-_V = SkinnyConfig(2, 2048, 1, num_warps=2, num_stages=2, fuse_norm=False, gemv=True)
-_VG = _V._replace(block_k=1024)
+
+
+def _v(block_n: int, block_k: int, num_warps: int, num_stages: int) -> SkinnyConfig:
+    return SkinnyConfig(block_n, block_k, 1, num_warps, num_stages, fuse_norm=False, gemv=True)
+
+
 SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
-    (4096, 1024): [(1, _V), (16, None), (64, _C(32, 128, 1, fuse_norm=False))],  # qwen3-0.6b:qkv
-    (1024, 2048): [(1, _V), (16, _C(32, 128, 4)), (64, None)],  # qwen3-0.6b:o
-    (6144, 1024): [(1, _VG), (64, None)],  # qwen3-0.6b:gate_up
-    (1024, 3072): [(1, _V), (16, _C(32, 128, 8)), (64, _C(32, 128, 4))],  # qwen3-0.6b:down
-    (151936, 1024): [(1, _V), (4, _C(64, 256, 1)), (16, _C(64, 128, 1)), (64, None)],  # lm_head
-    (6144, 4096): [(1, _V), (4, _C(64, 128, 4, fuse_norm=False)), (64, None)],  # llama-3.1-8b:qkv
-    (4096, 4096): [(1, _V), (16, _C(64, 128, 4)), (64, None)],  # llama-3.1-8b:o
-    (28672, 4096): [(1, _VG), (4, _C(64, 256, 1, fuse_norm=False)), (64, None)],  # llama:gate_up
-    (4096, 14336): [(1, _V), (16, _C(32, 128, 4)), (64, _C(64, 256, 2))],  # llama-3.1-8b:down
-    (128256, 4096): [(1, _V), (16, _C(64, 256, 1)), (64, _C(64, 128, 1))],  # llama:lm_head
+    (4096, 1024): [  # qwen3-0.6b:qkv
+        (1, _v(2, 1024, 2, 2)),
+        (16, None),
+        (64, _C(32, 128, 1, fuse_norm=False)),
+    ],
+    (1024, 2048): [(1, _v(2, 2048, 4, 1)), (16, _C(32, 128, 4)), (64, None)],  # qwen3-0.6b:o
+    (6144, 1024): [(1, _v(2, 1024, 2, 3)), (64, None)],  # qwen3-0.6b:gate_up
+    (1024, 3072): [  # qwen3-0.6b:down
+        (1, _v(2, 4096, 8, 1)),
+        (16, _C(32, 128, 8)),
+        (64, _C(32, 128, 4)),
+    ],
+    (151936, 1024): [  # qwen3-0.6b:lm_head
+        (1, _v(2, 512, 1, 3)),
+        (4, _C(64, 256, 1)),
+        (16, _C(64, 128, 1)),
+        (64, None),
+    ],
+    (6144, 4096): [  # llama-3.1-8b:qkv
+        (1, _v(2, 4096, 8, 3)),
+        (4, _C(64, 128, 4, fuse_norm=False)),
+        (64, None),
+    ],
+    (4096, 4096): [(1, _v(1, 4096, 4, 2)), (16, _C(64, 128, 4)), (64, None)],  # llama-3.1-8b:o
+    (28672, 4096): [  # llama-3.1-8b:gate_up
+        (1, _v(2, 2048, 8, 1)),
+        (4, _C(64, 256, 1, fuse_norm=False)),
+        (64, None),
+    ],
+    (4096, 14336): [  # llama-3.1-8b:down
+        (1, _v(2, 2048, 1, 1)),
+        (16, _C(32, 128, 4)),
+        (64, _C(64, 256, 2)),
+    ],
+    (128256, 4096): [  # llama-3.1-8b:lm_head
+        (1, _v(4, 4096, 4, 3)),
+        (16, _C(64, 256, 1)),
+        (64, _C(64, 128, 1)),
+    ],
+    (24576, 4096): [(1, _v(2, 4096, 4, 2))],  # qwen3-8b:gate_up
+    (4096, 12288): [(1, _v(2, 4096, 1, 1))],  # qwen3-8b:down
+    (151936, 4096): [(1, _v(1, 4096, 4, 3))],  # qwen3-8b:lm_head
+    (2560, 1536): [(1, _v(2, 2048, 4, 1))],  # gemma-4-e2b:qkv
+    (1536, 2048): [(1, _v(2, 2048, 4, 3))],  # gemma-4-e2b:o
+    (12288, 1536): [(1, _v(1, 512, 1, 1))],  # gemma-4-e2b:gate_up
+    (1536, 6144): [(1, _v(2, 2048, 4, 2))],  # gemma-4-e2b:down
+    (256, 1536): [(1, _v(2, 2048, 4, 2))],  # gemma-4-e2b:per_layer_input_gate
+    (1536, 256): [(1, _v(2, 512, 1, 1))],  # gemma-4-e2b:per_layer_projection
+    (5120, 1536): [(1, _v(2, 2048, 4, 1))],  # gemma-4-e2b:qkv
+    (1536, 4096): [(1, _v(2, 4096, 8, 3))],  # gemma-4-e2b:o
+    (2048, 1536): [(1, _v(2, 2048, 4, 3))],  # gemma-4-e2b:q
+    (24576, 1536): [(1, _v(1, 512, 1, 1))],  # gemma-4-e2b:gate_up
+    (1536, 12288): [(1, _v(2, 4096, 8, 1))],  # gemma-4-e2b:down
+    (4096, 1536): [(1, _v(2, 2048, 4, 2))],  # gemma-4-e2b:q
+    (8960, 1536): [(1, _v(4, 512, 1, 2))],  # gemma-4-e2b:per_layer_model_projection
+    (262144, 1536): [(1, _v(2, 512, 2, 1))],  # gemma-4-e2b:lm_head
+    (3072, 2560): [(1, _v(2, 4096, 8, 3))],  # gemma-4-e4b:qkv
+    (2560, 2048): [(1, _v(2, 2048, 4, 2))],  # gemma-4-e4b:o
+    (20480, 2560): [(1, _v(1, 512, 1, 1))],  # gemma-4-e4b:gate_up
+    (2560, 10240): [(1, _v(2, 2048, 4, 3))],  # gemma-4-e4b:down
+    (256, 2560): [(1, _v(2, 4096, 8, 1))],  # gemma-4-e4b:per_layer_input_gate
+    (2560, 256): [(1, _v(4, 512, 1, 3))],  # gemma-4-e4b:per_layer_projection
+    (6144, 2560): [(1, _v(2, 512, 1, 1))],  # gemma-4-e4b:qkv
+    (2560, 4096): [(1, _v(2, 2048, 4, 3))],  # gemma-4-e4b:o
+    (2048, 2560): [(1, _v(2, 4096, 4, 1))],  # gemma-4-e4b:q
+    (4096, 2560): [(1, _v(2, 4096, 4, 1))],  # gemma-4-e4b:q
+    (10752, 2560): [(1, _v(4, 512, 1, 1))],  # gemma-4-e4b:per_layer_model_projection
+    (262144, 2560): [(1, _v(1, 1024, 1, 2))],  # gemma-4-e4b:lm_head
+    (5120, 2048): [(1, _v(2, 1024, 1, 2))],  # qwen3-30b-a3b:qkv
+    (2048, 4096): [(1, _v(2, 4096, 2, 1))],  # qwen3-30b-a3b:o
+    (151936, 2048): [(1, _v(2, 1024, 4, 1))],  # qwen3-30b-a3b:lm_head
+    (8192, 2816): [(1, _v(2, 4096, 4, 1))],  # gemma-4-26b-a4b:qkv
+    (2816, 4096): [(1, _v(2, 4096, 8, 3))],  # gemma-4-26b-a4b:o
+    (4224, 2816): [(1, _v(4, 4096, 4, 3))],  # gemma-4-26b-a4b:gate_up
+    (2816, 2112): [(1, _v(8, 4096, 8, 2))],  # gemma-4-26b-a4b:down
+    (128, 2816): [(1, _v(2, 4096, 8, 2))],  # gemma-4-26b-a4b:router
+    (9216, 2816): [(1, _v(2, 4096, 4, 1))],  # gemma-4-26b-a4b:qkv
+    (2816, 8192): [(1, _v(2, 4096, 8, 1))],  # gemma-4-26b-a4b:o
+    (262144, 2816): [(1, _v(1, 1024, 1, 1))],  # gemma-4-26b-a4b:lm_head
+    (960, 576): [(1, _v(2, 1024, 2, 3))],  # smollm2-135m:qkv
+    (576, 576): [(1, _v(2, 1024, 2, 3))],  # smollm2-135m:o
+    (3072, 576): [(1, _v(2, 1024, 2, 2))],  # smollm2-135m:gate_up
+    (576, 1536): [(1, _v(2, 2048, 4, 1))],  # smollm2-135m:down
+    # smollm2-135m:lm_head (49152, 576): cuBLAS at M = 1 (17.71 against 18.81 us)
     # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
     # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS)
     (3072, 4096): [
@@ -85,7 +167,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (4096, 7168): [(1, _C(64, 128, 4)), (16, _C(32, 128, 4)), (64, None)],  # llama/tp2:down
     (64128, 4096): [(4, _C(64, 256, 1)), (16, None), (64, _C(64, 128, 1))],  # llama/tp2:lm_head
 }
-del _C, _V, _VG
+del _C
 
 MAX_M = 64  # the kernel's largest row tile
 GEMV_MAX_M = 8  # the GEMV kernel's: it unrolls over the rows

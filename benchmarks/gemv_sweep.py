@@ -1,0 +1,163 @@
+"""The batch-1 GEMV kernel's configs per projection shape, against the bandwidth floor (#19).
+
+A decode step at batch 1 is its projections' weight reads: Llama-3.1-8B's GEMVs are ~4.1 of
+its ~4.4 ms. The table's GEMV entry is one config for every shape, chosen in the Qwen3-0.6B
+decode graph. Here each shape of the given models runs every config of a sweep (BLOCK_N weight
+rows per program, BLOCK_K, warps, pipeline stages) as one CUDA graph of R launches, each on
+its own copy of the weight (R copies of at least 2x the L2 in all, so every launch reads DRAM
+and follows another launch, as in the decode graph). Prints, per shape, µs per launch and the
+read bandwidth of the table's config, the best config and cuBLAS (``F.linear``; for gate/up
+plus the activation kernel), and each against the device-to-device copy bandwidth (bytes read
+and written per second; the H200's GEMVs read faster than that).
+
+The configs compile first in a pool of processes (one compile per config and activation,
+whatever the shape: N and K are runtime arguments).
+
+    python benchmarks/gemv_sweep.py [--models llama-3.1-8b qwen3-0.6b] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+
+import torch
+import torch.nn.functional as F
+
+from breakgraph.bench.gemm import projection_shapes
+from breakgraph.bench.kernels import copy_bandwidth_bytes_per_ms
+from breakgraph.kernels import ops
+from breakgraph.kernels import skinny_gemm as sg
+
+SWEEP = [
+    sg.SkinnyConfig(bn, bk, 1, warps, stages, fuse_norm=False, gemv=True)
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096),
+                                                   (1, 2, 4, 8), (1, 2, 3))
+]  # fmt: skip
+L2_BYTES = 50 << 20
+MAX_PER_THREAD = 256  # weight elements a thread holds per chunk (more spills, compiles slowly)
+
+
+def fits(cfg: sg.SkinnyConfig, act: str | None) -> bool:
+    rows = cfg.block_n * (2 if act else 1)
+    return rows * cfg.block_k <= MAX_PER_THREAD * 32 * cfg.num_warps
+
+
+def _compile(job: tuple[sg.SkinnyConfig, str | None]) -> str | None:
+    """Compile one config (a launch on small tensors); the error's first line if it fails."""
+    cfg, act = job
+    try:
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+        sg.skinny_gemm_triton(x, w, None, cfg, activation=act)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # a config that does not compile (too many registers, say)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def compile_all(jobs: list, procs: int) -> set:
+    """Compile the jobs in ``procs`` processes (Triton's cache on disk is shared); the jobs
+    that failed."""
+    with mp.get_context("spawn").Pool(procs) as pool:
+        errors = pool.map(_compile, jobs, chunksize=1)
+    return {job for job, err in zip(jobs, errors, strict=True) if err is not None}
+
+
+def launches_us(fns: list, reps: int = 20) -> float:
+    """µs per call of one CUDA graph that runs ``fns`` in turn (median of ``reps`` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # warm-up outside the capture (workspaces, autotuning)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dict:
+    """``copy_bpus``: the device-to-device copy's bytes (read and written) per µs."""
+    act = "silu" if name == "gate_up" else None
+    nbytes = n * k * 2
+    copies = max(4, -(-4 * L2_BYTES // nbytes))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def gemv(cfg):
+        return [lambda w=w: sg.skinny_gemm_triton(x, w, None, cfg, activation=act) for w in ws]
+
+    if act:
+        cublas = [lambda w=w: ops.silu_and_mul(F.linear(x, w)) for w in ws]
+    else:
+        cublas = [lambda w=w: F.linear(x, w) for w in ws]
+    table = sg.table_config(1, n, k)
+    res = {"name": name, "n": n, "k": k, "mb": nbytes / 1e6, "copies": copies}
+    res["cublas_us"] = launches_us(cublas)
+    if table is not None and table.gemv:
+        res["table"], res["table_us"] = table._asdict(), launches_us(gemv(table))
+    timed = []
+    for cfg in SWEEP:
+        if (cfg, act) in failed or not fits(cfg, act):
+            continue
+        timed.append((launches_us(gemv(cfg)), cfg))
+    timed.sort(key=lambda t: t[0])
+    res["best_us"], best = timed[0]
+    res["best"] = best._asdict()
+    res["top5"] = [(us, c._asdict()) for us, c in timed[:5]]
+    line = f"{name:<8} {n:>6}x{k:<6} {nbytes / 1e6:7.1f} MB"
+    for key in ("cublas", "table", "best"):  # µs per launch (read TB/s; the copy's x)
+        us = res.get(f"{key}_us")
+        if us is not None:
+            line += f"  {key} {us:7.2f} us ({nbytes / us / 1e6:4.2f} TB/s, {nbytes / us / copy_bpus:4.2f}x)"
+    print(line, flush=True)
+    c = best
+    print(f"    best: BLOCK_N {c.block_n} BLOCK_K {c.block_k} warps {c.num_warps} "
+          f"stages {c.num_stages}; next: "
+          + ", ".join(f"{u:.2f} ({d['block_n']},{d['block_k']},w{d['num_warps']},s{d['num_stages']})"
+                      for u, d in res["top5"][1:]), flush=True)  # fmt: skip
+    ws.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"])
+    p.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--json")
+    args = p.parse_args()
+    shapes = []
+    for model in args.models:
+        for name, shape in projection_shapes(model):
+            if (name, shape) not in shapes:
+                shapes.append((name, shape))
+    acts = {"silu" if name == "gate_up" else None for name, _ in shapes}
+    jobs = [(cfg, act) for cfg in SWEEP for act in sorted(acts, key=str) if fits(cfg, act)]
+    failed = compile_all(jobs, args.procs)
+    print(f"{len(jobs)} configs compiled, {len(failed)} failed", flush=True)
+    copy_bpus = copy_bandwidth_bytes_per_ms() / 1e3  # what bench decode's floor is over
+    print(f"device copy bandwidth {copy_bpus / 1e6:.2f} TB/s", flush=True)
+    results = [sweep_shape(name, n, k, failed, copy_bpus) for name, (n, k) in shapes]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
