@@ -13,7 +13,7 @@ and written per second; the H200's GEMVs read faster than that).
 The configs compile first in a pool of processes (one compile per config and activation,
 whatever the shape: N and K are runtime arguments).
 
-    python benchmarks/gemv_sweep.py [--models llama-3.1-8b qwen3-0.6b] [--json PATH]
+    python benchmarks/gemv_sweep.py [--models llama-3.1-8b qwen3-0.6b] [--tp 1 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def launches_us(fns: list, reps: int = 20) -> float:
 
 def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dict:
     """``copy_bpus``: the device-to-device copy's bytes (read and written) per µs."""
-    act = "silu" if name == "gate_up" else None
+    act = "silu" if name.startswith("gate_up") else None
     nbytes = n * k * 2
     copies = max(4, -(-4 * L2_BYTES // nbytes))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -109,7 +109,7 @@ def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dic
     table = sg.table_config(1, n, k)
     res = {"name": name, "n": n, "k": k, "mb": nbytes / 1e6, "copies": copies}
     res["cublas_us"] = launches_us(cublas)
-    if table is not None and table.gemv:
+    if table is not None:  # the GEMV kernel's, or the tensor-core kernel's (a TP shape)
         res["table"], res["table_us"] = table._asdict(), launches_us(gemv(table))
     timed = []
     for cfg in SWEEP:
@@ -139,15 +139,21 @@ def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dic
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"])
+    p.add_argument(
+        "--tp", nargs="+", type=int, default=[1],
+        help="the shapes of one rank at each of these tensor-parallel sizes (a rank's "
+        "projection runs alone on its GPU: one GPU measures any size's)",
+    )  # fmt: skip
     p.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--json")
     args = p.parse_args()
     shapes = []
     for model in args.models:
-        for name, shape in projection_shapes(model):
-            if (name, shape) not in shapes:
-                shapes.append((name, shape))
-    acts = {"silu" if name == "gate_up" else None for name, _ in shapes}
+        for tp in args.tp:
+            for name, shape in projection_shapes(model, tp):
+                if shape not in [s for _, s in shapes]:
+                    shapes.append((name if tp == 1 else f"{name}/tp{tp}", shape))
+    acts = {"silu" if name.startswith("gate_up") else None for name, _ in shapes}
     jobs = [(cfg, act) for cfg in SWEEP for act in sorted(acts, key=str) if fits(cfg, act)]
     failed = compile_all(jobs, args.procs)
     print(f"{len(jobs)} configs compiled, {len(failed)} failed", flush=True)

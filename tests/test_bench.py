@@ -406,7 +406,7 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     assert [sg.table_config(m, 4096, 1024) for m in (1, 3, 4, 5, 16, 17, 64, 65)] == [
         a, a, a, b, b, None, None, None,
     ]  # fmt: skip
-    assert sg.table_config(1, 4096, 2048) is None  # a shape never measured
+    assert sg.table_config(1, 4096, 4096 + 8) is None  # a shape never measured
     assert all(1024 // c.split_k >= c.block_k for c in gemm.configs_for(1024))
     # the sweep keeps the table's GEMV entries (batch 1, chosen inside the decode graph)
     v = sg.SkinnyConfig(2, 2048, 1, 2, 2, fuse_norm=False, gemv=True)
@@ -419,7 +419,8 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
 
 def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     """Every single-GPU shape of every built-in model takes the GEMV kernel at one row (no
-    norm prologue: the tensor-core kernel's only) and not at two; the one exception is
+    norm prologue: the tensor-core kernel's only) and not at two, and so does one rank's
+    every shape of the tensor-parallel models at 2, 4 and 8 ranks; the one exception is
     SmolLM2's LM head, where cuBLAS measured faster (benchmarks/gemv_sweep.py)."""
     from breakgraph.bench import gemm
     from breakgraph.kernels import skinny_gemm as sg
@@ -436,6 +437,12 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
                 continue
             assert one is not None and one.gemv and not one.fuse_norm, (model, name)
             assert two is None or not two.gemv, (model, name)
+    # one rank's shapes of the tensor-parallel models (#17, #18), swept on one H200 too
+    for model in ("llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b"):
+        for tp in (2, 4, 8):
+            for name, (n, k) in gemm.projection_shapes(model, tp):
+                one = sg.table_config(1, n, k)
+                assert one is not None and one.gemv, (model, tp, name)
 
 
 def test_skinny_table_file_round_trips(tmp_path):

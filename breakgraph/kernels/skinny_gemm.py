@@ -158,14 +158,53 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (576, 1536): [(1, _v(2, 2048, 4, 1))],  # smollm2-135m:down
     # smollm2-135m:lm_head (49152, 576): cuBLAS at M = 1 (17.71 against 18.81 us)
     # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
-    # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS)
+    # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS);
+    # M = 1 on the GEMV kernel since (below)
     (3072, 4096): [
+        (1, _v(1, 4096, 4, 3)),  # 10.46 -> 8.41 us
         (4, _C(64, 128, 8, fuse_norm=False)),
         (16, _C(32, 128, 4, fuse_norm=False)),
         (64, None),
     ],  # llama-3.1-8b/tp2:qkv (9.35 -> 6.68 us at M=1)
-    (4096, 7168): [(1, _C(64, 128, 4)), (16, _C(32, 128, 4)), (64, None)],  # llama/tp2:down
-    (64128, 4096): [(4, _C(64, 256, 1)), (16, None), (64, _C(64, 128, 1))],  # llama/tp2:lm_head
+    (4096, 7168): [  # llama/tp2:down
+        (1, _v(1, 1024, 1, 2)),  # 18.46 -> 16.68 us
+        (16, _C(32, 128, 4)),
+        (64, None),
+    ],
+    (64128, 4096): [  # llama/tp2:lm_head
+        (1, _v(1, 4096, 4, 2)),  # 122.65 -> 117.83 us
+        (4, _C(64, 256, 1)),
+        (16, None),
+        (64, _C(64, 128, 1)),
+    ],
+    # one rank's batch-1 projections at TP 2, 4 and 8 (a rank's projection runs alone on its
+    # GPU, so one H200 measures any size's): `python benchmarks/gemv_sweep.py --models
+    # llama-3.1-8b qwen3-30b-a3b qwen3-8b --tp 2 4 8` (2026-12-02, one H200; 1.1-2.7x
+    # faster than cuBLAS; the shapes above and the single-GPU ones keep their entries)
+    (4096, 2048): [(1, _v(2, 1024, 2, 3))],  # llama-3.1-8b/tp2:o
+    (14336, 4096): [(1, _v(4, 1024, 1, 2))],  # llama-3.1-8b/tp2:gate_up
+    (7168, 4096): [(1, _v(1, 1024, 1, 1))],  # llama-3.1-8b/tp4:gate_up
+    (4096, 3584): [(1, _v(1, 4096, 4, 2))],  # llama-3.1-8b/tp4:down
+    (32064, 4096): [(1, _v(1, 4096, 4, 1))],  # llama-3.1-8b/tp4:lm_head
+    (768, 4096): [(1, _v(2, 4096, 8, 1))],  # llama-3.1-8b/tp8:qkv
+    (4096, 512): [(1, _v(4, 512, 1, 2))],  # llama-3.1-8b/tp8:o
+    (3584, 4096): [(1, _v(4, 4096, 4, 1))],  # llama-3.1-8b/tp8:gate_up
+    (4096, 1792): [(1, _v(2, 2048, 4, 3))],  # llama-3.1-8b/tp8:down
+    (16032, 4096): [(1, _v(1, 4096, 4, 3))],  # llama-3.1-8b/tp8:lm_head
+    (2048, 2048): [(1, _v(2, 2048, 4, 2))],  # qwen3-30b-a3b/tp2:o
+    (75968, 2048): [(1, _v(1, 1024, 1, 3))],  # qwen3-30b-a3b/tp2:lm_head
+    (1280, 2048): [(1, _v(2, 2048, 4, 3))],  # qwen3-30b-a3b/tp4:qkv
+    (2048, 1024): [(1, _v(2, 1024, 2, 2))],  # qwen3-30b-a3b/tp4:o
+    (37984, 2048): [(1, _v(2, 2048, 4, 1))],  # qwen3-30b-a3b/tp4:lm_head
+    (768, 2048): [(1, _v(2, 2048, 4, 1))],  # qwen3-30b-a3b/tp8:qkv
+    (2048, 512): [(1, _v(2, 512, 1, 1))],  # qwen3-30b-a3b/tp8:o
+    (18992, 2048): [(1, _v(1, 2048, 2, 2))],  # qwen3-30b-a3b/tp8:lm_head
+    (12288, 4096): [(1, _v(2, 2048, 8, 2))],  # qwen3-8b/tp2:gate_up
+    (4096, 6144): [(1, _v(1, 1024, 1, 2))],  # qwen3-8b/tp2:down
+    (75968, 4096): [(1, _v(2, 4096, 8, 3))],  # qwen3-8b/tp2:lm_head
+    (4096, 3072): [(1, _v(2, 1024, 2, 1))],  # qwen3-8b/tp4:down
+    (37984, 4096): [(1, _v(1, 4096, 4, 3))],  # qwen3-8b/tp4:lm_head
+    (18992, 4096): [(1, _v(2, 4096, 8, 1))],  # qwen3-8b/tp8:lm_head
 }
 del _C
 
