@@ -420,13 +420,15 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
 def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     """Every single-GPU shape of every built-in model takes the GEMV kernel at one row (no
     norm prologue: the tensor-core kernel's only) and not at two, and so does one rank's
-    every shape of the tensor-parallel models at 2, 4 and 8 ranks; the one exception is
-    SmolLM2's LM head, where cuBLAS measured faster (benchmarks/gemv_sweep.py)."""
+    every shape of the tensor-parallel models at 2, 4 and 8 ranks; the exceptions are named
+    (benchmarks/gemv_sweep.py measures them)."""
     from breakgraph.bench import gemm
     from breakgraph.kernels import skinny_gemm as sg
     from breakgraph.models.sources import CONFIG_DIR
 
-    cublas = {("smollm2-135m", "lm_head")}
+    # SmolLM2's LM head: cuBLAS measured faster; Qwen3-MoE's router: not yet measured (it
+    # went through ops.linear only after the sweep), so on cuBLAS
+    cublas = {("smollm2-135m", "lm_head"), ("qwen3-30b-a3b", "router")}
     models = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if p.stem != "qwen3-moe-tiny")
     assert "gemma-4-26b-a4b" in models and "qwen3-8b" in models
     for model in models:
@@ -442,6 +444,9 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
         for tp in (2, 4, 8):
             for name, (n, k) in gemm.projection_shapes(model, tp):
                 one = sg.table_config(1, n, k)
+                if (model, name) in cublas:
+                    assert one is None
+                    continue
                 assert one is not None and one.gemv, (model, tp, name)
 
 
@@ -518,7 +523,9 @@ def test_decode_host_bench_runs_and_plain_tokens_pack_smaller():
 
 def test_api_cost_bench_runs(tmp_path):
     """``benchmarks/api_cost.py`` starts a server on a tiny dummy model, streams closed-loop
-    requests and reads the API process's CPU time per token from /proc."""
+    requests and reads the API process's CPU time per token from /proc. /proc counts clock
+    ticks (10 ms): 1,024 output tokens keep the API's CPU time many ticks long (64 read 0
+    ticks now and then)."""
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "benchmarks"))
     try:
@@ -528,7 +535,7 @@ def test_api_cost_bench_runs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = subprocess.run(
         [sys.executable, "benchmarks/api_cost.py", "--model-path", str(tmp_path),
-         "--concurrency", "4", "--requests", "8", "--output-len", "8", "--rounds", "1"],
+         "--concurrency", "4", "--requests", "32", "--output-len", "32", "--rounds", "1"],
         capture_output=True, text=True, timeout=300, cwd=root,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]

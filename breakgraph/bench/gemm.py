@@ -57,6 +57,7 @@ def projection_shapes(model: str, tp: int = 1) -> list[tuple[str, tuple[int, int
     )
     from breakgraph.models.config import ModelConfig
     from breakgraph.models.loader import build_model
+    from breakgraph.models.qwen3_moe import Qwen3MoeTopKRouter
 
     config = ModelConfig.from_file(CONFIG_DIR / f"{model}.json")
     meta = torch.device("meta")
@@ -64,12 +65,14 @@ def projection_shapes(model: str, tp: int = 1) -> list[tuple[str, tuple[int, int
     kinds = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, ReplicatedLinear)
     out: list[tuple[str, tuple[int, int]]] = []
     for path, module in built.named_modules():
-        if not isinstance(module, (*kinds, ParallelLMHead)):
+        if not isinstance(module, (*kinds, ParallelLMHead, Qwen3MoeTopKRouter)):
             continue
         parts = path.split(".")
         name = parts[-1].removesuffix("_proj") or parts[-2]
         if parts[-1] == "proj":  # a module's only projection: named by its module
             name = parts[-2]
+        if isinstance(module, Qwen3MoeTopKRouter):  # HF's router keeps its weight itself
+            name = "router"
         entry = (name, tuple(module.weight.shape))
         if entry not in out:
             out.append(entry)

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from breakgraph.kernels import ops
 from breakgraph.layers.moe import ExpertWeights, FusedMoE
@@ -51,7 +50,7 @@ class Qwen3MoeTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights float32 [T, K], expert ids [T, K])."""
-        logits = F.linear(x, self.weight)
+        logits = ops.linear(x, self.weight)  # the GEMV kernel where the table measured it
         return ops.moe_route(logits, self.top_k, "softmax", self.norm_topk_prob)
 
 
