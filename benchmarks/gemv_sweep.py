@@ -1,14 +1,14 @@
-"""The batch-1 GEMV kernel's configs per projection shape, against the bandwidth floor (#19).
+"""The batch-1 GEMV kernel's configs per projection shape, against cuBLAS (#19).
 
 A decode step at batch 1 is its projections' weight reads: Llama-3.1-8B's GEMVs are ~4.1 of
-its ~4.4 ms. The table's GEMV entry is one config for every shape, chosen in the Qwen3-0.6B
+its ~4.4 ms. The table's GEMV entries had one config for every shape, chosen in the Qwen3-0.6B
 decode graph. Here each shape of the given models runs every config of a sweep (BLOCK_N weight
 rows per program, BLOCK_K, warps, pipeline stages) as one CUDA graph of R launches, each on
-its own copy of the weight (R copies of at least 2x the L2 in all, so every launch reads DRAM
+its own copy of the weight (R copies of at least 4x the L2 in all, so every launch reads DRAM
 and follows another launch, as in the decode graph). Prints, per shape, µs per launch and the
 read bandwidth of the table's config, the best config and cuBLAS (``F.linear``; for gate/up
-plus the activation kernel), and each against the device-to-device copy bandwidth (bytes read
-and written per second; the H200's GEMVs read faster than that).
+plus the SiLU kernel; Gemma's GELU epilogue runs the same config), and each bandwidth against
+the device-to-device copy's (bytes read and written per second; the best GEMVs read faster).
 
 The configs compile first in a pool of processes (one compile per config and activation,
 whatever the shape: N and K are runtime arguments).
@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from breakgraph.bench.gemm import projection_shapes
+from breakgraph.bench.gemm import projection_shapes, replay_us
 from breakgraph.bench.kernels import copy_bandwidth_bytes_per_ms
 from breakgraph.kernels import ops
 from breakgraph.kernels import skinny_gemm as sg
@@ -67,30 +67,6 @@ def compile_all(jobs: list, procs: int) -> set:
     return {job for job, err in zip(jobs, errors, strict=True) if err is not None}
 
 
-def launches_us(fns: list, reps: int = 20) -> float:
-    """µs per call of one CUDA graph that runs ``fns`` in turn (median of ``reps`` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # warm-up outside the capture (workspaces, autotuning)
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
-
-
 def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dict:
     """``copy_bpus``: the device-to-device copy's bytes (read and written) per µs."""
     act = "silu" if name.startswith("gate_up") else None
@@ -108,14 +84,14 @@ def sweep_shape(name: str, n: int, k: int, failed: set, copy_bpus: float) -> dic
         cublas = [lambda w=w: F.linear(x, w) for w in ws]
     table = sg.table_config(1, n, k)
     res = {"name": name, "n": n, "k": k, "mb": nbytes / 1e6, "copies": copies}
-    res["cublas_us"] = launches_us(cublas)
+    res["cublas_us"] = replay_us(cublas)
     if table is not None:  # the GEMV kernel's, or the tensor-core kernel's (a TP shape)
-        res["table"], res["table_us"] = table._asdict(), launches_us(gemv(table))
+        res["table"], res["table_us"] = table._asdict(), replay_us(gemv(table))
     timed = []
     for cfg in SWEEP:
         if (cfg, act) in failed or not fits(cfg, act):
             continue
-        timed.append((launches_us(gemv(cfg)), cfg))
+        timed.append((replay_us(gemv(cfg)), cfg))
     timed.sort(key=lambda t: t[0])
     res["best_us"], best = timed[0]
     res["best"] = best._asdict()

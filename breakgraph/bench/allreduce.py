@@ -21,29 +21,13 @@ import os
 
 import torch
 
+from breakgraph.bench.gemm import replay_us
 
-def _time_us(fn, ops: int, reps: int = 20) -> float:
-    """µs per op: ``ops`` calls of ``fn`` captured in one CUDA graph, median of ``reps``. Not
-    bench.gemm's ``graph_us`` (Triton's do_bench_cudagraph): it sizes its repetitions from
-    each rank's own estimate, and collectives must be issued alike on every rank."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture (lazy inits)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / ops)
-    return sorted(times)[len(times) // 2]
+
+def _time_us(fn, ops: int) -> float:
+    """µs per op: ``ops`` calls of ``fn`` captured in one CUDA graph (bench.gemm's
+    ``replay_us``: a fixed number of replays, issued alike on every rank)."""
+    return replay_us([fn] * ops)
 
 
 def _rank(rank: int, size: int, port: int, args) -> None:

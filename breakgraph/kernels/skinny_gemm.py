@@ -58,7 +58,8 @@ class SkinnyConfig(NamedTuple):
 # per program, BLOCK_K, warps, stages: ``_v``) timed as one CUDA graph of launches on
 # distinct weight copies (DRAM reads, one launch after another, as in the decode graph):
 # ``python benchmarks/gemv_sweep.py --models ...`` regenerates them (2026-12-02, one H200;
-# benchmarks/h200-2026-12-02d/gemv/), kept where they beat cuBLAS by >= 3%. Against the one
+# benchmarks/h200-2026-12-02d/gemv/; gate/up timed with its SiLU epilogue, Gemma's GELU runs
+# the same config), kept where they beat cuBLAS by >= 3%. Against the one
 # config every shape had before (BLOCK_N 2, BLOCK_K 2048, 2 warps, chosen in the Qwen3-0.6B
 # decode graph), the batch-1 decode graph step took 0.94-0.95x on Qwen3-0.6B and Llama-3.1-8B
 # (1K and 8K context); the families that were on cuBLAS at M = 1 before, 0.90x (Qwen3-8B)
