@@ -1,8 +1,8 @@
 """The fused MoE's launch variants under Triton's interpreter on CPU tensors, against the
 torch twin (float32): each of the config table's flags (fused activation, sorted
 intermediate rows, TMA descriptors for the weight tiles and the sorted rows, the down GEMM's
-rows sorted, persistent programs looping over the tiles), and a weight TMA cannot tile (not contiguous:
-loaded through pointers). Run as ``TRITON_INTERPRET=1 python -m
+rows sorted, persistent programs looping over the tiles), a weight TMA cannot tile (not contiguous:
+loaded through pointers), and the GEMV path of a few tokens. Run as ``TRITON_INTERPRET=1 python -m
 tests.interpret_moe`` (started so by ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -47,6 +47,36 @@ def main() -> int:
                   f"max diff {diff:.1e}")  # fmt: skip
     finally:
         fm.moe_config = table
+    return failed + gemv(x, gate_up, down, w, ids, ref)
+
+
+def gemv(x, gate_up, down, w, ids, ref) -> int:
+    """The GEMV path of a few tokens (two launches, no alignment): each activation, the
+    default config and one with ragged tiles, and the dispatch of
+    ``fused_experts_triton`` under ``GEMV_MAX_TOKENS``."""
+    failed = 0
+    # gate/up's columns and down's K ragged against the intermediate size (48), down's
+    # columns past the hidden size (64)
+    ragged = fm.MoEGemvConfig(gate_up=(32, 32, 4), down=(128, 32, 2))
+    for m in (1, 3):
+        for act in fm.ACTIVATIONS:
+            want = fm.fused_experts_torch(x[:m], gate_up, down, w[:m], ids[:m], act)
+            for cfg in (None, ragged):
+                got = fm.fused_experts_gemv_triton(x[:m], gate_up, down, w[:m], ids[:m], act, cfg)
+                diff = (got - want).abs().max().item()
+                ok = got.shape == want.shape and diff <= 1e-4
+                failed += not ok
+                print(
+                    f"{'ok' if ok else 'FAIL'} moe gemv m={m} {act} cfg={cfg}: max diff {diff:.1e}"
+                )
+    saved, fm.GEMV_MAX_TOKENS = fm.GEMV_MAX_TOKENS, 4
+    try:
+        diff = (fm.fused_experts_triton(x[:4], gate_up, down, w[:4], ids[:4]) - ref[:4]).abs().max()
+        ok = diff.item() <= 1e-4
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} moe gemv dispatch: max diff {diff.item():.1e}")
+    finally:
+        fm.GEMV_MAX_TOKENS = saved
     return failed
 
 

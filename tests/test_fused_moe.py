@@ -235,6 +235,23 @@ def test_fused_experts_no_tokens():
     assert fm.fused_experts_triton(x, gate_up, down, w, ids).shape == (0, hidden)
 
 
+@kernel_test
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", fm.ACTIVATIONS)
+def test_gemv_experts_of_a_few_tokens_match_twin(m, dtype, activation, monkeypatch):
+    """The GEMV path (two launches, no alignment) on Qwen3-30B-A3B's expert shapes, through
+    ``fused_experts_triton``'s dispatch (``GEMV_MAX_TOKENS``); and a skewed step, every
+    token to the same experts."""
+    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
+    hidden, inter = _dims(2048, 768)
+    x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
+    assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8), activation)
+    ids = torch.arange(8, dtype=torch.int32, device=DEVICE).repeat(m, 1)
+    w = torch.softmax(torch.randn(m, 8, device=DEVICE), -1)
+    assert_experts_close(x, gate_up, down, w, ids, activation)
+
+
 # ----------------------------------------------------------------------------- capture (GPU only)
 
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -263,6 +280,29 @@ def test_moe_replays_in_a_cuda_graph_with_new_routing():
     for new_logits in (torch.randn_like(logits) * 2, skewed):
         static_x.copy_(torch.randn_like(x))
         static_logits.copy_(new_logits)
+        graph.replay()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+@kernel_test
+@gpu_only
+def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(monkeypatch):
+    """The GEMV path captured at 4 tokens replays other routings as eager runs compute them."""
+    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
+    x, gate_up, down, logits = make_experts(4, 128, 2048, 768, torch.bfloat16)
+    static_x, static_logits = x.clone(), logits.clone()
+
+    def step():
+        return ops.fused_experts(static_x, gate_up, down, *ops.moe_route(static_logits, 8))
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        static_x.copy_(torch.randn_like(x))
+        static_logits.copy_(torch.randn_like(logits) * 2)
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
 

@@ -1,6 +1,6 @@
 """MoE layer benchmark: the fused Triton MoE against references measured in the same run.
 
-    python -m breakgraph.bench.moe [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 8192] [--sweep] [--breakdown]
+    python -m breakgraph.bench.moe [--model qwen3-30b-a3b] [--tokens 1 8 64 256 1024 8192] [--sweep] [--breakdown] [--gemv 8]
 
 Per token count M, one MoE layer of the model's expert shapes (bf16, routing from random
 logits: about uniform over the experts): routing + experts (what ``ops`` runs) against
@@ -239,6 +239,31 @@ def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> d
     return out
 
 
+def gemv_against_grouped(layer: Layer, max_tokens: int, floor: float) -> None:
+    """The layer's graph replay on the GEMV path and on the grouped one, interleaved in
+    three rounds (medians), and the GEMV path's error against the twin."""
+    saved = fm.GEMV_MAX_TOKENS
+    try:
+        fm.GEMV_MAX_TOKENS = 0
+        grouped = graphed(layer)
+        fm.GEMV_MAX_TOKENS = max_tokens
+        gemv = graphed(layer)
+        s = layer.s
+        w, ids = ops.moe_route(layer.logits[0], s["top_k"])
+        got = ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
+    finally:
+        fm.GEMV_MAX_TOKENS = saved
+    twin = fm.fused_experts_torch(layer.x, layer.gate_up, layer.down, w, ids, s["activation"])
+    rel = ((got.float() - twin.float()).abs().max() / twin.float().abs().max()).item()
+    times = {"grouped": [], "gemv": []}
+    for _ in range(3):
+        times["grouped"].append(bench_ms(grouped))
+        times["gemv"].append(bench_ms(gemv))
+    g, v = (sorted(t)[1] for t in times.values())
+    print(f"  gemv path: graph {v:.3f} ms against grouped {g:.3f} ({v / g:.2f}x), "
+          f"{v / floor:.2f}x the floor  {rel:.1e}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b")
@@ -254,6 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="also time each kernel of the layer (profiler)"
+    )
+    parser.add_argument(
+        "--gemv",
+        type=int,
+        default=0,
+        metavar="N",
+        help="steps of up to N tokens: the GEMV path (fused_moe.GEMV_MAX_TOKENS) against the "
+        "grouped one, both replayed from graphs, same run",
     )
     parser.add_argument(
         "--set",
@@ -290,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         floor = layer.touched_bytes() / bw
         print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
               f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip
+        if m <= args.gemv:
+            gemv_against_grouped(layer, args.gemv, floor)
         if args.breakdown:
             breakdown(layer)
         if args.sweep:

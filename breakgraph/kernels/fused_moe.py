@@ -22,11 +22,15 @@ total (a device scalar) exit at once. No host sync, no ``.item()``: capturable i
 
 A row's result does not depend on which rows share its block, so the atomics' order
 (which rows land where within an expert) changes nothing in the output.
+
+Steps of up to ``GEMV_MAX_TOKENS`` tokens (``BREAKGRAPH_MOE_GEMV``; 0, off, until measured)
+take :func:`fused_experts_gemv_triton` instead: two launches, no alignment.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -418,6 +422,19 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @_jit()
+def _gated(acc, acc_up, dtype, GELU: tl.constexpr):
+    """act(gate) * up from the fp32 sums, rounded where the twin rounds: gate, up,
+    act(gate), the product (the last by the caller's store)."""
+    g = acc.to(dtype).to(tl.float32)
+    if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    return act.to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+
+
+@_jit()
 def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows, n_out,
     k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
@@ -483,14 +500,8 @@ def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, 
             b_ptrs += BLOCK_K * stride_bk
 
     dtype = c.dtype.element_ty
-    if GATED:  # round where the twin rounds: gate, up, act(gate), the product
-        g = acc.to(dtype).to(tl.float32)
-        if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
-            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
-        else:
-            act = g / (1.0 + tl.exp(-g))
-        out = act.to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if GATED:
+        out = _gated(acc, acc_up, dtype, GELU)
     else:
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
@@ -634,6 +645,149 @@ def _launch_gemm(
     )
 
 
+# ---------------------------------------------------------------------------- Triton: GEMV path
+#
+# A decode step of a few tokens gives each of its M * K (token, expert) rows a weight matrix
+# of its own: the grouped GEMM pads each row to a BLOCK_M tile on the tensor cores behind an
+# alignment (count, place) and a top-k sum, five launches for a few rows (at M = 1 on an H200,
+# qwen3-30b-a3b's shapes: 0.051-0.053 ms against the 0.018 ms its experts' bytes take to
+# read). Here two launches and no alignment: gate/up as one GEMV per (row, column block) on
+# the CUDA cores, then down as one per (token, column block) that sums the token's K rows in
+# fp32 itself (each rounded, scaled by its weight and rounded again, as the grouped path's
+# down GEMM stores it). Off by default until measured on a GPU: BREAKGRAPH_MOE_GEMV=N sends
+# steps of up to N tokens here.
+GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "0"))
+
+
+class MoEGemvConfig(NamedTuple):
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV and of the down GEMV."""
+
+    gate_up: tuple[int, int, int] = (4, 512, 4)
+    down: tuple[int, int, int] = (4, 256, 4)
+
+
+GEMV_CONFIG = MoEGemvConfig()  # not yet swept
+
+
+@_jit()
+def _moe_gemv_gate_up_kernel(
+    x,
+    w,
+    h,
+    topk_ids,
+    inter,
+    hidden,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GELU: tl.constexpr,
+):
+    """h[row] = act(x[token] G^T) * (x[token] U^T) for row = token * TOP_K + k over its
+    expert's gate rows G and up rows U: BLOCK_N columns per program, fp32 sums."""
+    row = tl.program_id(0)
+    token = row // TOP_K
+    expert = tl.load(topk_ids + row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_rows = w + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + inter * stride_wn
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < hidden
+        xk = tl.load(x + token * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(g * xk[None, :], 1)
+        acc_up += tl.sum(u * xk[None, :], 1)
+    out = _gated(acc, acc_up, h.dtype.element_ty, GELU)
+    tl.store(h + row * stride_hm + offs_n, out.to(h.dtype.element_ty), mask=n_ok)
+
+
+@_jit()
+def _moe_gemv_down_kernel(
+    h,
+    w,
+    topk_weights,
+    topk_ids,
+    out,
+    hidden,
+    inter,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token] = the sum over its K rows of weight * (h[row] D^T) over the row's expert's
+    down rows D: BLOCK_N columns per program."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = out.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = token * TOP_K + k
+        expert = tl.load(topk_ids + row).to(tl.int64)
+        rows = w + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + offs_k
+            k_ok = ks < inter
+            hk = tl.load(h + row * stride_hm + ks, mask=k_ok, other=0.0).to(tl.float32)
+            d = tl.load(rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(d.to(tl.float32) * hk[None, :], 1)
+        y = acc.to(dtype).to(tl.float32) * tl.load(topk_weights + row)
+        total += y.to(dtype).to(tl.float32)
+    tl.store(out + token * stride_om + offs_n, total.to(dtype), mask=n_ok)
+
+
+def fused_experts_gemv_triton(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    cfg: MoEGemvConfig | None = None,
+) -> torch.Tensor:
+    """The experts of a few tokens in two launches (module note above); the inputs as
+    :func:`fused_experts_triton` takes them (x contiguous, the weights' rows unit-strided)."""
+    cfg = cfg or GEMV_CONFIG
+    m, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up.stride(2) == 1 and down.stride(2) == 1
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.float().contiguous()
+    h = torch.empty((m * top_k, inter), dtype=x.dtype, device=x.device)
+    bn, bk, warps = cfg.gate_up
+    _moe_gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn))](
+        x, gate_up, h, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        h.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden)),
+        GELU=activation == "gelu_tanh", num_warps=warps,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    bn, bk, warps = cfg.down
+    _moe_gemv_down_kernel[(m, triton.cdiv(hidden, bn))](
+        h, down, weights, ids, out, hidden, inter, h.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(inter)),
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------- Triton: reduction
 
 
@@ -681,6 +835,8 @@ def fused_experts_triton(
     top_k = topk_ids.shape[1]
     assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
     x = x.contiguous()  # before out: the sum kernel writes rows of contiguous hidden
+    if 0 < m <= GEMV_MAX_TOKENS and gate_up.stride(2) == 1 and down.stride(2) == 1:
+        return fused_experts_gemv_triton(x, gate_up, down, topk_weights, topk_ids, activation)
     out = torch.empty_like(x)
     if m == 0:
         return out
