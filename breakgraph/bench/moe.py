@@ -239,6 +239,29 @@ def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> d
     return out
 
 
+GEMV_CANDIDATES = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8)))
+
+
+def gemv_sweep(layer: Layer, max_tokens: int) -> fm.MoEGemvConfig:
+    """The GEMV path's (BLOCK_N, BLOCK_K, warps), gate/up first (down at its default), then
+    down (gate/up at its best), each timed as a graph replay; the best config."""
+    saved_cfg, saved_max = fm.GEMV_CONFIG, fm.GEMV_MAX_TOKENS
+    fm.GEMV_MAX_TOKENS = max_tokens
+    best = saved_cfg
+    try:
+        for field in ("gate_up", "down"):
+            timed = []
+            for cand in GEMV_CANDIDATES:
+                fm.GEMV_CONFIG = best._replace(**{field: cand})
+                timed.append((bench_ms(graphed(layer)), cand))
+            ms, cand = min(timed)
+            best = best._replace(**{field: cand})
+            print(f"  gemv {field}: best {cand} {ms:.4f} ms", flush=True)
+    finally:
+        fm.GEMV_CONFIG, fm.GEMV_MAX_TOKENS = saved_cfg, saved_max
+    return best
+
+
 def gemv_against_grouped(layer: Layer, max_tokens: int, floor: float) -> None:
     """The layer's graph replay on the GEMV path and on the grouped one, interleaved in
     three rounds (medians), and the GEMV path's error against the twin."""
@@ -289,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         "grouped one, both replayed from graphs, same run",
     )
     parser.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="with --gemv: first search the GEMV path's block sizes at each such M",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -324,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
               f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip
         if m <= args.gemv:
+            if args.gemv_sweep:
+                fm.GEMV_CONFIG = gemv_sweep(layer, args.gemv)
+                print(f"  gemv config for M = {m}: {fm.GEMV_CONFIG}")
             gemv_against_grouped(layer, args.gemv, floor)
         if args.breakdown:
             breakdown(layer)
