@@ -761,9 +761,10 @@ def fused_experts_gemv_triton(
     activation: str = "silu",
     cfg: MoEGemvConfig | None = None,
 ) -> torch.Tensor:
-    """The experts of a few tokens in two launches (module note above); the inputs as
-    :func:`fused_experts_triton` takes them (x contiguous, the weights' rows unit-strided)."""
+    """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
+    as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
     cfg = cfg or GEMV_CONFIG
+    x = x.contiguous()
     m, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
