@@ -422,9 +422,10 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @_jit()
-def _gated(acc, acc_up, dtype, GELU: tl.constexpr):
-    """act(gate) * up from the fp32 sums, rounded where the twin rounds: gate, up,
-    act(gate), the product (the last by the caller's store)."""
+def _gated(acc, acc_up, c, GELU: tl.constexpr):
+    """act(gate) * up from the fp32 sums, rounded to ``c``'s element type where the twin
+    rounds: gate, up, act(gate), the product (the last by the caller's store)."""
+    dtype = c.dtype.element_ty
     g = acc.to(dtype).to(tl.float32)
     if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
@@ -501,7 +502,7 @@ def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, 
 
     dtype = c.dtype.element_ty
     if GATED:
-        out = _gated(acc, acc_up, dtype, GELU)
+        out = _gated(acc, acc_up, c, GELU)
     else:
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
@@ -707,7 +708,7 @@ def _moe_gemv_gate_up_kernel(
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(g * xk[None, :], 1)
         acc_up += tl.sum(u * xk[None, :], 1)
-    out = _gated(acc, acc_up, h.dtype.element_ty, GELU)
+    out = _gated(acc, acc_up, h, GELU)
     tl.store(h + row * stride_hm + offs_n, out.to(h.dtype.element_ty), mask=n_ok)
 
 
