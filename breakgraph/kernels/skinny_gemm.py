@@ -207,7 +207,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (37984, 4096): [(1, _v(1, 4096, 4, 3))],  # qwen3-8b/tp4:lm_head
     (18992, 4096): [(1, _v(2, 4096, 8, 1))],  # qwen3-8b/tp8:lm_head
 }
-del _C
+del _C, _v
 
 MAX_M = 64  # the kernel's largest row tile
 GEMV_MAX_M = 8  # the GEMV kernel's: it unrolls over the rows
