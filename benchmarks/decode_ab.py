@@ -26,7 +26,7 @@ import torch
 from breakgraph.bench.decode import decode_batch, decode_engine, profile_calls
 from breakgraph.bench.step import time_ms
 from breakgraph.engine.cuda_graphs import DecodeGraphs
-from breakgraph.kernels import decode_attention, pdl, skinny_gemm
+from breakgraph.kernels import decode_attention, fused_moe, pdl, skinny_gemm
 
 
 def _gemv_table(
@@ -96,6 +96,13 @@ def variant(name: str) -> list:
     if found:  # decode attention's split count, or its keys per iteration, fixed
         attr = "default_num_kv_splits" if found.group(1) == "splits" else "_decode_block_n"
         return [(decode_attention, attr, lambda *_, v=int(found.group(2)): v)]
+    if name.startswith("moegemv"):  # moegemv<N>: MoE steps of up to N tokens on the GEMV path
+        gemv = [(fused_moe, "GEMV_MAX_TOKENS", int(name[len("moegemv") :]))]
+        if os.environ.get("MOE_GEMV_SWEEP"):  # bench.moe --gemv-json's config at the least M
+            with open(os.environ["MOE_GEMV_SWEEP"]) as f:
+                cfg = {k: tuple(v) for k, v in json.load(f)["rows"][0]["config"].items()}
+            gemv.append((fused_moe, "GEMV_CONFIG", fused_moe.MoEGemvConfig(**cfg)))
+        return gemv
     if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs
         return [(decode_attention, "ONE_PASS_PROGRAMS", int(name[len("onepass") :]))]
     spec, _, max_m = name.partition("@")
@@ -205,7 +212,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument(
         "--variants", nargs="+", default=["base", "merge"],
-        help=f"{', '.join(VARIANTS)}, onepass<N>, gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>]",
+        help=f"{', '.join(VARIANTS)}, onepass<N>, gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>], moegemv<N>",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)

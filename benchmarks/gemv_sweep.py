@@ -13,7 +13,7 @@ the device-to-device copy's (bytes read and written per second; the best GEMVs r
 The configs compile first in a pool of processes (one compile per config and activation,
 whatever the shape: N and K are runtime arguments).
 
-    python benchmarks/gemv_sweep.py [--models llama-3.1-8b qwen3-0.6b] [--tp 1 2] [--json PATH]
+    python benchmarks/gemv_sweep.py [--models llama-3.1-8b qwen3-0.6b] [--tp 1 2] [--only router] [--json PATH]
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ def main() -> None:
         help="the shapes of one rank at each of these tensor-parallel sizes (a rank's "
         "projection runs alone on its GPU: one GPU measures any size's)",
     )  # fmt: skip
+    p.add_argument(
+        "--only", nargs="+", metavar="NAME", help="only these projections (router, lm_head, ...)"
+    )
     p.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--json")
     args = p.parse_args()
@@ -127,6 +130,8 @@ def main() -> None:
     for model in args.models:
         for tp in args.tp:
             for name, shape in projection_shapes(model, tp):
+                if args.only and name not in args.only:
+                    continue
                 if shape not in [s for _, s in shapes]:
                     shapes.append((name if tp == 1 else f"{name}/tp{tp}", shape))
     acts = {"silu" if name.startswith("gate_up") else None for name, _ in shapes}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import torch
 
@@ -262,9 +263,9 @@ def gemv_sweep(layer: Layer, max_tokens: int) -> fm.MoEGemvConfig:
     return best
 
 
-def gemv_against_grouped(layer: Layer, max_tokens: int, floor: float) -> None:
+def gemv_against_grouped(layer: Layer, max_tokens: int, floor: float) -> tuple[float, float]:
     """The layer's graph replay on the GEMV path and on the grouped one, interleaved in
-    three rounds (medians), and the GEMV path's error against the twin."""
+    three rounds (medians), and the GEMV path's error against the twin; (GEMV ms, grouped ms)."""
     saved = fm.GEMV_MAX_TOKENS
     try:
         fm.GEMV_MAX_TOKENS = 0
@@ -285,6 +286,7 @@ def gemv_against_grouped(layer: Layer, max_tokens: int, floor: float) -> None:
     g, v = (sorted(t)[1] for t in times.values())
     print(f"  gemv path: graph {v:.3f} ms against grouped {g:.3f} ({v / g:.2f}x), "
           f"{v / floor:.2f}x the floor  {rel:.1e}", flush=True)  # fmt: skip
+    return v, g
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,6 +319,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --gemv: first search the GEMV path's block sizes at each such M",
     )
     parser.add_argument(
+        "--gemv-json",
+        metavar="PATH",
+        help="with --gemv: write each such M's config and times (decode_ab's moegemv<N> "
+        "variant reads it from $MOE_GEMV_SWEEP)",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "M      moe ms  graph ms   dense ms  graph/dense  floor ms  graph/floor  |moe - twin|/|twin|"
     )
-    rows = []
+    rows, gemv_rows = [], []
     for m in args.tokens:
         layer = Layer(m, s)
         w, ids = ops.moe_route(layer.logits[0], s["top_k"])
@@ -355,7 +363,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.gemv_sweep:
                 fm.GEMV_CONFIG = gemv_sweep(layer, args.gemv)
                 print(f"  gemv config for M = {m}: {fm.GEMV_CONFIG}")
-            gemv_against_grouped(layer, args.gemv, floor)
+            v, g = gemv_against_grouped(layer, args.gemv, floor)
+            gemv_rows.append(dict(m=m, gemv_ms=v, grouped_ms=g, floor_ms=floor,
+                                  config=fm.GEMV_CONFIG._asdict()))  # fmt: skip
         if args.breakdown:
             breakdown(layer)
         if args.sweep:
@@ -363,6 +373,9 @@ def main(argv: list[str] | None = None) -> None:
             mean_rows = m * s["top_k"] / s["experts"]
             rows.append((mean_rows, cfg, ms, moe))
             print(f"  best {cfg}: {ms:.3f} ms (default {moe:.3f})", flush=True)
+    if args.gemv_json:
+        with open(args.gemv_json, "w") as f:
+            json.dump(dict(model=args.model, rows=gemv_rows), f, indent=1)
     if rows:
         print("\n# fused_moe._CONFIGS candidates (mean rows per expert, config; ms vs default):")
         for mean_rows, cfg, ms, moe in rows:
