@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The MoE GEMV path of a few tokens on one H200 (issue 13): per model, the MoE layer alone at
-# M = 1..16 with the path's block sizes searched at each M (bench.moe --gemv --gemv-sweep,
-# against the grouped path and the floor, same process), then the decode step at batch 1..8
-# on the grouped path against the GEMV path with the config found at M = 1 (decode_ab.py,
+# M = 1..16 on the GEMV path against the grouped one and the floor, same process (bench.moe
+# --gemv; SWEEP=1 first searches the path's block sizes at each M and the decode A/B takes
+# the config found at the least M, else fused_moe.GEMV_TABLE's), then the decode step at
+# batch 1..8 on the grouped path against the GEMV path up to 1..16 tokens (decode_ab.py,
 # moegemv<N>). ROUTER=1 also sweeps Qwen3-MoE's router shape (gemv_sweep.py --only router).
 # Results under ${OUT:-results}.
-#   OUT=$OUT [MODELS="qwen3-30b-a3b gemma-4-26b-a4b"] bash benchmarks/h200_moe_gemv.sh
+#   OUT=$OUT [MODELS="qwen3-30b-a3b gemma-4-26b-a4b"] [SWEEP=1] [VARIANTS="base moegemv4"] \
+#     bash benchmarks/h200_moe_gemv.sh
 source "$(dirname "$0")/device_env.sh"
 for model in ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b}; do
   timeout ${LAYER_S:-150} python3 -m breakgraph.bench.moe --model "$model" \
-    --tokens ${TOKENS:-1 2 4 8 16} --gemv ${GEMV:-16} --gemv-sweep \
+    --tokens ${TOKENS:-1 2 4 8 16} --gemv ${GEMV:-16} ${SWEEP:+--gemv-sweep} \
     --gemv-json "$OUT/moe_gemv_$model.json" 2>&1 | tee "$OUT/moe_gemv_$model.log"
 done
 if [ -n "${ROUTER:-}" ]; then
@@ -17,9 +19,10 @@ if [ -n "${ROUTER:-}" ]; then
     --json "$OUT/router.json" 2>&1 | tee "$OUT/router.log"
 fi
 for model in ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b}; do
-  MOE_GEMV_SWEEP="$OUT/moe_gemv_$model.json" timeout ${AB_S:-200} python3 benchmarks/decode_ab.py \
-    --models "$model" --batch-sizes ${BATCH:-1 4 8} --context 1024 \
-    --variants base moegemv${GEMV:-16} --rounds 7 2>&1 | grep -v -e Capturing -e "it/s" \
+  MOE_GEMV_SWEEP=${SWEEP:+$OUT/moe_gemv_$model.json} timeout ${AB_S:-200} python3 benchmarks/decode_ab.py \
+    --models "$model" --batch-sizes ${BATCH:-1 2 4 8} --context 1024 \
+    --variants ${VARIANTS:-base moegemv${GEMV:-16}} --rounds 7 2>&1 | tr '\r' '\n' \
+    | grep -v -e Capturing -e "it/s" \
     | tee "$OUT/ab_$model.log"
 done
 true

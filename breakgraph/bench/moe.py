@@ -244,11 +244,11 @@ GEMV_CANDIDATES = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8))
 
 
 def gemv_sweep(layer: Layer, max_tokens: int) -> fm.MoEGemvConfig:
-    """The GEMV path's (BLOCK_N, BLOCK_K, warps), gate/up first (down at its default), then
+    """The GEMV path's (BLOCK_N, BLOCK_K, warps), gate/up first (down at the table's), then
     down (gate/up at its best), each timed as a graph replay; the best config."""
     saved_cfg, saved_max = fm.GEMV_CONFIG, fm.GEMV_MAX_TOKENS
     fm.GEMV_MAX_TOKENS = max_tokens
-    best = saved_cfg
+    best = fm.gemv_config(layer.m)
     try:
         for field in ("gate_up", "down"):
             timed = []
@@ -360,12 +360,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{m:<6} {moe:7.3f} {graph:9.3f} {dense:10.3f} {graph / dense:11.2f}x "
               f"{floor:9.3f} {graph / floor:11.2f}x  {rel:.1e}", flush=True)  # fmt: skip
         if m <= args.gemv:
-            if args.gemv_sweep:
+            if args.gemv_sweep:  # this M's search starts from the table's config
                 fm.GEMV_CONFIG = gemv_sweep(layer, args.gemv)
-                print(f"  gemv config for M = {m}: {fm.GEMV_CONFIG}")
+            print(f"  gemv config for M = {m}: {fm.gemv_config(m)}")
             v, g = gemv_against_grouped(layer, args.gemv, floor)
             gemv_rows.append(dict(m=m, gemv_ms=v, grouped_ms=g, floor_ms=floor,
-                                  config=fm.GEMV_CONFIG._asdict()))  # fmt: skip
+                                  config=fm.gemv_config(m)._asdict()))  # fmt: skip
+            fm.GEMV_CONFIG = None
         if args.breakdown:
             breakdown(layer)
         if args.sweep:

@@ -663,11 +663,26 @@ GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "0"))
 class MoEGemvConfig(NamedTuple):
     """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV and of the down GEMV."""
 
-    gate_up: tuple[int, int, int] = (4, 512, 4)
-    down: tuple[int, int, int] = (4, 256, 4)
+    gate_up: tuple[int, int, int] = (4, 1024, 2)
+    down: tuple[int, int, int] = (8, 1024, 2)
 
 
-GEMV_CONFIG = MoEGemvConfig()  # not yet swept
+# (up to M tokens, config): the best of bench.moe's search at M = 1, 2, 4, 8 on an H200 for
+# qwen3-30b-a3b and gemma-4-26b-a4b (their bests agree within noise; benchmarks/README.md):
+#   python -m breakgraph.bench.moe --model MODEL --tokens 1 2 4 8 --gemv 8 --gemv-sweep
+GEMV_TABLE: tuple[tuple[int, MoEGemvConfig], ...] = (
+    (1, MoEGemvConfig(down=(4, 1024, 4))),
+    (4, MoEGemvConfig()),
+    (8, MoEGemvConfig(down=(8, 512, 2))),
+)
+GEMV_CONFIG: MoEGemvConfig | None = None  # one config at every M (the benches' searches)
+
+
+def gemv_config(m: int) -> MoEGemvConfig:
+    """The GEMV path's config for a step of ``m`` tokens."""
+    if GEMV_CONFIG is not None:
+        return GEMV_CONFIG
+    return next((cfg for bound, cfg in GEMV_TABLE if m <= bound), GEMV_TABLE[-1][1])
 
 
 @_jit()
@@ -764,9 +779,9 @@ def fused_experts_gemv_triton(
 ) -> torch.Tensor:
     """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
     as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
-    cfg = cfg or GEMV_CONFIG
     x = x.contiguous()
     m, hidden = x.shape
+    cfg = cfg or gemv_config(m)
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]

@@ -145,6 +145,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (5120, 2048): [(1, _v(2, 1024, 1, 2))],  # qwen3-30b-a3b:qkv
     (2048, 4096): [(1, _v(2, 4096, 2, 1))],  # qwen3-30b-a3b:o
     (151936, 2048): [(1, _v(2, 1024, 4, 1))],  # qwen3-30b-a3b:lm_head
+    (128, 2048): [(1, _v(2, 2048, 4, 3))],  # qwen3-30b-a3b:router (cuBLAS 5.31 -> 2.08 us)
     (8192, 2816): [(1, _v(2, 4096, 4, 1))],  # gemma-4-26b-a4b:qkv
     (2816, 4096): [(1, _v(2, 4096, 8, 3))],  # gemma-4-26b-a4b:o
     (4224, 2816): [(1, _v(4, 4096, 4, 3))],  # gemma-4-26b-a4b:gate_up
