@@ -34,6 +34,13 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _grouped_path(monkeypatch):
+    """The grouped path at every M (steps of 1-2 tokens take the GEMV path by default); the
+    GEMV tests turn theirs on themselves."""
+    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 0)
+
+
 def _dims(hidden: int, inter: int) -> tuple[int, int]:
     """Expert shapes; narrowed under the interpreter (one program at a time, in numpy)."""
     return (min(hidden, 128), min(inter, 96)) if INTERPRET else (hidden, inter)
