@@ -316,6 +316,35 @@ def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(monkeypatch):
 
 @kernel_test
 @gpu_only
+def test_gemv_experts_under_pdl_equal_plain_launches(monkeypatch):
+    """The route and GEMV kernels launched dependent on their predecessors (kernels/pdl.py),
+    captured in a graph as a small decode graph captures them: bitwise the plain output."""
+    from breakgraph.kernels import pdl
+
+    if not pdl._capable(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs compute capability 9+")
+    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
+    x, gate_up, down, logits = make_experts(2, 128, 2048, 768, torch.bfloat16)
+
+    def step():
+        return ops.fused_experts(x, gate_up, down, *ops.moe_route(logits, 8))
+
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setattr(pdl, "MODE", mode)
+        assert bool(pdl.launch(x.device)) == (mode == "1")
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        graph.replay()
+        outs[mode] = out.clone()
+    torch.testing.assert_close(outs["1"], outs["0"], atol=0, rtol=0)
+
+
+@kernel_test
+@gpu_only
 def test_moe_step_never_syncs_the_host():
     x, gate_up, down, logits = make_experts(300, 128, 512, 256, torch.bfloat16)
     ops.fused_experts(x, gate_up, down, *ops.moe_route(logits, 8))  # compile first

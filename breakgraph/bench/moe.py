@@ -240,7 +240,7 @@ def parse_flag_overrides(items: list[str], parser: argparse.ArgumentParser) -> d
     return out
 
 
-GEMV_CANDIDATES = list(itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8)))
+GEMV_CANDIDATES = list(itertools.product((2, 4, 8), (256, 512, 1024, 2048), (2, 4, 8)))
 
 
 def gemv_sweep(layer: Layer, max_tokens: int) -> fm.MoEGemvConfig:

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from breakgraph.kernels import pdl
 from breakgraph.kernels.extend_attention import _num_sms
 from breakgraph.kernels.fused import silu_and_mul_triton
 
@@ -207,7 +208,9 @@ def _moe_route_kernel(
     SIGMOID: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -283,6 +286,7 @@ def moe_route_triton(
         RENORMALIZE=renormalize,
         HAS_SCALE=expert_scale is not None,
         num_warps=4 if block_e <= 256 else 8,
+        **pdl.launch(router_logits.device),
     )
     return weights, ids
 
@@ -702,10 +706,14 @@ def _moe_gemv_gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
     GELU: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """h[row] = act(x[token] G^T) * (x[token] U^T) for row = token * TOP_K + k over its
-    expert's gate rows G and up rows U: BLOCK_N columns per program, fp32 sums."""
+    expert's gate rows G and up rows U: BLOCK_N columns per program, fp32 sums; the K chunks
+    unrolled (straight-line code: every chunk's loads may be in flight at once)."""
+    pdl.enter(PDL)
     row = tl.program_id(0)
     token = row // TOP_K
     expert = tl.load(topk_ids + row).to(tl.int64)
@@ -716,8 +724,8 @@ def _moe_gemv_gate_up_kernel(
     up_rows = gate_rows + inter * stride_wn
     acc = tl.zeros((BLOCK_N,), tl.float32)
     acc_up = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + offs_k
+    for c in tl.static_range(K_CHUNKS):
+        ks = c * BLOCK_K + offs_k
         k_ok = ks < hidden
         xk = tl.load(x + token * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
@@ -745,9 +753,12 @@ def _moe_gemv_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """out[token] = the sum over its K rows of weight * (h[row] D^T) over the row's expert's
-    down rows D: BLOCK_N columns per program."""
+    down rows D: BLOCK_N columns per program; the rows and K chunks unrolled."""
+    pdl.enter(PDL)
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -759,8 +770,8 @@ def _moe_gemv_down_kernel(
         expert = tl.load(topk_ids + row).to(tl.int64)
         rows = w + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N,), tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + offs_k
+        for c in tl.static_range(K_CHUNKS):
+            ks = c * BLOCK_K + offs_k
             k_ok = ks < inter
             hk = tl.load(h + row * stride_hm + ks, mask=k_ok, other=0.0).to(tl.float32)
             d = tl.load(rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -792,17 +803,19 @@ def fused_experts_gemv_triton(
     weights = topk_weights.float().contiguous()
     h = torch.empty((m * top_k, inter), dtype=x.dtype, device=x.device)
     bn, bk, warps = cfg.gate_up
+    bk = min(bk, triton.next_power_of_2(hidden))
     _moe_gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn))](
         x, gate_up, h, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden)),
-        GELU=activation == "gelu_tanh", num_warps=warps,
+        h.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(hidden, bk),
+        GELU=activation == "gelu_tanh", num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
     out = torch.empty_like(x)
     bn, bk, warps = cfg.down
+    bk = min(bk, triton.next_power_of_2(inter))
     _moe_gemv_down_kernel[(m, triton.cdiv(hidden, bn))](
         h, down, weights, ids, out, hidden, inter, h.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(inter)),
-        num_warps=warps,
+        out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(inter, bk),
+        num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
     return out
 
