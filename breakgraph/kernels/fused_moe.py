@@ -660,9 +660,11 @@ def _launch_gemm(
 # the CUDA cores, then down as one per (token, column block) that sums the token's K rows in
 # fp32 itself (each rounded, scaled by its weight and rounded again, as the grouped path's
 # down GEMM stores it). Steps of up to GEMV_MAX_TOKENS tokens take it (BREAKGRAPH_MOE_GEMV=N;
-# 0 turns it off). Measured on an H200 (benchmarks/decode_ab.py, moegemv<N> against the
-# grouped path, same process): the decode step at batch 1 0.889x (qwen3-30b-a3b) and 0.943x
-# (gemma-4-26b-a4b), at 2 0.993x / 0.978x; at 4, 1.026x / 0.990x, so 2 is the default.
+# 0 turns it off). Measured on an H200 (benchmarks/decode_ab.py --variants moegemv0 base, same
+# process), the decode step on it against the grouped path: batch 1 0.862x (qwen3-30b-a3b)
+# and 0.925x (gemma-4-26b-a4b), batch 2 0.900x / 0.956x; before its kernels took PDL, batch 4
+# measured 1.026x / 0.990x, so 2 is the default. The route and GEMV kernels take part in
+# programmatic dependent launch (kernels/pdl.py) inside small decode graphs.
 GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "2"))
 
 
