@@ -212,10 +212,25 @@ def dense_halves(m: int, s: dict) -> tuple[float, float]:
 
 def breakdown(layer: Layer) -> None:
     """Per-kernel times at the table's config and with each variant flag flipped, beside
-    the dense GEMM each MoE GEMM stands against."""
+    the dense GEMM each MoE GEMM stands against; first the GEMV path's where the step takes
+    it (the grouped rows then run with it off)."""
     default = fm.moe_config(layer.m, layer.s["top_k"], layer.s["experts"])
     up, down = dense_halves(layer.m, layer.s)
     print(f"  dense gate/up {up:.3f} ms, dense down {down:.3f} ms")
+    saved = fm.GEMV_MAX_TOKENS
+    if layer.m <= saved:
+        parts = kernel_breakdown(layer, default)
+        cells = "  ".join(f"{k} {ms:.3f}" for k, ms in parts)
+        print(f"  {'gemv path':<18} {sum(ms for _, ms in parts):.3f} ms: {cells}", flush=True)
+    fm.GEMV_MAX_TOKENS = 0
+    try:
+        _grouped_breakdown(layer, default)
+    finally:
+        fm.GEMV_MAX_TOKENS = saved
+
+
+def _grouped_breakdown(layer: Layer, default: fm.MoEConfig) -> None:
+    """The grouped path's rows of :func:`breakdown`."""
     flipped = [
         (f"{f} flipped", default._replace(**{f: not getattr(default, f)})) for f in VARIANT_FLAGS
     ]
