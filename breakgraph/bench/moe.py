@@ -28,7 +28,7 @@ import torch
 
 from breakgraph.bench.kernels import bench_ms, copy_bandwidth_bytes_per_ms
 from breakgraph.kernels import fused_moe as fm
-from breakgraph.kernels import ops
+from breakgraph.kernels import ops, pdl
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.qwen3_moe import num_experts
 from breakgraph.models.sources import CONFIG_DIR
@@ -96,14 +96,17 @@ def capture(fn):
 
 def graphed(layer: Layer):
     """The layer as a graph step runs it: routing + experts captured once over a static
-    logits buffer that each call refills from the cycle, then one replay."""
+    logits buffer that each call refills from the cycle, then one replay. Captured as a
+    decode graph of M rows is (``pdl.scope``: with programmatic dependent launch up to
+    ``pdl.AUTO_MAX_BATCH`` rows, as the engine's decode graphs)."""
     static = layer.logits[0].clone()
 
     def body() -> torch.Tensor:
         w, ids = ops.moe_route(static, layer.s["top_k"])
         return ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, layer.s["activation"])
 
-    graph, _ = capture(body)
+    with pdl.scope(layer.m):
+        graph, _ = capture(body)
     turn = itertools.cycle(layer.logits)
 
     def replay() -> None:
