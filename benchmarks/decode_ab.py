@@ -78,6 +78,8 @@ VARIANTS = {
     "nogemv": [(skinny_gemm, "SKINNY_TABLE", "nogemv")],
     # each shape's batch-1 GEMV config from benchmarks/gemv_sweep.py's JSON ($GEMV_SWEEP)
     "swept": [(skinny_gemm, "SKINNY_TABLE", "swept")],
+    # the MoE grouped path's kernels under PDL too (fused_moe.GROUPED_PDL)
+    "moepdl": [(fused_moe, "GROUPED_PDL", True)],
 }
 
 

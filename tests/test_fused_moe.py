@@ -316,15 +316,19 @@ def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(monkeypatch):
 
 @kernel_test
 @gpu_only
-def test_gemv_experts_under_pdl_equal_plain_launches(monkeypatch):
-    """The route and GEMV kernels launched dependent on their predecessors (kernels/pdl.py),
-    captured in a graph as a small decode graph captures them: bitwise the plain output."""
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_experts_under_pdl_equal_plain_launches(path, monkeypatch):
+    """The route kernel and the GEMV path's kernels (or, with ``GROUPED_PDL``, the grouped
+    path's) launched dependent on their predecessors (kernels/pdl.py), captured in a graph
+    as a small decode graph captures them: bitwise the plain launches' output."""
     from breakgraph.kernels import pdl
 
     if not pdl._capable(torch.cuda.current_device()):
         pytest.skip("programmatic dependent launch needs compute capability 9+")
-    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
-    x, gate_up, down, logits = make_experts(2, 128, 2048, 768, torch.bfloat16)
+    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8 if path == "gemv" else 0)
+    monkeypatch.setattr(fm, "GROUPED_PDL", path == "grouped")
+    x, gate_up, down, logits = make_experts(2 if path == "gemv" else 4, 128, 2048, 768,
+                                            torch.bfloat16)  # fmt: skip
 
     def step():
         return ops.fused_experts(x, gate_up, down, *ops.moe_route(logits, 8))

@@ -294,6 +294,18 @@ def moe_route_triton(
 # ---------------------------------------------------------------------------- Triton: alignment
 
 
+# The grouped path's kernels (count, place, the GEMMs, the top-k sum) can take part in
+# programmatic dependent launch inside small decode graphs, as the route and GEMV kernels do;
+# off (BREAKGRAPH_MOE_GROUPED_PDL=1 turns it on) until an H200 measures it: the counts' zeroing
+# (a torch fill) still breaks the chain once per layer.
+GROUPED_PDL = os.environ.get("BREAKGRAPH_MOE_GROUPED_PDL", "0") == "1"
+
+
+def _grouped_pdl(device: torch.device) -> dict:
+    """:func:`pdl.launch`'s arguments for a grouped-path kernel, if ``GROUPED_PDL``."""
+    return pdl.launch(device) if GROUPED_PDL else {}
+
+
 @_jit("num_rows")
 def _moe_count_kernel(
     topk_ids,
@@ -303,7 +315,9 @@ def _moe_count_kernel(
     num_rows,
     max_padded,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # padding slots of the sorted list name the sentinel row num_rows (the GEMMs mask it)
     tl.store(sorted_ids + offs, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=offs < max_padded)
@@ -330,7 +344,9 @@ def _moe_place_kernel(
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     INVERSE: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     c = tl.load(counts + e, mask=e < num_experts, other=0)
@@ -382,8 +398,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
     flat = topk_ids.reshape(-1)
     block = 1024
     _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
-        flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, num_warps=4
-    )
+        flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, num_warps=4,
+        **_grouped_pdl(device),
+    )  # fmt: skip
     block_e = triton.next_power_of_2(num_experts)
     place_block = max(16, min(1024, 8192 // block_e))
     block_b = max(16, min(256, 8192 // block_e))
@@ -405,6 +422,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
         BLOCK_B=block_b,
         INVERSE=inverse,
         num_warps=4,
+        **_grouped_pdl(device),
     )
     if inverse:
         return sorted_ids, expert_ids, num_post_padded, inv
@@ -552,6 +570,7 @@ def _moe_gemm_kernel(
     B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
     A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
     PERSISTENT: tl.constexpr = False,  # a grid of about one program per SM looping over tiles
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
@@ -563,6 +582,7 @@ def _moe_gemm_kernel(
     half's rows) lands in columns that are never stored. PERSISTENT: each program loops over
     the live tiles (those of the device's live total, none for padding blocks) in grouped
     order, the loop flattened so that the next tile's loads overlap this one's epilogue."""
+    pdl.enter(PDL)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     if PERSISTENT:
         live_m = tl.load(num_post_padded) // BLOCK_M
@@ -647,6 +667,7 @@ def _launch_gemm(
         num_warps=warps,
         num_stages=stages,
         **flags,
+        **_grouped_pdl(a.device),
     )
 
 
@@ -836,9 +857,11 @@ def _moe_sum_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     SORTED: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """out[token] = the sum of its TOP_K rows: rows token * TOP_K + k, or (SORTED) the rows
     at those rows' sorted positions."""
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -910,6 +933,6 @@ def fused_experts_triton(
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
         y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        SORTED=cfg.sorted_y, num_warps=4,
+        SORTED=cfg.sorted_y, num_warps=4, **_grouped_pdl(x.device),
     )  # fmt: skip
     return out
