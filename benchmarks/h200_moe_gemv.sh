@@ -4,7 +4,8 @@
 # --gemv; SWEEP=1 first searches the path's block sizes at each M and the decode A/B takes
 # the config found at the least M, else fused_moe.GEMV_TABLE's), then the decode step at
 # batch 1..8 on the grouped path against the GEMV path up to 1..16 tokens (decode_ab.py,
-# moegemv<N>). ROUTER=1 also sweeps Qwen3-MoE's router shape (gemv_sweep.py --only router).
+# moegemv<N>; PROFILE=1 adds each variant's kernel time by name). ROUTER=1 also sweeps
+# Qwen3-MoE's router shape (gemv_sweep.py --only router).
 # Results under ${OUT:-results}.
 #   OUT=$OUT [MODELS="qwen3-30b-a3b gemma-4-26b-a4b"] [SWEEP=1] [VARIANTS="base moegemv4"] \
 #     bash benchmarks/h200_moe_gemv.sh
@@ -21,7 +22,8 @@ fi
 for model in ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b}; do
   MOE_GEMV_SWEEP=${SWEEP:+$OUT/moe_gemv_$model.json} timeout ${AB_S:-200} python3 benchmarks/decode_ab.py \
     --models "$model" --batch-sizes ${BATCH:-1 2 4 8} --context 1024 \
-    --variants ${VARIANTS:-base moegemv${GEMV:-16}} --rounds 7 2>&1 | tr '\r' '\n' \
+    --variants ${VARIANTS:-base moegemv${GEMV:-16}} --rounds 7 ${PROFILE:+--profile} 2>&1 \
+    | tr '\r' '\n' \
     | grep -v -e Capturing -e "it/s" \
     | tee "$OUT/ab_$model.log"
 done
