@@ -285,10 +285,16 @@ def moe_route_triton(
         SIGMOID=scoring == "sigmoid",
         RENORMALIZE=renormalize,
         HAS_SCALE=expert_scale is not None,
-        num_warps=4 if block_e <= 256 else 8,
+        num_warps=route_warps(block_t, block_e),
         **pdl.launch(router_logits.device),
     )
     return weights, ids
+
+
+def route_warps(block_t: int, block_e: int) -> int:
+    """The route kernel's warps for a [block_t, block_e] tile (benchmarks/decode_ab.py's
+    ``route1w`` variant tries one warp at one token: its reductions then stay in the warp)."""
+    return 4 if block_e <= 256 else 8
 
 
 # ---------------------------------------------------------------------------- Triton: alignment
