@@ -36,7 +36,7 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _grouped_path(monkeypatch):
-    """The grouped path at every M (steps of 1-2 tokens take the GEMV path by default); the
+    """The grouped path at every M (steps of up to 4 tokens take the GEMV path by default); the
     GEMV tests turn theirs on themselves."""
     monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 0)
 

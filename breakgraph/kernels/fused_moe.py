@@ -23,7 +23,7 @@ total (a device scalar) exit at once. No host sync, no ``.item()``: capturable i
 A row's result does not depend on which rows share its block, so the atomics' order
 (which rows land where within an expert) changes nothing in the output.
 
-Steps of up to ``GEMV_MAX_TOKENS`` tokens (``BREAKGRAPH_MOE_GEMV``, default 2; 0 turns it
+Steps of up to ``GEMV_MAX_TOKENS`` tokens (``BREAKGRAPH_MOE_GEMV``, default 4; 0 turns it
 off) take :func:`fused_experts_gemv_triton` instead: two launches, no alignment.
 """
 
@@ -302,8 +302,9 @@ def route_warps(block_t: int, block_e: int) -> int:
 
 # The grouped path's kernels (count, place, the GEMMs, the top-k sum) can take part in
 # programmatic dependent launch inside small decode graphs, as the route and GEMV kernels do;
-# off (BREAKGRAPH_MOE_GROUPED_PDL=1 turns it on) until an H200 measures it: the counts' zeroing
-# (a torch fill) still breaks the chain once per layer.
+# off (BREAKGRAPH_MOE_GROUPED_PDL=1 turns it on): an H200 measured the decode step at batch
+# 3-4 with it 0.98-1.02x without (benchmarks/decode_ab.py --variants base moepdl); the
+# counts' zeroing (a torch fill) still breaks the chain once per layer.
 GROUPED_PDL = os.environ.get("BREAKGRAPH_MOE_GROUPED_PDL", "0") == "1"
 
 
@@ -687,12 +688,15 @@ def _launch_gemm(
 # the CUDA cores, then down as one per (token, column block) that sums the token's K rows in
 # fp32 itself (each rounded, scaled by its weight and rounded again, as the grouped path's
 # down GEMM stores it). Steps of up to GEMV_MAX_TOKENS tokens take it (BREAKGRAPH_MOE_GEMV=N;
-# 0 turns it off). Measured on an H200 (benchmarks/decode_ab.py --variants moegemv0 base, same
-# process), the decode step on it against the grouped path: batch 1 0.862x (qwen3-30b-a3b)
-# and 0.925x (gemma-4-26b-a4b), batch 2 0.900x / 0.956x; before its kernels took PDL, batch 4
-# measured 1.026x / 0.990x, so 2 is the default. The route and GEMV kernels take part in
-# programmatic dependent launch (kernels/pdl.py) inside small decode graphs.
-GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "2"))
+# 0 turns it off). Measured on an H200 (benchmarks/decode_ab.py, same process), the decode
+# step on it against the grouped path: batch 1 0.862x (qwen3-30b-a3b) and 0.925x
+# (gemma-4-26b-a4b), batch 2 0.900x / 0.956x (--variants moegemv0 base), batch 3 0.954x /
+# 0.946x and batch 4 0.946x / 0.947x (--variants base moegemv4, its kernels under PDL); at 8
+# tokens the layer alone is 0.99-1.04x the grouped one, so 4 is the default. The route and
+# GEMV kernels take part in programmatic dependent launch (kernels/pdl.py) inside small
+# decode graphs; the grouped path's kernels do only under BREAKGRAPH_MOE_GROUPED_PDL=1, which
+# measured 0.98-1.02x at batch 3-4 (--variants base moepdl), so it stays off.
+GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "4"))
 
 
 class MoEGemvConfig(NamedTuple):
