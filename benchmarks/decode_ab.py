@@ -71,6 +71,18 @@ def _no_gemv_table() -> dict:
     }
 
 
+def _moe_gemv_table(path: str, model: str) -> tuple:
+    """A ``fused_moe.GEMV_TABLE`` from JSON: its rows ``[[max M, gate_up, down], ...]``, or
+    benchmarks/moe_gemv_kernels.py's output (``model``'s best config per kernel and M)."""
+    with open(path) as f:
+        data = json.load(f)
+    if data and isinstance(data[0], dict):  # moe_gemv_kernels.py --json
+        best = {(r["m"], r["kernel"]): tuple(r["top"][0][1]) for r in data if r["model"] == model}
+        ms = sorted({m for m, _ in best})
+        data = [[m, best[m, "gate_up"], best[m, "down"]] for m in ms]
+    return tuple((m, fused_moe.MoEGemvConfig(tuple(g), tuple(d))) for m, g, d in data)
+
+
 def _route_quarter_warps(table, block_t: int, block_e: int) -> int:
     """``fused_moe.route_warps`` with a quarter of the warps at one token."""
     warps = table(block_t, block_e)
@@ -115,6 +127,8 @@ def variant(name: str) -> list:
                 cfg = {k: tuple(v) for k, v in json.load(f)["rows"][0]["config"].items()}
             gemv.append((fused_moe, "GEMV_CONFIG", fused_moe.MoEGemvConfig(**cfg)))
         return gemv
+    if name.startswith("moetable="):  # moetable=PATH: fused_moe.GEMV_TABLE from a JSON file
+        return [(fused_moe, "GEMV_TABLE", ("moetable", name[len("moetable=") :]))]
     if name.startswith("onepass"):  # onepass<N>: one-pass decode attention from N programs
         return [(decode_attention, "ONE_PASS_PROGRAMS", int(name[len("onepass") :]))]
     spec, _, max_m = name.partition("@")
@@ -137,6 +151,8 @@ def switches(name: str, model: str):
             value = _no_gemv_table()
         elif value == "swept":
             value = _swept_table(os.environ.get("GEMV_SWEEP", "gemv.json"))
+        elif isinstance(value, tuple) and value[0] == "moetable":
+            value = _moe_gemv_table(value[1], model)
         elif value == "route1w":
             value = functools.partial(_route_quarter_warps, fused_moe.route_warps)
         elif isinstance(value, tuple) and value[0] == "gemv":
@@ -226,7 +242,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument(
         "--variants", nargs="+", default=["base", "merge"],
-        help=f"{', '.join(VARIANTS)}, onepass<N>, gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>], moegemv<N>",
+        help=f"{', '.join(VARIANTS)}, onepass<N>, gemv<BN>[k<BK>][w<W>][s<S>][-<projection>...][@<max M>], moegemv<N>, moetable=PATH",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)

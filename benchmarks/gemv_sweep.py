@@ -59,11 +59,11 @@ def _compile(job: tuple[sg.SkinnyConfig, str | None]) -> str | None:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def compile_all(jobs: list, procs: int) -> set:
-    """Compile the jobs in ``procs`` processes (Triton's cache on disk is shared); the jobs
-    that failed."""
+def compile_all(jobs: list, procs: int, compile_one=_compile) -> set:
+    """Compile the jobs in ``procs`` processes (Triton's cache on disk is shared), each by
+    ``compile_one`` (None, or the error's first line); the jobs that failed."""
     with mp.get_context("spawn").Pool(procs) as pool:
-        errors = pool.map(_compile, jobs, chunksize=1)
+        errors = pool.map(compile_one, jobs, chunksize=1)
     return {job for job, err in zip(jobs, errors, strict=True) if err is not None}
 
 

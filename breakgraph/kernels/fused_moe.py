@@ -706,12 +706,19 @@ class MoEGemvConfig(NamedTuple):
     down: tuple[int, int, int] = (8, 1024, 2)
 
 
-# (up to M tokens, config): the best of bench.moe's search at M = 1, 2, 4, 8 on an H200 for
-# qwen3-30b-a3b and gemma-4-26b-a4b (their bests agree within noise; benchmarks/README.md):
-#   python -m breakgraph.bench.moe --model MODEL --tokens 1 2 4 8 --gemv 8 --gemv-sweep
+# (up to M tokens, config), each kernel timed alone as a graph of launches on distinct experts
+# (an H200, 2026-12-02, µs per launch, qwen3-30b-a3b / gemma-4-26b-a4b against the former
+# table's (4, 1024, 2-4) / (8, 1024, 2) rows; benchmarks/README.md):
+#   python benchmarks/moe_gemv_kernels.py --models qwen3-30b-a3b gemma-4-26b-a4b --tokens 1 2 4
+# M = 1: gate/up 14.35 / 18.02 (was 14.44 / 19.98), down 10.43 / 11.92 (11.83 / 13.46);
+# M = 2: gate/up 25.74 / 32.43 (26.08 / 34.09), down 17.70 / 20.50 (18.22 / 21.08);
+# M = 4: gate/up 48.30 / 61.23 (48.40 / 61.78), down 30.90 / 36.31 (36.16 / 38.38).
+# Each row is the config best for both models together (each one's own best is <= 7% faster).
+# M <= 8 keeps bench.moe --gemv-sweep's whole-layer pick.
 GEMV_TABLE: tuple[tuple[int, MoEGemvConfig], ...] = (
-    (1, MoEGemvConfig(down=(4, 1024, 4))),
-    (4, MoEGemvConfig()),
+    (1, MoEGemvConfig(gate_up=(1, 1024, 1), down=(1, 256, 1))),
+    (2, MoEGemvConfig(gate_up=(1, 512, 1), down=(2, 256, 1))),
+    (4, MoEGemvConfig(gate_up=(1, 512, 1), down=(16, 256, 8))),
     (8, MoEGemvConfig(down=(8, 512, 2))),
 )
 GEMV_CONFIG: MoEGemvConfig | None = None  # one config at every M (the benches' searches)
@@ -826,29 +833,54 @@ def fused_experts_gemv_triton(
     """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
     as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
     x = x.contiguous()
-    m, hidden = x.shape
-    cfg = cfg or gemv_config(m)
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
+    cfg = cfg or gemv_config(x.shape[0])
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
     ids = topk_ids.to(torch.int32).contiguous()
-    weights = topk_weights.float().contiguous()
+    h = gemv_gate_up(x, gate_up, ids, cfg.gate_up, activation)
+    return gemv_down(h, down, topk_weights.float().contiguous(), ids, cfg.down)
+
+
+def gemv_gate_up(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    ids: torch.Tensor,
+    cfg: tuple[int, int, int],
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The GEMV path's first launch: act(gate) * up of each (token, expert) row, [M * K, I];
+    ``x`` contiguous, ``ids`` int32 [M, K], ``cfg`` (BLOCK_N, BLOCK_K, num_warps)."""
+    m, hidden = x.shape
+    inter = gate_up.shape[1] // 2
+    top_k = ids.shape[1]
     h = torch.empty((m * top_k, inter), dtype=x.dtype, device=x.device)
-    bn, bk, warps = cfg.gate_up
+    bn, bk, warps = cfg
     bk = min(bk, triton.next_power_of_2(hidden))
     _moe_gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn))](
         x, gate_up, h, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         h.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(hidden, bk),
         GELU=activation == "gelu_tanh", num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
-    out = torch.empty_like(x)
-    bn, bk, warps = cfg.down
+    return h
+
+
+def gemv_down(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    cfg: tuple[int, int, int],
+) -> torch.Tensor:
+    """The GEMV path's second launch: each token's K rows of ``h`` through their experts'
+    down weights, scaled by ``weights`` (float32 [M, K]) and summed, [M, hidden]."""
+    m, top_k = ids.shape
+    num_experts, hidden, inter = down.shape
+    out = torch.empty((m, hidden), dtype=h.dtype, device=h.device)
+    bn, bk, warps = cfg
     bk = min(bk, triton.next_power_of_2(inter))
     _moe_gemv_down_kernel[(m, triton.cdiv(hidden, bn))](
         h, down, weights, ids, out, hidden, inter, h.stride(0), down.stride(0), down.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(inter, bk),
-        num_warps=warps, **pdl.launch(x.device),
+        num_warps=warps, **pdl.launch(h.device),
     )  # fmt: skip
     return out
 
