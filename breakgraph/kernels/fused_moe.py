@@ -709,17 +709,20 @@ class MoEGemvConfig(NamedTuple):
 # (up to M tokens, config), each kernel timed alone as a graph of launches on distinct experts
 # (an H200, 2026-12-02, µs per launch, qwen3-30b-a3b / gemma-4-26b-a4b against the former
 # table's (4, 1024, 2-4) / (8, 1024, 2) rows; benchmarks/README.md):
-#   python benchmarks/moe_gemv_kernels.py --models qwen3-30b-a3b gemma-4-26b-a4b --tokens 1 2 4
+#   python benchmarks/moe_gemv_kernels.py --models qwen3-30b-a3b gemma-4-26b-a4b --tokens 1 2 4 8
 # M = 1: gate/up 14.35 / 18.02 (was 14.44 / 19.98), down 10.43 / 11.92 (11.83 / 13.46);
 # M = 2: gate/up 25.74 / 32.43 (26.08 / 34.09), down 17.70 / 20.50 (18.22 / 21.08);
-# M = 4: gate/up 48.30 / 61.23 (48.40 / 61.78), down 30.90 / 36.31 (36.16 / 38.38).
+# M = 4: gate/up 48.30 / 61.23 (48.40 / 61.78), down 30.90 / 36.31 (36.16 / 38.38);
+# M = 8: gate/up 93.60 / 117.22 (kept), down 53.84 / 69.23 (80.98 / 105.89).
 # Each row is the config best for both models together (each one's own best is <= 7% faster).
-# M <= 8 keeps bench.moe --gemv-sweep's whole-layer pick.
+# The decode step at batch 8 on the path with each model's own bests measured 0.978x /
+# 0.990x the grouped path's (benchmarks/decode_ab.py --variants base moegemv8
+# moegemv8+moetable=...), too close to move GEMV_MAX_TOKENS past 4.
 GEMV_TABLE: tuple[tuple[int, MoEGemvConfig], ...] = (
     (1, MoEGemvConfig(gate_up=(1, 1024, 1), down=(1, 256, 1))),
     (2, MoEGemvConfig(gate_up=(1, 512, 1), down=(2, 256, 1))),
     (4, MoEGemvConfig(gate_up=(1, 512, 1), down=(16, 256, 8))),
-    (8, MoEGemvConfig(down=(8, 512, 2))),
+    (8, MoEGemvConfig(down=(2, 256, 2))),
 )
 GEMV_CONFIG: MoEGemvConfig | None = None  # one config at every M (the benches' searches)
 
