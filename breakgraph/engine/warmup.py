@@ -62,9 +62,11 @@ def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
             _run(engine, prompts, params or [greedy] * len(prompts))
             sent += len(prompts)
 
-    # prefill sizes: every graph bucket, eager sizes around and above them, odd sizes
+    # prefill sizes: every graph bucket, eager sizes around and above them, odd sizes; 1, 2
+    # and 4 tokens are the row classes of the skinny GEMM's and the MoE GEMV path's tables
+    # (each its own compile), which an eager prefill of a few tokens takes
     buckets = runner.prefill_graphs.bank.sizes if runner.prefill_graphs is not None else []
-    sizes = sorted(set(buckets) | {1, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
+    sizes = sorted(set(buckets) | {1, 2, 4, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
     for n in sizes:
         go([rand(min(n, chunk))])
     # prefix hits with 1-token, multiple-of-16, odd and long extends, over a short, a long
