@@ -5,7 +5,8 @@
 # the config found at the least M, else fused_moe.GEMV_TABLE's), then the decode step at
 # batch 1..8 on the grouped path against the GEMV path up to 1..16 tokens (decode_ab.py,
 # moegemv<N>; PROFILE=1 adds each variant's kernel time by name). ROUTER=1 also sweeps
-# Qwen3-MoE's router shape (gemv_sweep.py --only router).
+# Qwen3-MoE's router shape (gemv_sweep.py --only router); KERNELS=1 times the path's two
+# kernels alone at each of TOKENS, every config (moe_gemv_kernels.py: GEMV_TABLE's source).
 # Results under ${OUT:-results}.
 #   OUT=$OUT [MODELS="qwen3-30b-a3b gemma-4-26b-a4b"] [SWEEP=1] [VARIANTS="base moegemv4"] \
 #     bash benchmarks/h200_moe_gemv.sh
@@ -15,6 +16,10 @@ for model in ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b}; do
     --tokens ${TOKENS:-1 2 4 8 16} --gemv ${GEMV:-16} ${SWEEP:+--gemv-sweep} \
     --gemv-json "$OUT/moe_gemv_$model.json" 2>&1 | tee "$OUT/moe_gemv_$model.log"
 done
+if [ -n "${KERNELS:-}" ]; then
+  timeout ${KERNELS_S:-150} python3 benchmarks/moe_gemv_kernels.py --models ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b} \
+    --tokens ${TOKENS:-1 2 4 8} --json "$OUT/moe_gemv_kernels.json" 2>&1 | tee "$OUT/moe_gemv_kernels.log"
+fi
 if [ -n "${ROUTER:-}" ]; then
   timeout 120 python3 benchmarks/gemv_sweep.py --models qwen3-30b-a3b --only router \
     --json "$OUT/router.json" 2>&1 | tee "$OUT/router.log"
