@@ -6,12 +6,14 @@
 # batch 1..8 on the grouped path against the GEMV path up to 1..16 tokens (decode_ab.py,
 # moegemv<N>; PROFILE=1 adds each variant's kernel time by name). ROUTER=1 also sweeps
 # Qwen3-MoE's router shape (gemv_sweep.py --only router); KERNELS=1 times the path's two
-# kernels alone at each of TOKENS, every config (moe_gemv_kernels.py: GEMV_TABLE's source).
+# kernels alone at each of TOKENS, every config (moe_gemv_kernels.py: GEMV_TABLE's source);
+# LAYER=0 skips the layer lines.
 # Results under ${OUT:-results}.
 #   OUT=$OUT [MODELS="qwen3-30b-a3b gemma-4-26b-a4b"] [SWEEP=1] [VARIANTS="base moegemv4"] \
 #     bash benchmarks/h200_moe_gemv.sh
 source "$(dirname "$0")/device_env.sh"
 for model in ${MODELS:-qwen3-30b-a3b gemma-4-26b-a4b}; do
+  [ "${LAYER:-1}" = 1 ] || break  # LAYER=0: no layer lines
   timeout ${LAYER_S:-150} python3 -m breakgraph.bench.moe --model "$model" \
     --tokens ${TOKENS:-1 2 4 8 16} --gemv ${GEMV:-16} ${SWEEP:+--gemv-sweep} \
     --gemv-json "$OUT/moe_gemv_$model.json" 2>&1 | tee "$OUT/moe_gemv_$model.log"
