@@ -839,8 +839,9 @@ def fused_experts_gemv_triton(
     activation: str = "silu",
     cfg: MoEGemvConfig | None = None,
 ) -> torch.Tensor:
-    """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
-    as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
+    """The experts of a few tokens in two launches (three with ``cfg.down_rows``; the GEMV
+    path's note above); the inputs as :func:`fused_experts_triton` takes them (the weights'
+    rows unit-strided)."""
     x = x.contiguous()
     cfg = cfg or gemv_config(x.shape[0])
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
@@ -896,7 +897,7 @@ def gemv_down(
     )  # fmt: skip
     if rows:
         block = min(1024, triton.next_power_of_2(hidden))
-        _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
+        _moe_sum_kernel[(m, triton.cdiv(hidden, block))](  # (ids: unread, not SORTED)
             y, ids, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
             SORTED=False, num_warps=4, **pdl.launch(h.device),
         )  # fmt: skip
