@@ -5,7 +5,7 @@
 # the config found at the least M, else fused_moe.GEMV_TABLE's), then the decode step at
 # batch 1..8 on the grouped path against the GEMV path up to 1..16 tokens (decode_ab.py,
 # moegemv<N>; PROFILE=1 adds each variant's kernel time by name). ROUTER=1 also sweeps
-# Qwen3-MoE's router shape (gemv_sweep.py --only router); KERNELS=1 times the path's two
+# Qwen3-MoE's router shape (gemv_sweep.py --only router); KERNELS=1 times the path's
 # kernels alone at each of TOKENS, every config (moe_gemv_kernels.py: GEMV_TABLE's source);
 # LAYER=0 skips the layer lines.
 # Results under ${OUT:-results}.
