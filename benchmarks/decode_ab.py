@@ -86,7 +86,8 @@ def _moe_gemv_table(path: str, model: str) -> tuple:
             down = min(best[m, "down"], rows, key=lambda t: t[0])
             data.append([m, best[m, "gate_up"][1], down[1], down is rows])
     return tuple(
-        (row[0], fused_moe.MoEGemvConfig(tuple(row[1]), tuple(row[2]), *row[3:])) for row in data
+        (row[0], fused_moe.MoEGemvConfig(tuple(row[1]), tuple(row[2]), *map(bool, row[3:])))
+        for row in data
     )
 
 
