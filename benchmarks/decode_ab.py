@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import re
@@ -91,12 +90,6 @@ def _moe_gemv_table(path: str, model: str) -> tuple:
     )
 
 
-def _route_quarter_warps(table, block_t: int, block_e: int) -> int:
-    """``fused_moe.route_warps`` with a quarter of the warps at one token."""
-    warps = table(block_t, block_e)
-    return warps // 4 if block_t == 1 else warps
-
-
 # name -> [(module, attribute, value)] set while the variant captures
 VARIANTS = {
     "base": [],
@@ -107,9 +100,6 @@ VARIANTS = {
     "swept": [(skinny_gemm, "SKINNY_TABLE", "swept")],
     # the MoE grouped path's kernels under PDL too (fused_moe.GROUPED_PDL)
     "moepdl": [(fused_moe, "GROUPED_PDL", True)],
-    # the MoE route kernel at one token on a quarter of its warps (one for 128 experts: its 8
-    # top-k rounds of reductions then stay inside the warp)
-    "route1w": [(fused_moe, "route_warps", "route1w")],
 }
 
 
@@ -161,8 +151,6 @@ def switches(name: str, model: str):
             value = _swept_table(os.environ.get("GEMV_SWEEP", "gemv.json"))
         elif isinstance(value, tuple) and value[0] == "moetable":
             value = _moe_gemv_table(value[1], model)
-        elif value == "route1w":
-            value = functools.partial(_route_quarter_warps, fused_moe.route_warps)
         elif isinstance(value, tuple) and value[0] == "gemv":
             value = _gemv_table(model, *value[1:])
         setattr(module, attr, value)

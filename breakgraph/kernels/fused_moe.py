@@ -285,16 +285,10 @@ def moe_route_triton(
         SIGMOID=scoring == "sigmoid",
         RENORMALIZE=renormalize,
         HAS_SCALE=expert_scale is not None,
-        num_warps=route_warps(block_t, block_e),
+        num_warps=4 if block_e <= 256 else 8,
         **pdl.launch(router_logits.device),
     )
     return weights, ids
-
-
-def route_warps(block_t: int, block_e: int) -> int:
-    """The route kernel's warps for a [block_t, block_e] tile (benchmarks/decode_ab.py's
-    ``route1w`` variant tries one warp at one token: its reductions then stay in the warp)."""
-    return 4 if block_e <= 256 else 8
 
 
 # ---------------------------------------------------------------------------- Triton: alignment
@@ -895,12 +889,8 @@ def gemv_down(
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(inter, bk),
         PER_ROW=rows, num_warps=warps, **pdl.launch(h.device),
     )  # fmt: skip
-    if rows:
-        block = min(1024, triton.next_power_of_2(hidden))
-        _moe_sum_kernel[(m, triton.cdiv(hidden, block))](  # (ids: unread, not SORTED)
-            y, ids, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-            SORTED=False, num_warps=4, **pdl.launch(h.device),
-        )  # fmt: skip
+    if rows:  # (ids: unread, the rows not sorted)
+        _sum_top_k(y, ids, out, top_k, False, pdl.launch(h.device))
     return out
 
 
@@ -934,6 +924,24 @@ def _moe_sum_kernel(
             row = token * TOP_K + k
         acc += tl.load(rows + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def _sum_top_k(
+    y: torch.Tensor,
+    inverse: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    sorted_rows: bool,
+    launch: dict,
+) -> None:
+    """out[token] = the float32 sum of its ``top_k`` rows of ``y`` (:func:`_moe_sum_kernel`);
+    ``launch``: its PDL arguments."""
+    m, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
+        y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        SORTED=sorted_rows, num_warps=4, **launch,
+    )  # fmt: skip
 
 
 def fused_experts_triton(
@@ -990,10 +998,6 @@ def fused_experts_triton(
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
         GELU=False, MUL_WEIGHT=True, tma=cfg.tma, persistent=cfg.persistent,
     )  # fmt: skip
-    block = min(1024, triton.next_power_of_2(hidden))
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
-    _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
-        y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        SORTED=cfg.sorted_y, num_warps=4, **_grouped_pdl(x.device),
-    )  # fmt: skip
+    _sum_top_k(y, inverse, out, top_k, cfg.sorted_y, _grouped_pdl(x.device))
     return out
