@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from breakgraph.engine.request import SamplingParams
+from breakgraph.kernels import fused_moe, skinny_gemm
 from breakgraph.kernels.extend_attention import DIRECT_MIN_KEYS
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,14 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> None
         for out in engine.step():
             if out.finished:
                 pending.discard(out.rid)
+
+
+def small_row_classes(most: int = 4) -> set[int]:
+    """The row bounds of up to ``most`` rows in the kernels' per-M config tables (the skinny
+    GEMM's, the MoE GEMV path's): a prompt of each size compiles each class's variant."""
+    bounds = {m for entries in skinny_gemm.SKINNY_TABLE.values() for m, _ in entries}
+    bounds |= {m for m, _ in fused_moe.GEMV_TABLE}
+    return {m for m in bounds if m <= most}
 
 
 def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
@@ -62,11 +71,12 @@ def warmup_serving_shapes(engine, seed: int = 0) -> WarmupReport:
             _run(engine, prompts, params or [greedy] * len(prompts))
             sent += len(prompts)
 
-    # prefill sizes: every graph bucket, eager sizes around and above them, odd sizes; 1, 2
-    # and 4 tokens are the row classes of the skinny GEMM's and the MoE GEMV path's tables
-    # (each its own compile), which an eager prefill of a few tokens takes
+    # prefill sizes: every graph bucket, eager sizes around and above them, odd sizes, and
+    # the row classes of the skinny GEMM's and the MoE GEMV path's tables up to 4 rows (each
+    # its own compile), which an eager prefill of a few tokens takes
     buckets = runner.prefill_graphs.bank.sizes if runner.prefill_graphs is not None else []
-    sizes = sorted(set(buckets) | {1, 2, 4, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})
+    sizes = sorted(set(buckets) | small_row_classes()
+                   | {1, 7, 16, 33, 100, 255, chunk, min(chunk + 1, cap // 2)})  # fmt: skip
     for n in sizes:
         go([rand(min(n, chunk))])
     # prefix hits with 1-token, multiple-of-16, odd and long extends, over a short, a long
