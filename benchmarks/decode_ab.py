@@ -71,23 +71,15 @@ def _no_gemv_table() -> dict:
 
 
 def _moe_gemv_table(path: str, model: str) -> tuple:
-    """A ``fused_moe.GEMV_TABLE`` from JSON: its rows ``[[max M, gate_up, down], ...]`` (a
-    fourth item true: ``down_rows``), or benchmarks/moe_gemv_kernels.py's output (``model``'s
-    best config per kernel and M; down per row where that timed faster)."""
+    """A ``fused_moe.GEMV_TABLE`` from JSON: its rows ``[[max M, gate_up, down], ...]``, or
+    benchmarks/moe_gemv_kernels.py's output (``model``'s best config per kernel and M)."""
     with open(path) as f:
         data = json.load(f)
     if data and isinstance(data[0], dict):  # moe_gemv_kernels.py --json
-        best = {(r["m"], r["kernel"]): r["top"][0] for r in data if r["model"] == model}
+        best = {(r["m"], r["kernel"]): tuple(r["top"][0][1]) for r in data if r["model"] == model}
         ms = sorted({m for m, _ in best})
-        data = []
-        for m in ms:
-            rows = best.get((m, "down_rows"), (float("inf"), None))
-            down = min(best[m, "down"], rows, key=lambda t: t[0])
-            data.append([m, best[m, "gate_up"][1], down[1], down is rows])
-    return tuple(
-        (row[0], fused_moe.MoEGemvConfig(tuple(row[1]), tuple(row[2]), *map(bool, row[3:])))
-        for row in data
-    )
+        data = [[m, best[m, "gate_up"], best[m, "down"]] for m in ms]
+    return tuple((m, fused_moe.MoEGemvConfig(tuple(g), tuple(d))) for m, g, d in data)
 
 
 # name -> [(module, attribute, value)] set while the variant captures

@@ -6,9 +6,7 @@ a few µs inside ~45. Here each kernel runs alone as one CUDA graph of R launche
 the j-th set of distinct experts (the sets cycle over all E, hundreds of MB, so each launch
 reads DRAM after another launch as in a decode step): µs per launch, the read bandwidth of
 the experts it touches, and that against the device-to-device copy's, for the table's config
-(``fused_moe.GEMV_TABLE``) and the sweep's best five, at each step size. ``down_rows`` is the
-down GEMV per (token, expert) row and the top-k sum after it, timed together
-(``MoEGemvConfig.down_rows``; its "table" line runs the table's down config that way).
+(``fused_moe.GEMV_TABLE``) and the sweep's best five, at each step size.
 
 The configs compile first in a pool of processes (one compile per config and model: the
 shapes' chunk counts and top-k are constexprs).
@@ -31,9 +29,7 @@ from breakgraph.bench.kernels import copy_bandwidth_bytes_per_ms
 from breakgraph.bench.moe import expert_shapes
 from breakgraph.kernels import fused_moe as fm
 
-# down_rows: the down GEMV per (token, expert) row, then the top-k sum (MoEGemvConfig.down_rows),
-# timed as the pair of launches
-KERNELS = ("gate_up", "down", "down_rows")
+KERNELS = ("gate_up", "down")
 SWEEP = list(itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4, 8)))
 MAX_PER_THREAD = 128  # weight elements a thread holds per chunk (more spills, compiles slowly)
 
@@ -73,11 +69,7 @@ class Experts:
             return [
                 lambda i=i: fm.gemv_gate_up(self.x, self.gate_up, i, cfg, act) for i in self.ids
             ]
-        rows = kernel == "down_rows"
-        return [
-            lambda i=i: fm.gemv_down(self.h, self.down, self.weights, i, cfg, rows)
-            for i in self.ids
-        ]
+        return [lambda i=i: fm.gemv_down(self.h, self.down, self.weights, i, cfg) for i in self.ids]
 
     def bytes_per_launch(self, kernel: str) -> float:
         rows = (2 if kernel == "gate_up" else 1) * self.s["inter"] * self.s["hidden"] * 2
@@ -121,7 +113,7 @@ def main() -> None:
                     for cfg in SWEEP
                     if fits(kernel, cfg, s) and (model, kernel, cfg) not in failed
                 )
-                mine = table.gate_up if kernel == "gate_up" else table.down
+                mine = getattr(table, kernel)
                 table_us = replay_us(experts.launches(kernel, mine))
 
                 def cell(us: float, cfg: tuple[int, int, int], nbytes=nbytes) -> str:

@@ -544,18 +544,17 @@ def test_api_cost_bench_runs(tmp_path):
 
 def test_decode_ab_reads_a_moe_gemv_table_from_either_json(tmp_path, monkeypatch):
     """``decode_ab.py``'s ``moetable=PATH``: the table's rows as JSON, or
-    ``moe_gemv_kernels.py``'s output (a model's best configs per kernel and step size, the
-    down GEMV per row where that timed faster)."""
+    ``moe_gemv_kernels.py``'s output (a model's best configs per kernel and step size)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from decode_ab import _moe_gemv_table
 
     from breakgraph.kernels.fused_moe import MoEGemvConfig
 
     rows = tmp_path / "rows.json"
-    rows.write_text(json.dumps([[1, [4, 1024, 2], [4, 1024, 4]], [4, [1, 512, 1], [2, 256, 1], 1]]))
+    rows.write_text(json.dumps([[1, [4, 1024, 2], [4, 1024, 4]], [4, [1, 512, 1], [2, 256, 1]]]))
     assert _moe_gemv_table(str(rows), "any") == (
         (1, MoEGemvConfig((4, 1024, 2), (4, 1024, 4))),
-        (4, MoEGemvConfig((1, 512, 1), (2, 256, 1), True)),
+        (4, MoEGemvConfig((1, 512, 1), (2, 256, 1))),
     )
 
     def timed(model, m, kernel, us, cfg):
@@ -564,11 +563,10 @@ def test_decode_ab_reads_a_moe_gemv_table_from_either_json(tmp_path, monkeypatch
     kernels = tmp_path / "kernels.json"
     kernels.write_text(json.dumps([
         timed("a", 1, "gate_up", 14.0, [1, 1024, 1]), timed("a", 1, "down", 10.0, [1, 256, 1]),
-        timed("a", 1, "down_rows", 8.0, [4, 256, 2]), timed("a", 2, "gate_up", 25.0, [1, 512, 1]),
-        timed("a", 2, "down", 17.0, [2, 256, 1]), timed("a", 2, "down_rows", 18.0, [2, 256, 2]),
+        timed("a", 2, "gate_up", 25.0, [1, 512, 1]), timed("a", 2, "down", 17.0, [2, 256, 1]),
         timed("b", 1, "gate_up", 1.0, [8, 128, 8]), timed("b", 1, "down", 1.0, [8, 128, 8]),
     ]))  # fmt: skip
     assert _moe_gemv_table(str(kernels), "a") == (
-        (1, MoEGemvConfig((1, 1024, 1), (4, 256, 2), True)),
-        (2, MoEGemvConfig((1, 512, 1), (2, 256, 1), False)),
+        (1, MoEGemvConfig((1, 1024, 1), (1, 256, 1))),
+        (2, MoEGemvConfig((1, 512, 1), (2, 256, 1))),
     )

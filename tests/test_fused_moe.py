@@ -259,20 +259,6 @@ def test_gemv_experts_of_a_few_tokens_match_twin(m, dtype, activation, monkeypat
     assert_experts_close(x, gate_up, down, w, ids, activation)
 
 
-@kernel_test
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("m", [1, 4])
-def test_gemv_down_per_row_equals_down_per_token(m):
-    """``MoEGemvConfig.down_rows`` (a program per (token, expert) row, then the top-k sum)
-    rounds as the per-token down GEMV does: bitwise its output."""
-    x, gate_up, down, logits = make_experts(m, 128, 2048, 768, torch.bfloat16)
-    w, ids = fm.moe_route_torch(logits, 8)
-    cfg = fm.gemv_config(m)
-    want = fm.fused_experts_gemv_triton(x, gate_up, down, w, ids, cfg=cfg)
-    got = fm.fused_experts_gemv_triton(x, gate_up, down, w, ids, cfg=cfg._replace(down_rows=True))
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-
-
 # ----------------------------------------------------------------------------- capture (GPU only)
 
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

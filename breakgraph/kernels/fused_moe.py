@@ -694,14 +694,10 @@ GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "4"))
 
 
 class MoEGemvConfig(NamedTuple):
-    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV and of the down GEMV. ``down_rows``:
-    down as one GEMV per (token, expert) row, as gate/up runs, each writing its scaled row,
-    then the top-k sum kernel (three launches; the same roundings, so the same output) instead
-    of one program per token summing its K experts one after another (not yet measured)."""
+    """(BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV and of the down GEMV."""
 
     gate_up: tuple[int, int, int] = (4, 1024, 2)
     down: tuple[int, int, int] = (8, 1024, 2)
-    down_rows: bool = False
 
 
 # (up to M tokens, config), each kernel timed alone as a graph of launches on distinct experts
@@ -795,21 +791,19 @@ def _moe_gemv_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr,
-    PER_ROW: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """out[token] = the sum over its K rows of weight * (h[row] D^T) over the row's expert's
-    down rows D: BLOCK_N columns per program; the rows and K chunks unrolled. PER_ROW: one
-    program per (row, column block), out[row] = that row's term (the top-k sum after)."""
+    down rows D: BLOCK_N columns per program; the rows and K chunks unrolled."""
     pdl.enter(PDL)
-    pid = tl.program_id(0)
+    token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out.dtype.element_ty
     total = tl.zeros((BLOCK_N,), tl.float32)
-    for k in tl.static_range(1 if PER_ROW else TOP_K):
-        row = pid if PER_ROW else pid * TOP_K + k
+    for k in tl.static_range(TOP_K):
+        row = token * TOP_K + k
         expert = tl.load(topk_ids + row).to(tl.int64)
         rows = w + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -821,7 +815,7 @@ def _moe_gemv_down_kernel(
             acc += tl.sum(d.to(tl.float32) * hk[None, :], 1)
         y = acc.to(dtype).to(tl.float32) * tl.load(topk_weights + row)
         total += y.to(dtype).to(tl.float32)
-    tl.store(out + pid * stride_om + offs_n, total.to(dtype), mask=n_ok)
+    tl.store(out + token * stride_om + offs_n, total.to(dtype), mask=n_ok)
 
 
 def fused_experts_gemv_triton(
@@ -833,15 +827,14 @@ def fused_experts_gemv_triton(
     activation: str = "silu",
     cfg: MoEGemvConfig | None = None,
 ) -> torch.Tensor:
-    """The experts of a few tokens in two launches (three with ``cfg.down_rows``; the GEMV
-    path's note above); the inputs as :func:`fused_experts_triton` takes them (the weights'
-    rows unit-strided)."""
+    """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
+    as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
     x = x.contiguous()
     cfg = cfg or gemv_config(x.shape[0])
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
     ids = topk_ids.to(torch.int32).contiguous()
     h = gemv_gate_up(x, gate_up, ids, cfg.gate_up, activation)
-    return gemv_down(h, down, topk_weights.float().contiguous(), ids, cfg.down, cfg.down_rows)
+    return gemv_down(h, down, topk_weights.float().contiguous(), ids, cfg.down)
 
 
 def gemv_gate_up(
@@ -873,24 +866,19 @@ def gemv_down(
     weights: torch.Tensor,
     ids: torch.Tensor,
     cfg: tuple[int, int, int],
-    rows: bool = False,
 ) -> torch.Tensor:
     """The GEMV path's second launch: each token's K rows of ``h`` through their experts'
-    down weights, scaled by ``weights`` (float32 [M, K]) and summed, [M, hidden]; ``rows``:
-    each row's term by a program of its own, then the top-k sum (``MoEGemvConfig.down_rows``)."""
+    down weights, scaled by ``weights`` (float32 [M, K]) and summed, [M, hidden]."""
     m, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     out = torch.empty((m, hidden), dtype=h.dtype, device=h.device)
-    y = torch.empty((m * top_k, hidden), dtype=h.dtype, device=h.device) if rows else out
     bn, bk, warps = cfg
     bk = min(bk, triton.next_power_of_2(inter))
-    _moe_gemv_down_kernel[(y.shape[0], triton.cdiv(hidden, bn))](
-        h, down, weights, ids, y, hidden, inter, h.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(inter, bk),
-        PER_ROW=rows, num_warps=warps, **pdl.launch(h.device),
+    _moe_gemv_down_kernel[(m, triton.cdiv(hidden, bn))](
+        h, down, weights, ids, out, hidden, inter, h.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(inter, bk),
+        num_warps=warps, **pdl.launch(h.device),
     )  # fmt: skip
-    if rows:  # (ids: unread, the rows not sorted)
-        _sum_top_k(y, ids, out, top_k, False, pdl.launch(h.device))
     return out
 
 
@@ -924,24 +912,6 @@ def _moe_sum_kernel(
             row = token * TOP_K + k
         acc += tl.load(rows + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
-
-
-def _sum_top_k(
-    y: torch.Tensor,
-    inverse: torch.Tensor,
-    out: torch.Tensor,
-    top_k: int,
-    sorted_rows: bool,
-    launch: dict,
-) -> None:
-    """out[token] = the float32 sum of its ``top_k`` rows of ``y`` (:func:`_moe_sum_kernel`);
-    ``launch``: its PDL arguments."""
-    m, hidden = out.shape
-    block = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
-        y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        SORTED=sorted_rows, num_warps=4, **launch,
-    )  # fmt: skip
 
 
 def fused_experts_triton(
@@ -998,6 +968,10 @@ def fused_experts_triton(
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
         GELU=False, MUL_WEIGHT=True, tma=cfg.tma, persistent=cfg.persistent,
     )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
-    _sum_top_k(y, inverse, out, top_k, cfg.sorted_y, _grouped_pdl(x.device))
+    _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
+        y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        SORTED=cfg.sorted_y, num_warps=4, **_grouped_pdl(x.device),
+    )  # fmt: skip
     return out
