@@ -4,11 +4,18 @@ forward itself excluded from every stage. A decode step at batch 256 pays its pe
 Python once per step; under overlap scheduling that time is hidden only while it stays
 below the GPU's step.
 
+``--prefill N`` measures a cold prompt of N tokens instead, one request at a time (``bench
+prefill cold N 1``'s engine side): the schedule stage and the launch's host time before and
+around the forward, which a TTFT waits for (the step's read-back wait excluded), and the
+radix insert after the launch. ``--device cuda --model llama-3.1-8b`` runs it on a GPU with a
+built-in config's dummy weights.
+
 Each arm is a subprocess importing breakgraph from a tree: this one, and with ``--ref
 COMMIT`` that commit's (``git archive``), interleaved over ``--rounds`` (every other round
 in reverse order); the ratio is this tree's median over the reference's.
 
 Usage: python benchmarks/decode_host.py [--batch 1 64 256] [--ref COMMIT] [--rounds 3]
+       python benchmarks/decode_host.py --prefill 256 [--device cuda --model NAME] [--ref COMMIT]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ TINY = {
     "tie_word_embeddings": True, "eos_token_id": 1,
 }  # fmt: skip
 STAGES = ("schedule", "launch", "process_outputs", "host")
+PREFILL_STAGES = ("schedule", "launch", "cache", "host")
 
 
 def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
@@ -52,19 +60,7 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
     engine = Engine(args)
     sch = engine.scheduler
     spent: dict[str, float] = defaultdict(float)
-
-    def timed(obj, name: str, key: str) -> None:
-        inner = getattr(obj, name)
-
-        def call(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        setattr(obj, name, call)
-
+    timed = _timer(spent)
     timed(sch, "forward", "forward")
     timed(sch, "schedule", "schedule")
     timed(sch, "launch", "launch")
@@ -91,6 +87,73 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
         rows["host"].append(total - spent["forward"])
     engine.shutdown()
     return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
+
+
+def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict[str, float]:
+    """Median µs per cold prompt of ``tokens`` tokens, one request per step, of the schedule
+    stage, the launch outside the forward's own host time, and the radix insert after the
+    launch; ``host``: the step outside the forward and the read-back's wait (an arm's
+    process)."""
+    import torch
+
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+    from breakgraph.engine.request import SamplingParams
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    args = EngineArgs(model_path=model, load_format="dummy", device=device,
+                      dtype="float32" if device == "cpu" else "auto",
+                      max_total_tokens=tokens * 4 + 4096, chunked_prefill_size=max(tokens, 256),
+                      context_length=max(tokens + 64, 4096))  # fmt: skip
+    engine = Engine(args)
+    sch = engine.scheduler
+    spent: dict[str, float] = defaultdict(float)
+    timed = _timer(spent)
+    timed(sch, "forward", "forward")
+    timed(sch, "schedule", "schedule")
+    timed(sch, "launch", "launch")
+    timed(sch, "process_outputs", "process_outputs")
+    timed(sch.prefill, "cache_computed", "cache")
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    low = min(1000, engine.vocab_size // 2)
+    rows: dict[str, list[float]] = defaultdict(list)
+    for i in range(requests + 5):
+        engine.add_request(
+            torch.randint(low, engine.vocab_size - 1, (tokens,), generator=g).tolist(), sp
+        )
+        spent.clear()
+        t = time.perf_counter()
+        outs = engine.step()
+        total = time.perf_counter() - t
+        assert len(outs) == 1 and outs[0].finished, "one cold prompt, one token, per step"
+        if i < 5:
+            continue  # compiles, buffers
+        rows["schedule"].append(spent["schedule"])
+        rows["launch"].append(spent["launch"] - spent["forward"])
+        rows["cache"].append(spent["cache"])
+        rows["host"].append(total - spent["forward"] - spent["process_outputs"])
+    engine.shutdown()
+    return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
+
+
+def _timer(spent: dict[str, float]):
+    """``timed(obj, name, key)``: ``obj.name``'s calls add their seconds to ``spent[key]``."""
+
+    def timed(obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(obj, name, call)
+
+    return timed
 
 
 def wire(model_dir: str, batch: int, reps: int = 200) -> None:
@@ -174,10 +237,12 @@ def in_turn(arms: dict[str, Path], rnd: int) -> list[tuple[str, Path]]:
     return order[::-1] if rnd % 2 else order
 
 
-def run_arm(tree: Path, model_dir: str, batch: int, steps: int) -> dict[str, float]:
+def run_arm(tree: Path, call: str) -> dict[str, float]:
+    """``call`` (this module's ``measure(...)`` or ``measure_prefill(...)``) in a process
+    importing breakgraph from ``tree``."""
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
-            f"from decode_host import measure; "
-            f"print(json.dumps(measure({model_dir!r}, {batch}, {steps})))")  # fmt: skip
+            f"from decode_host import measure, measure_prefill; "
+            f"print(json.dumps({call}))")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, check=True,
                          capture_output=True, text=True)  # fmt: skip
@@ -188,6 +253,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="cold prompts of N tokens, one at a time, instead of decode steps",
+    )
+    ap.add_argument("--requests", type=int, default=100, help="--prefill: prompts per run")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", help="a model directory or built-in config (default: a tiny "
+                    "Qwen3 layout)")  # fmt: skip
     ap.add_argument("--ref", help="a commit to measure against (git archive of it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-wire", action="store_true", help="skip the outputs' wire stage")
@@ -196,29 +272,35 @@ def main() -> None:
         model_dir = Path(tmp, "model")
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(TINY))
+        model = a.model or str(model_dir)
         arms = trees(a.ref, Path(tmp))
-        for batch in a.batch:
+        if a.prefill:
+            runs = [(f"prefill {n:5d}", PREFILL_STAGES, 1,
+                     f"measure_prefill({model!r}, {n}, {a.requests}, {a.device!r})")
+                    for n in a.prefill]  # fmt: skip
+        else:
+            runs = [(f"batch {b:4d}", STAGES, b, f"measure({model!r}, {b}, {a.steps})")
+                    for b in a.batch]  # fmt: skip
+        for label, stages, batch, call in runs:
             got: dict[str, list[dict[str, float]]] = defaultdict(list)
             for rnd in range(a.rounds):
                 for name, tree in in_turn(arms, rnd):
-                    got[name].append(run_arm(tree, str(model_dir), batch, a.steps))
+                    got[name].append(run_arm(tree, call))
             for name in arms:
-                med = {k: statistics.median(r[k] for r in got[name]) for k in STAGES}
-                cells = "  ".join(f"{k} {med[k]:8.1f}" for k in STAGES)
-                print(
-                    f"batch {batch:4d} {name:5s} µs/step: {cells}  "
-                    f"({med['host'] / batch:.2f} µs per request)"
-                )
-            if not a.no_wire:
-                wire(str(model_dir), batch)
+                med = {k: statistics.median(r[k] for r in got[name]) for k in stages}
+                cells = "  ".join(f"{k} {med[k]:8.1f}" for k in stages)
+                per = f"  ({med['host'] / batch:.2f} µs per request)" if batch > 1 else ""
+                print(f"{label} {name:5s} µs/step: {cells}{per}", flush=True)
+            if not a.prefill and not a.no_wire:
+                wire(model, batch)
             if a.ref:
                 ratios = {
                     k: statistics.median(r[k] for r in got["this"])
                     / statistics.median(r[k] for r in got["ref"])
-                    for k in STAGES
+                    for k in stages
                 }
-                print(f"batch {batch:4d} this/ref: "
-                      + "  ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))  # fmt: skip
+                print(f"{label} this/ref: "
+                      + "  ".join(f"{k} {v:.3f}x" for k, v in ratios.items()), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

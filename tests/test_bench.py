@@ -520,6 +520,25 @@ def test_decode_host_bench_runs_and_plain_tokens_pack_smaller():
     assert this < former and new_bytes < old_bytes / 3, out.stdout
 
 
+def test_decode_host_bench_times_a_cold_prefill():
+    """``decode_host.py --prefill N``: a cold prompt's host stages around its forward, each
+    a positive time within the step's host total."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decode_host.py", "--prefill", "64", "--rounds", "1",
+         "--requests", "8"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    got = re.search(
+        rf"^prefill +64 this +µs/step: schedule +{NUM} +launch +{NUM} +cache +{NUM} +host +{NUM}",
+        out.stdout, re.M,
+    )  # fmt: skip
+    assert got is not None, out.stdout
+    schedule, launch, cache, host = map(float, got.groups())
+    assert 0 < schedule and 0 < launch and 0 < cache and schedule + launch + cache < host
+
+
 def test_api_cost_bench_runs(tmp_path):
     """``benchmarks/api_cost.py`` starts a server on a tiny dummy model, streams closed-loop
     requests and reads the API process's CPU time per token from /proc. /proc counts clock
