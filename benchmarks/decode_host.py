@@ -4,8 +4,8 @@ forward itself excluded from every stage. A decode step at batch 256 pays its pe
 Python once per step; under overlap scheduling that time is hidden only while it stays
 below the GPU's step.
 
-``--prefill N`` measures a cold prompt of N tokens instead, one request at a time (``bench
-prefill cold N 1``'s engine side): the schedule stage and the launch's host time before and
+``--prefill N`` measures a cold prompt of N tokens instead, one request at a time into an
+empty prefix cache (``bench prefill cold N 1``'s engine side): the schedule stage and the launch's host time before and
 around the forward, which a TTFT waits for (the step's read-back wait excluded), and the
 radix insert after the launch. ``--device cuda --model llama-3.1-8b`` runs it on a GPU with a
 built-in config's dummy weights.
@@ -42,7 +42,7 @@ TINY = {
     "tie_word_embeddings": True, "eos_token_id": 1,
 }  # fmt: skip
 STAGES = ("schedule", "launch", "process_outputs", "host")
-PREFILL_STAGES = ("schedule", "launch", "cache", "host")
+PREFILL_STAGES = ("schedule", "launch", "cache", "process_outputs", "host")
 
 
 def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
@@ -90,10 +90,10 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
 
 
 def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict[str, float]:
-    """Median µs per cold prompt of ``tokens`` tokens, one request per step, of the schedule
-    stage, the launch outside the forward's own host time, and the radix insert after the
-    launch; ``host``: the step outside the forward and the read-back's wait (an arm's
-    process)."""
+    """Median µs per cold prompt of ``tokens`` tokens, one request at a time, of the schedule
+    stage, the launch outside the forward's own host time, the radix insert after the launch
+    and the read-back's host time (its wait for the device excluded); ``host``: the steps
+    until its token is out, outside the forward and that wait (an arm's process)."""
     import torch
 
     from breakgraph.engine.args import EngineArgs
@@ -115,27 +115,47 @@ def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict
     timed(sch, "launch", "launch")
     timed(sch, "process_outputs", "process_outputs")
     timed(sch.prefill, "cache_computed", "cache")
+    if device != "cpu":  # the read-back's wait outside the stage: the step's end first
+        sync = torch.cuda.synchronize
+        sch.process_outputs = _after(sync, sch.process_outputs, spent)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     low = min(1000, engine.vocab_size // 2)
     rows: dict[str, list[float]] = defaultdict(list)
     for i in range(requests + 5):
+        engine.flush_cache()  # as bench prefill flushes before each wave: nothing to evict
         engine.add_request(
             torch.randint(low, engine.vocab_size - 1, (tokens,), generator=g).tolist(), sp
         )
         spent.clear()
         t = time.perf_counter()
         outs = engine.step()
+        while not outs:  # overlap scheduling: the next step reads this one back
+            outs = engine.step()
         total = time.perf_counter() - t
-        assert len(outs) == 1 and outs[0].finished, "one cold prompt, one token, per step"
+        assert len(outs) == 1 and outs[0].finished, "one cold prompt, one token"
         if i < 5:
             continue  # compiles, buffers
         rows["schedule"].append(spent["schedule"])
         rows["launch"].append(spent["launch"] - spent["forward"])
         rows["cache"].append(spent["cache"])
-        rows["host"].append(total - spent["forward"] - spent["process_outputs"])
+        rows["process_outputs"].append(spent["process_outputs"])
+        rows["host"].append(total - spent["forward"] - spent["sync"])
     engine.shutdown()
     return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
+
+
+def _after(sync, inner, spent: dict[str, float]):
+    """``inner`` run after ``sync()`` (the device's work done), whose seconds add to
+    ``spent["sync"]``."""
+
+    def call(*a, **kw):
+        t = time.perf_counter()
+        sync()
+        spent["sync"] += time.perf_counter() - t
+        return inner(*a, **kw)
+
+    return call
 
 
 def _timer(spent: dict[str, float]):
