@@ -148,19 +148,25 @@ class ForwardBatch:
         (``table_cells``, ``table_slots``)."""
         pre = np.asarray(prefix_lens, dtype=np.int64)
         ext = np.asarray(extend_lens, dtype=np.int64)
-        ends = np.cumsum(ext)
+        ends = ext.cumsum()
         starts = ends - ext
         if positions is None:
             positions = token_positions(pre, ext, starts)
         dev = torch.device(device)
         pin = dev.type == "cuda"
-        rows64 = [input_ids, positions, out_cache_loc, req_pool_indices, ends - 1]
+        # the slots as numpy once: they go up twice (int64, and int32 for the table)
+        slots = out_cache_loc.numpy() if isinstance(out_cache_loc, torch.Tensor) else out_cache_loc
+        rows64 = [input_ids, positions, slots, req_pool_indices, ends - 1]
         seq = pre + ext
         rows32 = [seq, pre, ext, starts]
         if table_width is not None:
-            rows_of = np.repeat(np.asarray(req_pool_indices, dtype=np.int64), ext)
-            rows64.append(rows_of * table_width + positions)
-            rows32.append(out_cache_loc)
+            if len(ext) == 1:  # one request: its row's cells are a range
+                cells = positions + int(req_pool_indices[0]) * table_width
+            else:
+                cells = np.repeat(np.asarray(req_pool_indices, dtype=np.int64), ext) * table_width
+                cells += positions
+            rows64.append(cells)
+            rows32.append(slots)
         i64, i32 = upload_groups([(rows64, torch.int64), (rows32, torch.int32)], dev, pin)
         return cls(
             mode=mode,
@@ -188,6 +194,9 @@ def token_positions(
 ) -> np.ndarray:
     """Each new token's position (its column in the request table): request r's rows are
     ``prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1``, concatenated (int64)."""
+    if len(extend_lens) == 1:  # one request (a lone prompt's step): a range
+        first = int(prefix_lens[0])
+        return np.arange(first, first + int(extend_lens[0]), dtype=np.int64)
     if starts is None:
         starts = np.cumsum(extend_lens) - extend_lens
     total = int(extend_lens.sum())
@@ -239,10 +248,11 @@ def upload_groups(
     for (rows, _), (dtype, start, size, pieces) in zip(groups, layout, strict=True):
         view = buf[start : start + size].view(_numpy_dtype(dtype))
         at = 0
-        for r, n, pad in zip(rows, pieces[0::2], pieces[1::2], strict=True):
+        for i, r in enumerate(rows):
+            n = pieces[2 * i]
             if n:
                 view[at : at + n] = r.numpy() if isinstance(r, torch.Tensor) else r
-            at += n + pad
+            at += n + pieces[2 * i + 1]
     dev = host.to(device, non_blocking=True)
     # the device rows: one split per group (its rows and the padding between them)
     return [

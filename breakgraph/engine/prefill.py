@@ -208,14 +208,15 @@ class PrefillManager:
             req.append_kv(slots)
             if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
-        all_slots = torch.cat(new_slots)
+        all_slots = new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)
         table_rows = [r.req_pool_idx for r in reqs]
+        pre = np.asarray(prefixes, dtype=np.int64)
         ext = np.asarray(extends, dtype=np.int64)
-        cols = token_positions(np.asarray(prefixes, dtype=np.int64), ext)
-        input_ids = np.concatenate(parts)
+        cols = token_positions(pre, ext)
+        input_ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
         req_pool = self.cache.req_pool
         batch = ForwardBatch.build(
-            ForwardMode.EXTEND, input_ids, all_slots, table_rows, prefixes, extends, self.device,
+            ForwardMode.EXTEND, input_ids, all_slots, table_rows, pre, ext, self.device,
             positions=cols, table_width=req_pool.max_context_len,
         )  # fmt: skip
         # the new slots into the table from the batch's own upload (one kernel); TP rank 0

@@ -129,7 +129,8 @@ class Req:
         if self._kv_np is not None and n <= len(self._kv_np):
             return
         buf = torch.empty(max(2 * n, 64), dtype=torch.int64)
-        buf[: self.kv_len] = self._kv_buf[: self.kv_len]
+        if self.kv_len:
+            buf[: self.kv_len] = self._kv_buf[: self.kv_len]
         self._kv_buf, self._kv_np = buf, buf.numpy()
 
     @property
