@@ -121,7 +121,7 @@ def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.devi
 
 def ids_in_vocab(input_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray | None:
     """The ids as an int array if all are ints in [0, vocab), else None: an int array is
-    checked as it is (a numpy min/max, microseconds for 64K packed ids), a list converted in
+    checked as it is (one numpy max, microseconds for 64K packed ids), a list converted in
     one C pass first (~1 ms for 64K)."""
     if isinstance(input_ids, np.ndarray):
         ids = input_ids if input_ids.dtype.kind in "iu" else None
@@ -130,7 +130,8 @@ def ids_in_vocab(input_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.n
             ids = np.frombuffer(array.array("q", input_ids), dtype=np.int64)
         except (TypeError, OverflowError):  # a non-integer, or past int64
             ids = None
-    if ids is None or not (ids.min() >= 0 and ids.max() < vocab_size):
+    # one pass: read as unsigned, a negative id is past any vocabulary
+    if ids is None or not ids.view(f"u{ids.dtype.itemsize}").max() < vocab_size:
         return None
     return ids
 
