@@ -59,12 +59,7 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
                       max_running_requests=max(batch, 8))  # fmt: skip
     engine = Engine(args)
     sch = engine.scheduler
-    spent: dict[str, float] = defaultdict(float)
-    timed = _timer(spent)
-    timed(sch, "forward", "forward")
-    timed(sch, "schedule", "schedule")
-    timed(sch, "launch", "launch")
-    timed(sch, "process_outputs", "process_outputs")
+    spent, timed = _timed_steps(sch)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
@@ -109,12 +104,7 @@ def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict
     engine = Engine(args)
     engine.release_finished(defer=True)  # as the server's loop: after the outputs are sent
     sch = engine.scheduler
-    spent: dict[str, float] = defaultdict(float)
-    timed = _timer(spent)
-    timed(sch, "forward", "forward")
-    timed(sch, "schedule", "schedule")
-    timed(sch, "launch", "launch")
-    timed(sch, "process_outputs", "process_outputs")
+    spent, timed = _timed_steps(sch)
     timed(sch.prefill, "cache_computed", "cache")
     if device != "cpu":  # the read-back's wait outside the stage: the step's end first
         sync = torch.cuda.synchronize
@@ -160,8 +150,11 @@ def _after(sync, inner, spent: dict[str, float]):
     return call
 
 
-def _timer(spent: dict[str, float]):
-    """``timed(obj, name, key)``: ``obj.name``'s calls add their seconds to ``spent[key]``."""
+def _timed_steps(sch):
+    """``(spent, timed)``: ``timed(obj, name, key)`` makes ``obj.name``'s calls add their
+    seconds to ``spent[key]``, and the scheduler's forward, schedule, launch and
+    process_outputs are timed so under their own names."""
+    spent: dict[str, float] = defaultdict(float)
 
     def timed(obj, name: str, key: str) -> None:
         inner = getattr(obj, name)
@@ -175,7 +168,9 @@ def _timer(spent: dict[str, float]):
 
         setattr(obj, name, call)
 
-    return timed
+    for name in ("forward", "schedule", "launch", "process_outputs"):
+        timed(sch, name, name)
+    return spent, timed
 
 
 def wire(model_dir: str, batch: int, reps: int = 200) -> None:

@@ -501,42 +501,39 @@ def test_host_path_bench_runs_and_the_packed_paths_win():
             assert float(after) < float(before), (case, stage, before, after)
 
 
+def _decode_host(*args: str) -> str:
+    """``benchmarks/decode_host.py ARGS --rounds 1``'s output (it must succeed)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decode_host.py", *args, "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return out.stdout
+
+
 def test_decode_host_bench_runs_and_plain_tokens_pack_smaller():
     """``benchmarks/decode_host.py`` (a decode step's host stages, and its outputs' wire
     path against the former one in the same process) still runs; the plain tokens'
     message packs faster than a map per request, into under a third of the bytes."""
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "benchmarks/decode_host.py", "--batch", "64", "--rounds", "1",
-         "--steps", "8"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert re.search(r"^batch +64 this +µs/step: schedule", out.stdout, re.M), out.stdout
+    stdout = _decode_host("--batch", "64", "--steps", "8")
+    assert re.search(r"^batch +64 this +µs/step: schedule", stdout, re.M), stdout
     engine = re.search(rf"wire engine: former +{NUM} µs +this +{NUM} µs.*bytes (\d+) -> (\d+)",
-                       out.stdout)  # fmt: skip
-    assert engine is not None, out.stdout
+                       stdout)  # fmt: skip
+    assert engine is not None, stdout
     former, this, old_bytes, new_bytes = map(float, engine.groups())
-    assert this < former and new_bytes < old_bytes / 3, out.stdout
+    assert this < former and new_bytes < old_bytes / 3, stdout
 
 
 def test_decode_host_bench_times_a_cold_prefill():
     """``decode_host.py --prefill N``: a cold prompt's host stages around its forward, each
     a positive time within the step's host total."""
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "benchmarks/decode_host.py", "--prefill", "64", "--rounds", "1",
-         "--requests", "8"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    got = re.search(
-        rf"^prefill +64 this +µs/step: schedule +{NUM} +launch +{NUM} +cache +{NUM} +process_outputs +{NUM} +host +{NUM}",
-        out.stdout, re.M,
-    )  # fmt: skip
-    assert got is not None, out.stdout
+    stdout = _decode_host("--prefill", "64", "--requests", "8")
+    cells = " +".join(f"{k} +{NUM}" for k in ("schedule", "launch", "cache", "process_outputs"))
+    got = re.search(rf"^prefill +64 this +µs/step: {cells} +host +{NUM}", stdout, re.M)
+    assert got is not None, stdout
     stages, host = list(map(float, got.groups()[:-1])), float(got.group(5))
-    assert min(stages) > 0 and sum(stages) < host, out.stdout
+    assert min(stages) > 0 and sum(stages) < host, stdout
 
 
 def test_api_cost_bench_runs(tmp_path):
