@@ -59,7 +59,7 @@ def measure(model_dir: str, batch: int, steps: int) -> dict[str, float]:
                       max_running_requests=max(batch, 8))  # fmt: skip
     engine = Engine(args)
     sch = engine.scheduler
-    spent, timed = _timed_steps(sch)
+    spent, _ = _timed_steps(sch)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
@@ -107,8 +107,7 @@ def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict
     spent, timed = _timed_steps(sch)
     timed(sch.prefill, "cache_computed", "cache")
     if device != "cpu":  # the read-back's wait outside the stage: the step's end first
-        sync = torch.cuda.synchronize
-        sch.process_outputs = _after(sync, sch.process_outputs, spent)
+        sch.process_outputs = _after(torch.cuda.synchronize, sch.process_outputs, spent)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     low = min(1000, engine.vocab_size // 2)

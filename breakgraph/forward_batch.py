@@ -248,11 +248,10 @@ def upload_groups(
     for (rows, _), (dtype, start, size, pieces) in zip(groups, layout, strict=True):
         view = buf[start : start + size].view(_numpy_dtype(dtype))
         at = 0
-        for i, r in enumerate(rows):
-            n = pieces[2 * i]
+        for r, n, pad in zip(rows, pieces[0::2], pieces[1::2], strict=True):
             if n:
                 view[at : at + n] = r.numpy() if isinstance(r, torch.Tensor) else r
-            at += n + pieces[2 * i + 1]
+            at += n + pad
     dev = host.to(device, non_blocking=True)
     # the device rows: one split per group (its rows and the padding between them)
     return [

@@ -870,7 +870,7 @@ def gemv_down(
     """The GEMV path's second launch: each token's K rows of ``h`` through their experts'
     down weights, scaled by ``weights`` (float32 [M, K]) and summed, [M, hidden]."""
     m, top_k = ids.shape
-    num_experts, hidden, inter = down.shape
+    _, hidden, inter = down.shape
     out = torch.empty((m, hidden), dtype=h.dtype, device=h.device)
     bn, bk, warps = cfg
     bk = min(bk, triton.next_power_of_2(inter))
