@@ -187,8 +187,8 @@ coldab_stage() {  # cold 256 x1 (issue 14's last goal) on this tree and OLD (def
   # OLD_FLAGS (e.g. "--idle-spin-ms 0") compares one flag on this tree
   local m=${MODEL:-llama-3.1-8b} old=${OLD:-.dev/old} r p flags
   mkdir -p "$OUT/coldab"  # one tarball at the end: at most 8 files come back from the device
-  python3 -m breakgraph.cli bench step --models "$m" -N 256 -P 0 --reps 5 --no-hf --no-compile 2>&1 \
-    | grep -E "graphs|floor|eager" | tee -a "$OUT/serve.log"
+  python3 -m breakgraph.cli bench step --models "$m" -N 256 -P 0 --reps ${STEP_REPS:-5} --no-hf \
+    --no-compile 2>&1 | grep -E "graphs|breakable|floor|eager" | tee -a "$OUT/serve.log"
   for arm in ". 30121 this 0.3" "$old 30122 old 0.62"; do
     set -- $arm
     flags=$([ "$3" = old ] && echo "${OLD_FLAGS:-}")

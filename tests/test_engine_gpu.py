@@ -139,10 +139,57 @@ def test_graph_equals_eager_tokens_and_logits(small_dir):
     assert counts["extend_graph"] > 0 and counts["decode_graph"] > 0
     # batch 20 > cuda_graph_max_bs (16): the largest graph, then the 4-row one, not eager
     assert counts["decode_graph_in_pieces"] > 0 and counts["decode_eager"] == 0, counts
+    # lone prompts replay whole graphs, batches of prompts the breakable bank
+    assert 0 < counts["extend_graph_whole"] < counts["extend_graph"], counts
     assert len(tap_e.steps) == len(tap_g.steps)
     for a, b in zip(tap_e.steps, tap_g.steps, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     assert graph.flush_cache() and eager.flush_cache()
+
+
+def test_whole_prefill_graph_equals_breakable_and_eager(small_dir):
+    """A lone request whose context fits a whole bucket (or stays under the one-pass kernel's
+    bound) replays the whole prefill graph, attention captured on static metadata: its logits
+    equal the breakable bank's and the eager step's, at every bucket, ragged, over a cached
+    prefix, and for a chunked prompt's later chunks. Wider contexts, batches of requests and
+    an engine without whole graphs take the breakable bank."""
+    from breakgraph.forward_batch import ForwardBatch, ForwardMode
+
+    eng = engine(small_dir, graphs=True)
+    graphs = eng.runner.prefill_graphs
+    assert graphs.whole is not None and graphs.whole.sizes == BUCKETS
+    req = eng.req_pool.alloc()
+    slots = eng.allocator.alloc(1200)
+    eng.req_pool.write(req, 0, slots)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, 1000, (1200,), generator=g).tolist()
+
+    def step(prefix: int, new: int) -> ForwardBatch:
+        return ForwardBatch.build(
+            ForwardMode.EXTEND, ids[prefix : prefix + new], slots[prefix : prefix + new],
+            [req], [prefix], [new], eng.device,
+        )  # fmt: skip
+
+    eng.runner.forward_eager(step(0, 1200))  # the whole context's KV, for the prefixes below
+    cases = [(0, 1), (0, 16), (0, 17), (0, 100), (0, 128), (40, 3), (40, 88), (900, 100)]
+    for prefix, new in cases:
+        batch = step(prefix, new)
+        assert graphs.whole_bucket(batch) is not None, (prefix, new)
+        whole = eng.runner.forward(batch)
+        with torch.inference_mode():
+            breakable = graphs.run(batch, whole=False)
+        eager = eng.runner.forward_eager(batch)
+        torch.testing.assert_close(whole, eager, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(whole, breakable, atol=1e-4, rtol=1e-4)
+    assert eng.runner.step_counts["extend_graph_whole"] == len(cases)
+    # a context past the one-pass bound and its bucket: the breakable bank
+    assert graphs.whole_bucket(step(1100, 100)) is None
+    two = ForwardBatch.build(
+        ForwardMode.EXTEND, ids[:20], slots[:20], [req, req], [0, 0], [10, 10], eng.device
+    )
+    assert graphs.whole_bucket(two) is None
+    off = engine(small_dir, graphs=True, cuda_graph_max_tokens_prefill_whole=0)
+    assert off.runner.prefill_graphs.whole is None
 
 
 def test_programmatic_dependent_launch_equals_plain_launches(small_dir, monkeypatch):

@@ -1,8 +1,10 @@
 """``breakgraph bench step``: one request's prefill step, N new tokens after a cached prefix
 of P, timed for several arms in one process on the same weights.
 
-Arms: breakgraph eager, breakgraph graphs (breakable prefill bank), the floor (the same
-forward captured whole as one CUDA graph at that fixed shape), HF transformers eager (sdpa),
+Arms: breakgraph eager, breakgraph graphs (the prefill bank the engine picks: the whole
+graph for a lone request whose context fits a whole bucket, then also ``breakable``, the
+breakable bank on the same step), the floor (the same forward captured whole as one CUDA
+graph at that fixed shape), HF transformers eager (sdpa),
 and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
 A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
 the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
@@ -238,13 +240,22 @@ def bench_point(
         runner, batch = sb.engine.runner, sb.batch(n, p)
         tag = f" {suffix}" if suffix else ""
         add("breakgraph eager" + tag, lambda r=runner, b=batch: r.forward_eager(b))
-        bucket = runner.prefill_graphs.bank.bucket_for(n) if runner.prefill_graphs else None
+        graphs = runner.prefill_graphs
+        bucket = graphs.bank.bucket_for(n) if graphs else None
         if bucket:
+            whole = graphs.whole_bucket(batch)
             add(
                 "breakgraph graphs" + tag,
                 lambda r=runner, b=batch: r.forward(b),
-                f"bucket {bucket}",
+                f"whole bucket {whole}" if whole else f"bucket {bucket}",
             )
+            if whole and runner.tp is None:  # the breakable bank on the same step
+
+                @torch.inference_mode()
+                def breakable(g=graphs, b=batch):
+                    return g.run(b, whole=False)
+
+                add("breakable" + tag, breakable, f"bucket {bucket}")
         else:
             add("breakgraph graphs" + tag, None, "no bucket")
         if sb.engine.device.type == "cuda":

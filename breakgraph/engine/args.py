@@ -48,6 +48,9 @@ class EngineArgs:
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256
     cuda_graph_max_tokens_prefill: int | None = None  # default: --chunked-prefill-size
     prefill_graph_max_pad_factor: float = 2.0
+    # prefill buckets up to this many tokens are also captured whole (attention inline), for
+    # a lone request whose context fits one; 0: none
+    cuda_graph_max_tokens_prefill_whole: int = 2048
     warmups: str = "auto"  # serving-shapes | none; auto: serving-shapes on CUDA
     skip_server_warmup: bool = False
     # serving (`breakgraph serve`): the API process's limits; the engine reads shutdown_timeout
@@ -174,6 +177,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prefill-graph-max-pad-factor", type=float, default=d.prefill_graph_max_pad_factor
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens-prefill-whole",
+        type=int,
+        default=d.cuda_graph_max_tokens_prefill_whole,
+        help="prefill buckets up to this many tokens are also captured whole, attention "
+        "inline, for a lone request whose context fits one (0: none)",
     )
     g.add_argument(
         "--warmups",

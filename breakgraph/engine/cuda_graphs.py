@@ -1,6 +1,13 @@
 """CUDA graphs for the model runner: decode (whole forward per batch size) and prefill
 (breakable forward per token bucket, attention as the eager break).
 
+A lone request whose whole context fits a small bucket (a short prompt with no cached prefix,
+or a short one over a short prefix) replays a *whole* prefill graph instead: the same
+forward captured with attention inline, on one request's metadata held in static buffers
+(``PrefillGraphs.whole``). Its attention grid is the bucket's, the eager one's or larger
+(the extra programs exit); its kernel is the eager one's at these sizes. It saves the
+breaks' launches and the gaps between the segments.
+
 A model with KV-shared late layers (``model.bounded_prefill``, Gemma 4) splits its prefill:
 the token-bucket bank captures ``forward_head`` (the layers that store KV, all rows) and a
 tail bank, bucketed by tail-row count, captures ``forward_tail`` (the KV-shared layers on each
@@ -26,6 +33,7 @@ from torch import nn
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from breakgraph.graph import GraphBank, StaticInput
 from breakgraph.kernels import decode_attention, jit_watch, ops, pdl
+from breakgraph.kernels.extend_attention import ONE_PASS_MAX_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +96,12 @@ class _GraphsBase:
             name=name,
         )
 
-    def _capture_ctx(self, batch: ForwardBatch, size: int) -> ForwardContext:
-        """The context a bucket of ``size`` rows is captured in: rows past the next smaller
-        bucket are the ones a replay may pad (a smaller count takes a smaller bucket)."""
+    def _capture_ctx(self, batch: ForwardBatch, size: int, bank=None) -> ForwardContext:
+        """The context a bucket of ``size`` rows of ``bank`` (default ``self.bank``) is
+        captured in: rows past the next smaller bucket are the ones a replay may pad (a
+        smaller count takes a smaller bucket)."""
         ctx = self._context(batch)
-        smaller = [b for b in self.bank.sizes if b < size]
+        smaller = [b for b in (bank or self.bank).sizes if b < size]
         ctx.pad_rows_from = smaller[-1] if smaller else 0
         return ctx
 
@@ -282,8 +291,11 @@ class PrefillGraphs(_GraphsBase):
         max_pad_factor: float = 2.0,
         check_addresses=None,
         tail_sizes: list[int] | None = None,
+        whole_max_tokens: int = 0,
     ):
-        """``tail_sizes``: the tail bank's row buckets, for a model with ``bounded_prefill``."""
+        """``tail_sizes``: the tail bank's row buckets, for a model with ``bounded_prefill``.
+        ``whole_max_tokens``: the buckets up to it are captured whole too, for lone requests
+        (none for a model with bounded prefill: its tail is a bank of its own)."""
         super().__init__(model, kv_pool, req_to_token, pad_req_idx)
         bounded = bool(getattr(model, "bounded_prefill", False))
         self.tail = None
@@ -291,12 +303,13 @@ class PrefillGraphs(_GraphsBase):
             self.tail = TailGraphs(
                 model, kv_pool, req_to_token, pad_req_idx, tail_sizes, pool, check_addresses
             )
+        inputs = [
+            StaticInput("input_ids", torch.int64),
+            StaticInput("positions", torch.int64),
+            StaticInput("out_cache_loc", torch.int64),  # the captured KV store's slots
+        ]
         self.bank = self._bank(
-            [
-                StaticInput("input_ids", torch.int64),
-                StaticInput("positions", torch.int64),
-                StaticInput("out_cache_loc", torch.int64),  # the captured KV store's slots
-            ],
+            inputs,
             buckets,
             pool,
             check_addresses,
@@ -304,6 +317,29 @@ class PrefillGraphs(_GraphsBase):
             max_pad_factor=max_pad_factor,
             capture_context=self._capture_context,
         )
+        self.whole = None
+        whole_sizes = [b for b in buckets if b <= whole_max_tokens]
+        if whole_sizes and self.tail is None:
+            # the lone request's metadata the captured attention reads: its table row, its
+            # context length and its new tokens (separate buffers: each 16-byte aligned, as
+            # the uploaded rows are, so the kernels compile no variant of their own)
+            dev = self.device
+            self._one = {
+                "req_pool_indices": torch.zeros(1, dtype=torch.int64, device=dev),
+                "seq_lens": torch.zeros(1, dtype=torch.int32, device=dev),
+                "extend_lens": torch.zeros(1, dtype=torch.int32, device=dev),
+                "extend_start_loc": torch.zeros(1, dtype=torch.int32, device=dev),  # stays 0
+            }
+            self.whole = self._bank(
+                inputs,
+                whole_sizes,
+                pool,
+                check_addresses,
+                name="whole prefill graphs",
+                max_pad_factor=max_pad_factor,
+                split_at_breaks=False,
+                capture_context=self._capture_whole_context,
+            )
 
     def _forward(self, input_ids, positions, out_cache_loc):
         del out_cache_loc  # the KV store reads it through the capture's forward context
@@ -322,12 +358,58 @@ class PrefillGraphs(_GraphsBase):
         with forward_context(self._capture_ctx(batch, size)):
             yield
 
+    @contextlib.contextmanager
+    def _capture_whole_context(self, size: int):
+        """One request of ``size`` new tokens over the padding row, its metadata the static
+        buffers a replay fills, and the grid the bucket's: every live count up to ``size``."""
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, [0] * size, [0] * size, [self.pad_req_idx], [0], [size], self.device
+        )
+        one = self._one
+        one["req_pool_indices"].fill_(self.pad_req_idx)
+        one["seq_lens"].fill_(size)
+        one["extend_lens"].fill_(size)
+        for name, buf in one.items():
+            setattr(batch, name, buf)
+        batch.out_cache_loc = self.whole.views(size)["out_cache_loc"]
+        with forward_context(self._capture_ctx(batch, size, self.whole)):
+            yield
+
     def capture(self) -> None:
         self.bank.capture()
+        if self.whole is not None:
+            self.whole.capture()
         if self.tail is not None:
             self.tail.capture()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def whole_bucket(self, batch: ForwardBatch) -> int | None:
+        """The whole graph's bucket for ``batch``, or None: one request whose context (cached
+        prefix and new tokens) fits the bucket or is short enough that an eager step's
+        attention would be the one-pass kernel too (a longer prefix may want key splits,
+        which a step plans from its own lengths: the breakable bank)."""
+        if self.whole is None or batch.batch_size != 1:
+            return None
+        size = self.whole.bucket_for(batch.num_tokens)
+        if size is None:
+            return None
+        return size if batch.seq_lens_cpu[0] <= max(size, ONE_PASS_MAX_KEYS) else None
+
+    def run(self, batch: ForwardBatch, whole: bool = True) -> torch.Tensor | None:
+        """The step's logits through a graph, or None (no bucket: the caller runs eagerly).
+        ``whole=False``: never the whole graph (benchmarks compare the two)."""
+        if whole and self.whole_bucket(batch) is not None:
+            one = self._one
+            torch._foreach_copy_(
+                [one["seq_lens"], one["extend_lens"]], [batch.seq_lens, batch.extend_lens]
+            )
+            one["req_pool_indices"].copy_(batch.req_pool_indices)
+            out = self.whole.run(
+                batch.num_tokens,
+                input_ids=batch.input_ids,
+                positions=batch.positions,
+                out_cache_loc=batch.out_cache_loc,
+            )
+            return self.model.compute_logits(out[batch.logits_rows])
         # the attention break reads the live batch; the captured KV store, the bank's slots
         with forward_context(self._context(batch)):
             out = self.bank.run(

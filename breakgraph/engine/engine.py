@@ -80,6 +80,7 @@ def capture_graphs(
     runner.capture_graphs(
         pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
         tail_max_rows=min(graph_max_bs, max_running),
+        whole_max_tokens=args.cuda_graph_max_tokens_prefill_whole,
     )  # fmt: skip
 
 

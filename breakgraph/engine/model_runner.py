@@ -54,15 +54,18 @@ class ModelRunner:
         prefill_buckets: list[int] | None,
         max_pad_factor: float = 2.0,
         tail_max_rows: int = 160,
+        whole_max_tokens: int = 0,
     ) -> None:
         """Capture decode graphs (if decode_max_bs) and prefill graphs (if buckets), one pool;
-        for a model with bounded prefill, the tail bank up to ``tail_max_rows`` requests."""
+        for a model with bounded prefill, the tail bank up to ``tail_max_rows`` requests; the
+        prefill buckets up to ``whole_max_tokens`` also whole, for lone requests."""
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_pool, self.req_to_token, pad_req_idx, prefill_buckets, pool,
                 max_pad_factor=max_pad_factor, tail_sizes=decode_batch_sizes(tail_max_rows),
+                whole_max_tokens=whole_max_tokens,
             )  # fmt: skip
             self.prefill_graphs.capture()
         if decode_max_bs:
@@ -89,6 +92,8 @@ class ModelRunner:
             logits = graphs.run(batch)
             if logits is not None:
                 self.step_counts[f"{batch.mode.value}_graph"] += 1
+                if not decode and graphs.whole_bucket(batch) is not None:
+                    self.step_counts["extend_graph_whole"] += 1
                 if decode and batch.batch_size > graphs.bank.max_size:
                     self.step_counts["decode_graph_in_pieces"] += 1
                 return logits

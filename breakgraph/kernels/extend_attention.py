@@ -480,6 +480,9 @@ _SPLIT_COST = 0.01  # per split, as a fraction of the one-pass time: workspace a
 # 0.768 ms there, including the merge: a lead for this path. Below it, small grids (P=0
 # prefills up to 2K tokens) keep the one-pass kernel.
 DIRECT_MIN_KEYS = 8192
+# contexts shorter than this take the one-pass kernel whatever the grid (no split keeps
+# _SPLIT_MIN_KEYS keys, and the unsplit split kernel starts at DIRECT_MIN_KEYS)
+ONE_PASS_MAX_KEYS = 2 * _SPLIT_MIN_KEYS - 1
 _MERGE_M = 16  # rows per merge program
 
 
