@@ -275,6 +275,9 @@ class ForwardContext:
     # Set only while a graph bucket is captured: rows at or past it may be padding in a
     # replay; layers whose kernels leave such rows unwritten zero them inside the graph.
     pad_rows_from: int | None = None
+    # Set while a whole prefill graph (one request) is captured: the attention kernel writes
+    # zeros to the padding rows itself, so the attention layer fills nothing.
+    attention_zeroes_padding: bool = False
 
 
 _CONTEXT: ForwardContext | None = None

@@ -2,8 +2,9 @@
 CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
 decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
 and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with
-SiLU or GELU in the epilogue; the residual add + RMSNorm as its prologue); and the GEMV
-kernel. Run as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
+SiLU or GELU in the epilogue; the residual add + RMSNorm as its prologue); the GEMV kernel;
+and one request's extend attention zeroing its padding rows (a whole prefill graph's). Run
+as ``TRITON_INTERPRET=1 python -m tests.interpret_kernels`` (started so by
 ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
@@ -57,7 +58,38 @@ def main() -> int:
                     f"{'ok' if ok else 'FAIL'} window={window} merge_in_split={merge} "
                     f"splits={splits}: max diff {diff:.1e}, counters zero {zero}"
                 )
-    return failed + skinny_gemm()
+    return failed + skinny_gemm() + extend_zero_pad()
+
+
+def extend_zero_pad() -> int:
+    """One request's extend attention with ``zero_pad`` (a whole prefill graph's): its rows
+    equal the twin's, every row past them up to o's last is zero (o starts as NaN), on the
+    one-pass kernel (whose blocks past the request write the zeros) and the split one."""
+    from dataclasses import replace
+
+    from breakgraph.kernels import extend_attention as ext
+    from tests.test_kernels import paged_batch
+
+    failed, rows = 0, 48
+    for prefix, extend in ((7, 5), (0, 40), (130, 1)):
+        kc, vc, meta, _ = paged_batch([(prefix, extend)], 2, 32, torch.float32, "cpu")
+        meta = replace(meta, max_extend_len=rows, max_seq_len=prefix + extend)
+        q = torch.randn(rows, 4, 32)
+        ref = torch.zeros_like(q)
+        ext.extend_attention_torch(q, ref, kc, vc, meta, 0.3)
+        cfg = ext._extend_config(32, torch.float32, q.device)
+        for splits in (0, 2):
+            o = torch.full_like(q, float("nan"))
+            ext.ExtendPlan(q, kc, meta, 0.3, config=cfg, splits=splits, zero_pad=True)(q, o, kc, vc)
+            diff = (o[:extend] - ref[:extend]).abs().max().item()
+            zeros = bool((o[extend:] == 0).all())
+            ok = diff <= 1e-5 and zeros
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} extend zero_pad prefix={prefix} extend={extend} "
+                f"splits={splits}: max diff {diff:.1e}, padding zero {zeros}"
+            )
+    return failed
 
 
 def skinny_gemm() -> int:

@@ -215,6 +215,27 @@ def test_extend_attention_split_kv_any_split_count(num_splits):
 
 
 @gpu
+@pytest.mark.parametrize("splits", [0, 3])
+def test_extend_zero_pad_writes_zeros_past_the_request(splits):
+    """A whole prefill graph's attention (one request, ``zero_pad``): the request's rows are
+    the twin's, every later row of o (NaN before) is zero: written by the one-pass kernel's
+    blocks past the request, or filled before the split kernel."""
+    dtype, head_dim, rows = torch.bfloat16, 128, 512
+    scale = head_dim**-0.5
+    for prefix, extend in ((0, 256), (0, 1), (300, 129)):
+        kc, vc, meta, _ = paged_batch([(prefix, extend)], 2, head_dim, dtype, "cuda")
+        meta = replace(meta, max_extend_len=rows, max_seq_len=prefix + extend)
+        q = torch.randn(rows, 8, head_dim, device="cuda").to(dtype)
+        ref = torch.zeros_like(q)
+        ext.extend_attention_torch(q, ref, kc, vc, meta, scale)
+        cfg = ext._extend_config(head_dim, dtype, q.device)
+        o = torch.full_like(q, float("nan"))
+        ext.ExtendPlan(q, kc, meta, scale, config=cfg, splits=splits, zero_pad=True)(q, o, kc, vc)
+        torch.testing.assert_close(o[:extend].float(), ref[:extend].float(), atol=2e-2, rtol=2e-2)
+        assert bool((o[extend:] == 0).all()), (prefix, extend)
+
+
+@gpu
 @pytest.mark.parametrize("splits", [0, 1, 5])
 def test_extend_plan_layers_launch_the_compiled_kernel_directly(splits):
     """A plan serves every layer of a step: past the first, its kernels launch through the

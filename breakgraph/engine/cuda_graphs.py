@@ -18,8 +18,9 @@ the live ones are padding; their input ids and positions are 0, their KV slot is
 never part of a real request's context), decode padding rows belong to the padding request
 (``pad_req_idx``: its req_to_token row is all zeros, so slot 0) with ``seq_len`` 1, and their
 outputs are dropped. Prefill padding rows belong to no request, so attention leaves them
-unwritten: the captured graph zeroes them first, so every padding value stays defined (slot
-0 never receives NaN/Inf from uninitialized memory).
+unwritten: the captured graph zeroes them first (a whole graph's attention kernel writes the
+zeros itself), so every padding value stays defined (slot 0 never receives NaN/Inf from
+uninitialized memory).
 """
 
 from __future__ import annotations
@@ -372,7 +373,9 @@ class PrefillGraphs(_GraphsBase):
         for name, buf in one.items():
             setattr(batch, name, buf)
         batch.out_cache_loc = self.whole.views(size)["out_cache_loc"]
-        with forward_context(self._capture_ctx(batch, size, self.whole)):
+        ctx = self._capture_ctx(batch, size, self.whole)
+        ctx.attention_zeroes_padding = True  # its grid covers every row of the bucket
+        with forward_context(ctx):
             yield
 
     def capture(self) -> None:

@@ -186,12 +186,14 @@ def _extend_attention_kernel(
     stride_v_h,
     stride_req,
     window,  # sliding window W (with SLIDING): a row at position p sees keys p-W+1 .. p
+    num_rows,  # o's rows (with ZERO_PAD; 0 otherwise, so that it specializes nothing)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    ZERO_PAD: tl.constexpr,  # one request: its block's rows past it, up to num_rows, get 0
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -265,7 +267,18 @@ def _extend_attention_kernel(
 
         out = acc / l_i[:, None]
         o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+        if ZERO_PAD:  # the rows past the request's are padding: zeros
+            out = tl.where(mask_m[:, None], out, 0.0)
+            mask_m = (row0 + offs_m) < num_rows
         tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    else:
+        if ZERO_PAD:  # a block of padding rows only
+            row0 = tl.load(extend_start_loc + b).to(tl.int64)
+            rows = row0 + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            o_ptrs = o + rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+            zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=o.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=(rows < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @_jit_split
@@ -575,15 +588,23 @@ class ExtendPlan:
         config: tuple[int, int, int, int] | None = None,
         splits: int | None = None,
         sliding_window: int | None = None,
+        zero_pad: bool = False,
     ):
         """``config`` (BLOCK_M, BLOCK_N, warps, stages) and ``splits`` override the choices
         (benchmark sweeps and tests). ``sliding_window`` W: a row at position p sees keys
         p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window, so
-        a long prefix costs the window, not the prefix (no key split is needed)."""
+        a long prefix costs the window, not the prefix (no key split is needed).
+        ``zero_pad`` (one request): every row of ``o`` past the request's gets zeros, by the
+        one-pass kernel's blocks past it (``max_extend_len`` must cover ``o``'s rows), or by
+        a fill before the split kernel; otherwise rows of no request are left untouched."""
         num_tokens, num_heads, head_dim = q.shape
         batch = meta.req_pool_indices.shape[0]
         num_kv_heads = k_cache.shape[1]
         max_extend_len = meta.max_extend_len
+        if zero_pad and (batch != 1 or max_extend_len < num_tokens):
+            raise ValueError("zero_pad needs one request whose extend bound covers o's rows")
+        self.zero_first = False  # the split path's padding: a fill before its launches
+        self.num_rows = num_tokens if zero_pad else 0
         self.empty = num_tokens == 0 or batch == 0 or max_extend_len <= 0
         if self.empty:
             return
@@ -622,8 +643,10 @@ class ExtendPlan:
         if splits == 0:
             self.grid = (num_heads, batch, num_m_blocks)
             self.consts["SLIDING"] = sliding_window is not None
+            self.consts["ZERO_PAD"] = zero_pad
             self.attend = Launch(_extend_attention_kernel, self.grid, **self.consts)
             return
+        self.zero_first, self.num_rows = zero_pad, 0
         assert block_m % _MERGE_M == 0
         self.grid = (num_heads, batch * num_m_blocks, splits)
         self.split_args = (splits, num_m_blocks)
@@ -660,9 +683,12 @@ class ExtendPlan:
         )  # fmt: skip
         if self.splits == 0:
             self.attend(
-                q, o, k_cache, v_cache, *self.meta_args, *self.scale_group, *strides, self.window
-            )
+                q, o, k_cache, v_cache, *self.meta_args, *self.scale_group, *strides, self.window,
+                self.num_rows,
+            )  # fmt: skip
             return
+        if self.zero_first:
+            o.zero_()
         part_o = o if self.part_o is None else self.part_o
         part_lse = o if self.part_lse is None else self.part_lse
         self.split(

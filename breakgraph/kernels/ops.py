@@ -93,14 +93,20 @@ def plan_extend_attention(
     meta: AttentionMeta,
     sm_scale: float,
     sliding_window: int | None = None,
+    zero_pad: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """:func:`extend_attention` split in two: the step's part, computed once, returns a
     ``plan(q, o, k_cache, v_cache)`` that each layer of the same shape, scale and window
-    calls (same result, less host work)."""
+    calls (same result, less host work). ``zero_pad`` (one request): o's rows past the
+    request's get zeros (``ExtendPlan``)."""
     if _use_triton(q):
-        return _extend.ExtendPlan(q, k_cache, meta, sm_scale, sliding_window=sliding_window)
+        return _extend.ExtendPlan(
+            q, k_cache, meta, sm_scale, sliding_window=sliding_window, zero_pad=zero_pad
+        )
 
     def plan(q, o, k_cache, v_cache):
+        if zero_pad:
+            o.zero_()
         _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
     return plan

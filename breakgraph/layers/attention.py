@@ -45,8 +45,9 @@ def paged_attention(
         if plan is None:
             meta = batch.attention_meta(ctx.req_to_token)
             plan = batch.attention_plans[key] = ops.plan_extend_attention(
-                q, k_cache, meta, scaling, sliding_window=sliding_window
-            )
+                q, k_cache, meta, scaling, sliding_window=sliding_window,
+                zero_pad=ctx.attention_zeroes_padding,
+            )  # fmt: skip
         plan(q, o, k_cache, v_cache)
 
 
@@ -83,8 +84,9 @@ class Attention(nn.Module):
         own rows stored by the caller (``self.kv_write(v)`` to the kernel producing k), or
         written by another layer (KV sharing)."""
         o = torch.empty_like(q)
-        pad_from = get_forward_context().pad_rows_from
-        if pad_from is not None and pad_from < o.shape[0]:
+        ctx = get_forward_context()
+        pad_from = ctx.pad_rows_from
+        if pad_from is not None and pad_from < o.shape[0] and not ctx.attention_zeroes_padding:
             # captured: padding rows get a defined value (the kernels skip rows of no request)
             o[pad_from:].zero_()
         paged_attention(q, o, self.kv_layer_id, self.scaling, self.sliding_window)
