@@ -388,12 +388,14 @@ def test_default_buckets_capture_fast_qwen3_0_6b():
             chunked_prefill_size=8192,
         )
     )
-    bank = eng.runner.prefill_graphs.bank
+    bank, whole = eng.runner.prefill_graphs.bank, eng.runner.prefill_graphs.whole
     assert bank.sizes == list(range(256, 8193, 256))
+    assert whole.sizes == list(range(256, 2049, 256))  # --cuda-graph-max-tokens-prefill-whole
     print(
-        f"prefill capture {bank.capture_seconds:.1f} s; engine start {time.perf_counter() - t0:.1f} s"
+        f"prefill capture {bank.capture_seconds:.1f} s, whole {whole.capture_seconds:.1f} s; "
+        f"engine start {time.perf_counter() - t0:.1f} s"
     )
-    assert bank.capture_seconds < 30
+    assert bank.capture_seconds < 30 and whole.capture_seconds < 15
     (res,) = eng.generate(
         [list(range(10, 1010))], SamplingParams(max_new_tokens=4, temperature=0.0)
     )

@@ -4,8 +4,8 @@ of P, timed for several arms in one process on the same weights.
 Arms: breakgraph eager, breakgraph graphs (the prefill bank the engine picks: the whole
 graph for a lone request whose context fits a whole bucket, then also ``breakable``, the
 breakable bank on the same step), the floor (the same forward captured whole as one CUDA
-graph at that fixed shape), HF transformers eager (sdpa),
-and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
+graph at that fixed shape), HF transformers eager (sdpa), and HF under
+``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
 A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
 the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
 layers replayed on each request's last row only), each with its own floor.
