@@ -319,6 +319,7 @@ class PrefillGraphs(_GraphsBase):
             capture_context=self._capture_context,
         )
         self.whole = None
+        self.replayed_whole = False  # the last step's bank (run)
         whole_sizes = [b for b in buckets if b <= whole_max_tokens]
         if whole_sizes and self.tail is None:
             # the lone request's metadata the captured attention reads: its table row, its
@@ -399,23 +400,19 @@ class PrefillGraphs(_GraphsBase):
 
     def run(self, batch: ForwardBatch, whole: bool = True) -> torch.Tensor | None:
         """The step's logits through a graph, or None (no bucket: the caller runs eagerly).
-        ``whole=False``: never the whole graph (benchmarks compare the two)."""
+        ``whole=False``: never the whole graph (benchmarks compare the two).
+        ``replayed_whole`` says which bank the step replayed."""
+        bank = self.bank
         if whole and self.whole_bucket(batch) is not None:
-            one = self._one
+            bank, one = self.whole, self._one  # its attention reads these, by address
             torch._foreach_copy_(
                 [one["seq_lens"], one["extend_lens"]], [batch.seq_lens, batch.extend_lens]
             )
             one["req_pool_indices"].copy_(batch.req_pool_indices)
-            out = self.whole.run(
-                batch.num_tokens,
-                input_ids=batch.input_ids,
-                positions=batch.positions,
-                out_cache_loc=batch.out_cache_loc,
-            )
-            return self.model.compute_logits(out[batch.logits_rows])
+        self.replayed_whole = bank is self.whole
         # the attention break reads the live batch; the captured KV store, the bank's slots
         with forward_context(self._context(batch)):
-            out = self.bank.run(
+            out = bank.run(
                 batch.num_tokens,
                 input_ids=batch.input_ids,
                 positions=batch.positions,

@@ -92,7 +92,7 @@ class ModelRunner:
             logits = graphs.run(batch)
             if logits is not None:
                 self.step_counts[f"{batch.mode.value}_graph"] += 1
-                if not decode and graphs.whole_bucket(batch) is not None:
+                if not decode and graphs.replayed_whole:
                     self.step_counts["extend_graph_whole"] += 1
                 if decode and batch.batch_size > graphs.bank.max_size:
                     self.step_counts["decode_graph_in_pieces"] += 1

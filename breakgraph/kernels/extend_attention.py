@@ -603,8 +603,8 @@ class ExtendPlan:
         max_extend_len = meta.max_extend_len
         if zero_pad and (batch != 1 or max_extend_len < num_tokens):
             raise ValueError("zero_pad needs one request whose extend bound covers o's rows")
-        self.zero_first = False  # the split path's padding: a fill before its launches
-        self.num_rows = num_tokens if zero_pad else 0
+        self.zero_pad = zero_pad  # the split path: a fill before its launches
+        self.num_rows = num_tokens if zero_pad else 0  # the one-pass kernel's bound
         self.empty = num_tokens == 0 or batch == 0 or max_extend_len <= 0
         if self.empty:
             return
@@ -646,7 +646,6 @@ class ExtendPlan:
             self.consts["ZERO_PAD"] = zero_pad
             self.attend = Launch(_extend_attention_kernel, self.grid, **self.consts)
             return
-        self.zero_first, self.num_rows = zero_pad, 0
         assert block_m % _MERGE_M == 0
         self.grid = (num_heads, batch * num_m_blocks, splits)
         self.split_args = (splits, num_m_blocks)
@@ -687,7 +686,7 @@ class ExtendPlan:
                 self.num_rows,
             )  # fmt: skip
             return
-        if self.zero_first:
+        if self.zero_pad:
             o.zero_()
         part_o = o if self.part_o is None else self.part_o
         part_lse = o if self.part_lse is None else self.part_lse
