@@ -586,3 +586,20 @@ def test_decode_ab_reads_a_moe_gemv_table_from_either_json(tmp_path, monkeypatch
         (1, MoEGemvConfig((1, 1024, 1), (1, 256, 1))),
         (2, MoEGemvConfig((1, 512, 1), (2, 256, 1))),
     )
+
+
+def test_hf_arm_is_built_in_the_engine_dtype():
+    """The HF twin is built in the engine's dtype (a float32 copy first would not fit beside
+    a 61 GB bf16 engine on one GPU) and runs its own MoE path."""
+    import torch
+
+    from breakgraph.bench.step import HFArms, StepBench
+
+    sb = StepBench("qwen3-moe-tiny", 8, 0, "cpu", dtype="bfloat16")
+    hf = HFArms(sb.engine, compile_timeout_s=10)
+    assert {p.dtype for p in hf.model.parameters()} == {torch.bfloat16}
+    assert type(hf.model).__name__ == "Qwen3MoeForCausalLM"
+    logits = hf.eager_fn(8, 0)()
+    assert logits.shape[:2] == (1, 1) and logits.dtype == torch.bfloat16
+    assert torch.isfinite(logits).all()
+    sb.engine.shutdown()

@@ -159,9 +159,17 @@ class HFArms:
         model_type = cfg.pop("model_type", None) or arch_model_type(arch)
         config = transformers.AutoConfig.for_model(model_type, **cfg)
         config._attn_implementation = "sdpa"
+        # built in the engine's dtype on the device: a float32 copy first would not fit
+        # beside the engine's weights for a large model (the 30B MoE's 61 GB in bf16)
         with torch.device(engine.device):
-            self.model = getattr(transformers, arch)(config).to(engine.dtype).eval()
+            self.model = getattr(transformers, arch)._from_config(config, dtype=engine.dtype)
+        self.model.eval()
+        experts = getattr(self.model.config, "_experts_implementation", None)
+        if experts is not None and getattr(self.model.config, "num_experts", None):
+            print(f"HF experts implementation: {experts}", flush=True)
         self.device = engine.device
+        vocab = engine.vocab_size
+        self.id_range = (min(1000, vocab // 2), min(30000, vocab - 1))  # as StepBench's
         self.compile_timeout_s = compile_timeout_s
         self.compiled = None
 
@@ -169,12 +177,12 @@ class HFArms:
         from transformers import DynamicCache
 
         g = torch.Generator().manual_seed(new_tokens)
-        ids = torch.randint(1000, 30000, (1, new_tokens), generator=g).to(self.device)
+        ids = torch.randint(*self.id_range, (1, new_tokens), generator=g).to(self.device)
         cache = None
         if prefix_tokens:
             cache = DynamicCache(config=self.model.config)
             with torch.inference_mode():
-                pre = torch.randint(1000, 30000, (1, prefix_tokens), generator=g).to(self.device)
+                pre = torch.randint(*self.id_range, (1, prefix_tokens), generator=g).to(self.device)
                 self.model(pre, past_key_values=cache, use_cache=True)
         return ids, cache
 
