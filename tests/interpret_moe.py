@@ -1,7 +1,7 @@
 """The fused MoE's launch variants under Triton's interpreter on CPU tensors, against the
 torch twin (float32): each of the config table's flags (fused activation, sorted
 intermediate rows, TMA descriptors for the weight tiles and the sorted rows, the down GEMM's
-rows sorted, persistent programs looping over the tiles), a weight TMA cannot tile (not contiguous:
+rows sorted, persistent programs looping over the tiles, half tiles for blocks half padding), a weight TMA cannot tile (not contiguous:
 loaded through pointers), and the GEMV path of a few tokens. Run as ``TRITON_INTERPRET=1 python -m
 tests.interpret_moe`` (started so by ``test_triton_interpret.py``)."""
 
@@ -47,7 +47,42 @@ def main() -> int:
                   f"max diff {diff:.1e}")  # fmt: skip
     finally:
         fm.moe_config = table
-    return failed + gemv(x, gate_up, down, w, ids, ref)
+    return failed + half_tail(gate_up, down) + gemv(x, gate_up, down, w, ids, ref)
+
+
+def half_tail(gate_up, down) -> int:
+    """``half_tail``: blocks of 32 rows whose second half is padding run 16-row tiles. The
+    routing is laid out so that both tiles run: expert 0 has 40 rows (a full block, then 8
+    rows: half), expert 1 has 20 (a full tile over 12 padding rows), experts 2 and 3 have 10
+    (half), the others none."""
+    m = 40
+    x = torch.randn(m, gate_up.shape[2])
+    second = torch.tensor([1] * 20 + [2] * 10 + [3] * 10)[torch.randperm(m)]
+    ids = torch.stack([torch.zeros(m, dtype=torch.long), second], 1)
+    w = torch.softmax(torch.randn(m, 2), 1)
+    ref = fm.fused_experts_torch(x, gate_up, down, w, ids)
+    base = fm.MoEConfig(32, 1, (32, 32, 4, 2), (32, 32, 4, 2), half_tail=True)
+    table = fm.moe_config
+    failed = 0
+    try:
+        for fuse_act, sorted_h, tma, sorted_y in (
+            (True, True, True, False),
+            (False, False, False, False),
+            (True, True, True, True),
+            (True, False, True, True),
+        ):
+            cfg = base._replace(fuse_act=fuse_act, sorted_h=sorted_h, tma=tma, sorted_y=sorted_y)
+            fm.moe_config = lambda *_, c=cfg: c
+            diff = (fm.fused_experts_triton(x, gate_up, down, w, ids) - ref).abs().max().item()
+            ok = diff <= 1e-4
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} moe half_tail fuse_act={fuse_act} "
+                f"sorted_h={sorted_h} tma={tma} sorted_y={sorted_y}: max diff {diff:.1e}"
+            )
+    finally:
+        fm.moe_config = table
+    return failed
 
 
 def gemv(x, gate_up, down, w, ids, ref) -> int:

@@ -183,27 +183,32 @@ def test_fused_experts_gelu_and_expert_scale(m):
 @pytest.mark.parametrize("m", [7, 256, 8192])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("fuse_act", "sorted_h", "tma", "sorted_y", "persistent"),
-    [(False, False, False, False, False), (True, True, False, False, False),
-     (False, True, False, False, False), (True, True, True, False, False),
-     (False, False, True, False, False), (True, True, True, True, False),
-     (True, False, False, True, False), (True, True, True, False, True),
-     (False, False, False, False, True)],
+    ("fuse_act", "sorted_h", "tma", "sorted_y", "persistent", "half_tail"),
+    [(False, False, False, False, False, False), (True, True, False, False, False, False),
+     (False, True, False, False, False, False), (True, True, True, False, False, False),
+     (False, False, True, False, False, False), (True, True, True, True, False, False),
+     (True, False, False, True, False, False), (True, True, True, False, True, False),
+     (False, False, False, False, True, False), (True, True, True, False, False, True),
+     (False, False, False, False, False, True), (True, True, True, True, False, True),
+     (True, False, True, False, False, True)],
     ids=["plain", "fused-sorted", "plain-sorted", "fused-sorted-tma", "plain-tma",
-         "all-sorted-tma", "fused-sorted-y", "fused-sorted-tma-persistent", "plain-persistent"],
+         "all-sorted-tma", "fused-sorted-y", "fused-sorted-tma-persistent", "plain-persistent",
+         "fused-sorted-tma-half", "plain-half", "all-sorted-tma-half", "fused-tma-half"],
 )  # fmt: skip
 def test_fused_experts_config_variants(
-    m, dtype, fuse_act, sorted_h, tma, sorted_y, persistent, monkeypatch
+    m, dtype, fuse_act, sorted_h, tma, sorted_y, persistent, half_tail, monkeypatch
 ):
     """The config table's other variants: gate/up as a plain GEMM then SiLU-and-mul, the
     intermediate rows kept in sorted order (the down GEMM reads them contiguously), the
     tiles loaded through TMA descriptors (weights; the sorted rows too), the down GEMM's
-    rows sorted (the top-k sum gathers them), persistent programs looping over the tiles."""
+    rows sorted (the top-k sum gathers them), persistent programs looping over the tiles,
+    blocks half padding run as tiles of half the rows."""
     hidden, inter = _dims(2048, 768)
     x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
     cfg = fm.moe_config(m, 8, 128)._replace(
-        fuse_act=fuse_act, sorted_h=sorted_h, tma=tma, sorted_y=sorted_y, persistent=persistent
-    )
+        fuse_act=fuse_act, sorted_h=sorted_h, tma=tma, sorted_y=sorted_y, persistent=persistent,
+        half_tail=half_tail,
+    )  # fmt: skip
     monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8))
 

@@ -131,7 +131,8 @@ class MoEConfig(NamedTuple):
     rows) and the top-k sum gathers each token's rows through the inverse order;
     ``persistent``: the GEMMs run about one program per SM, each looping over the live
     tiles (none for padding blocks; a flattened loop overlaps a tile's epilogue with the
-    next tile's loads)."""
+    next tile's loads); ``half_tail``: a block whose second half is padding runs a tile of
+    half the rows (not with ``persistent``; BLOCK_M >= 32)."""
 
     block_m: int
     group_m: int
@@ -142,6 +143,7 @@ class MoEConfig(NamedTuple):
     tma: bool = False
     sorted_y: bool = False
     persistent: bool = False
+    half_tail: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -459,19 +461,21 @@ def _gated(acc, acc_up, c, GELU: tl.constexpr):
 
 
 @_jit()
-def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows, n_out,
+def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids, expert_ids,
+    num_rows, n_out,
     k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, B_TMA: tl.constexpr = False,
     A_TMA: tl.constexpr = False
 ):  # fmt: skip
-    """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows,
-    column block ``pid_n``."""
+    """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows (in
+    units of this tile's BLOCK_M), column block ``pid_n``, the expert of alignment block
+    ``expert_block``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ids + offs_m)
     row_ok = rows < num_rows
-    expert = tl.load(expert_ids + pid_m).to(tl.int64)
+    expert = tl.load(expert_ids + expert_block).to(tl.int64)
     if A_SORTED:
         a_rows = offs_m
         a_ok = offs_m >= 0  # every sorted position is a row of a
@@ -541,6 +545,7 @@ def _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, 
 @_jit("num_rows")
 def _moe_gemm_kernel(
     a,
+    a_half,
     b,
     c,
     topk_weights,
@@ -571,6 +576,7 @@ def _moe_gemm_kernel(
     B_TMA: tl.constexpr = False,  # b: a descriptor of [E * rows, k_in], [BLOCK_N, BLOCK_K] tiles
     A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
     PERSISTENT: tl.constexpr = False,  # a grid of about one program per SM looping over tiles
+    HALF_TAIL: tl.constexpr = False,  # a block half padding runs a [BLOCK_M / 2, BLOCK_N] tile
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
@@ -582,7 +588,11 @@ def _moe_gemm_kernel(
     the tensor's rows or K reads zeros, and one past ``n_out`` (another expert's or the up
     half's rows) lands in columns that are never stored. PERSISTENT: each program loops over
     the live tiles (those of the device's live total, none for padding blocks) in grouped
-    order, the loop flattened so that the next tile's loads overlap this one's epilogue."""
+    order, the loop flattened so that the next tile's loads overlap this one's epilogue.
+    HALF_TAIL (not with PERSISTENT): a block whose second half is padding (an expert's last
+    block, half the time) runs a tile of its first half only, loading its A rows through
+    ``a_half`` (with A_TMA a descriptor of [BLOCK_M / 2, BLOCK_K] tiles; else ``a``), so at
+    most BLOCK_M / 2 padding rows per expert cost tensor-core time."""
     pdl.enter(PDL)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     if PERSISTENT:
@@ -590,17 +600,28 @@ def _moe_gemm_kernel(
         num_tiles = live_m * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, live_m, num_pid_n, GROUP_M)
-            _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows,
-                n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU,
-                MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
+            _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids, expert_ids,
+                num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk,
+                stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED,
+                GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), max_padded // BLOCK_M, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
-            _moe_gemm_tile(pid_m, pid_n, a, b, c, topk_weights, sorted_ids, expert_ids, num_rows,
-                n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-                BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU,
-                MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
+            # an expert's padding rows close its last block, so when the second half's first
+            # row is padding, the whole second half is: a tile of the first half does it
+            half = False
+            if HALF_TAIL:
+                half = tl.load(sorted_ids + pid_m * BLOCK_M + BLOCK_M // 2) >= num_rows
+            if half:
+                _moe_gemm_tile(2 * pid_m, pid_n, pid_m, a_half, b, c, topk_weights, sorted_ids,
+                    expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
+                    stride_bk, stride_cm, BLOCK_M // 2, BLOCK_N, BLOCK_K, A_PER_TOKEN,
+                    A_SORTED, C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
+            else:
+                _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids,
+                    expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
+                    stride_bk, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED,
+                    C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
 
 
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
@@ -620,7 +641,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _launch_gemm(
     a, b, c, topk_weights, align, top_k, n_out, block_m, group_m, cfg, tma=False,
-    persistent=False, **flags,
+    persistent=False, half_tail=False, **flags,
 ):  # fmt: skip
     sorted_ids, expert_ids, num_post_padded = align[:3]
     block_n, block_k, warps, stages = cfg
@@ -633,14 +654,19 @@ def _launch_gemm(
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
     if persistent:  # about one program per SM (the live tiles are a device value)
         grid = (min(grid[0], _sm_count(a.device)),)
+    half_tail = half_tail and not persistent and block_m >= 32  # a half tile's dot: >= 16 rows
     a_arg, b_arg = a, b
     tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])
     if tma:  # the weights as one [E * rows, K] matrix; the sorted rows where they are a's
         b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
         if flags["A_SORTED"]:
             a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    a_half = a_arg
+    if half_tail and tma and flags["A_SORTED"]:
+        a_half = TensorDescriptor.from_tensor(a, [block_m // 2, block_k])
     _moe_gemm_kernel[grid](
         a_arg,
+        a_half,
         b_arg,
         c,
         topk_weights,
@@ -665,6 +691,7 @@ def _launch_gemm(
         B_TMA=tma,
         A_TMA=tma and flags["A_SORTED"],
         PERSISTENT=persistent,
+        HALF_TAIL=half_tail,
         num_warps=warps,
         num_stages=stages,
         **flags,
@@ -952,14 +979,14 @@ def fused_experts_triton(
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
             A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma,
-            persistent=cfg.persistent, **where,
+            persistent=cfg.persistent, half_tail=cfg.half_tail, **where,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h2, topk_weights, align, top_k, 2 * inter, block_m, group_m, cfg.gate_up,
             A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma,
-            persistent=cfg.persistent, **where,
+            persistent=cfg.persistent, half_tail=cfg.half_tail, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
     y = torch.empty((padded if cfg.sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
@@ -967,6 +994,7 @@ def fused_experts_triton(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
         A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
         GELU=False, MUL_WEIGHT=True, tma=cfg.tma, persistent=cfg.persistent,
+        half_tail=cfg.half_tail,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
