@@ -609,15 +609,16 @@ def _moe_gemm_kernel(
         if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
             # an expert's padding rows close its last block, so when the second half's first
             # row is padding, the whole second half is: a tile of the first half does it
-            half = False
-            if HALF_TAIL:
-                half = tl.load(sorted_ids + pid_m * BLOCK_M + BLOCK_M // 2) >= num_rows
-            if half:
-                _moe_gemm_tile(2 * pid_m, pid_n, pid_m, a_half, b, c, topk_weights, sorted_ids,
-                    expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
-                    stride_bk, stride_cm, BLOCK_M // 2, BLOCK_N, BLOCK_K, A_PER_TOKEN,
-                    A_SORTED, C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
-            else:
+            full = True
+            if HALF_TAIL:  # (static: without it the half tile is not compiled)
+                if tl.load(sorted_ids + pid_m * BLOCK_M + BLOCK_M // 2) >= num_rows:
+                    full = False
+                    _moe_gemm_tile(2 * pid_m, pid_n, pid_m, a_half, b, c, topk_weights,
+                        sorted_ids, expert_ids, num_rows, n_out, k_in, top_k, stride_am,
+                        stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M // 2, BLOCK_N,
+                        BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE,
+                        B_TMA, A_TMA)  # fmt: skip
+            if full:
                 _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids,
                     expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
                     stride_bk, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED,
