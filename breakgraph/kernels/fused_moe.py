@@ -174,8 +174,9 @@ _CONFIGS = (
     (4.0, MoEConfig(16, 1, (32, 128, 4, 4), (128, 128, 8, 3))),
     (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),  # the former row (above)
     (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3), tma=True)),
-    (math.inf, MoEConfig(128, 8, (128, 64, 8, 4), (128, 64, 4, 3), sorted_h=True, tma=True)),
-)
+    (math.inf, MoEConfig(128, 8, (128, 64, 8, 4), (128, 64, 4, 3), sorted_h=True, tma=True,
+                         half_tail=True)),
+)  # fmt: skip
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
