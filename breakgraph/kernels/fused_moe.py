@@ -168,6 +168,14 @@ class MoEConfig(NamedTuple):
 # gathering them) equal (down 0.417 vs 0.422 ms, sum 0.074 vs 0.072); BLOCK_M 64 with TMA
 # (``--sweep --sweep-block-m 64 --sweep-table-flags``) 1.430 ms at best against the table's
 # 1.415; storing the sorted h tiles through TMA slowed gate/up 0.748 -> 0.922 ms (removed).
+# half_tail (a block whose second half is padding runs a 64-row tile) in the 128-row row:
+# the layer's graph replay 0.964-0.975x without it at M = 2048, 4096, 8192 on both MoE
+# models (qwen3-30b-a3b 8192: 1.434 vs 1.474 ms against dense 0.974), same process
+# (h200-2026-12-02i/final/), by
+#   python benchmarks/moe_flag_ab.py --flag half_tail --tokens 2048 4096 8192
+# not in the 64-row row: equal at M = 1024 (bench.moe --set half_tail=1, .../half/ab.log).
+# The down GEMM on 8 warps (the sweep's best with it, 2% in its eager times) was even in
+# graph replay (.../final/ab_down8.log), so the down tile stays.
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
