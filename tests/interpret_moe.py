@@ -1,9 +1,10 @@
 """The fused MoE's launch variants under Triton's interpreter on CPU tensors, against the
 torch twin (float32): each of the config table's flags (fused activation, sorted
 intermediate rows, TMA descriptors for the weight tiles and the sorted rows, the down GEMM's
-rows sorted, persistent programs looping over the tiles, half tiles for blocks half padding), a weight TMA cannot tile (not contiguous:
-loaded through pointers), and the GEMV path of a few tokens. Run as ``TRITON_INTERPRET=1 python -m
-tests.interpret_moe`` (started so by ``test_triton_interpret.py``)."""
+rows sorted, persistent programs looping over the tiles, half tiles for blocks half
+padding), a weight TMA cannot tile (not contiguous: loaded through pointers), and the GEMV
+path of a few tokens. Run as ``TRITON_INTERPRET=1 python -m tests.interpret_moe`` (started so
+by ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
 

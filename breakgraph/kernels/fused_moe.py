@@ -471,9 +471,8 @@ def _gated(acc, acc_up, c, GELU: tl.constexpr):
 
 @_jit()
 def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids, expert_ids,
-    num_rows, n_out,
-    k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+    num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, B_TMA: tl.constexpr = False,
     A_TMA: tl.constexpr = False
@@ -601,7 +600,9 @@ def _moe_gemm_kernel(
     HALF_TAIL (not with PERSISTENT): a block whose second half is padding (an expert's last
     block, half the time) runs a tile of its first half only, loading its A rows through
     ``a_half`` (with A_TMA a descriptor of [BLOCK_M / 2, BLOCK_K] tiles; else ``a``), so at
-    most BLOCK_M / 2 padding rows per expert cost tensor-core time."""
+    most BLOCK_M / 2 padding rows per expert cost tensor-core time. Such a block's second
+    half of c is not written (C_SORTED); the next GEMM, on the same sorted ids, takes the
+    same branch and does not read it."""
     pdl.enter(PDL)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     if PERSISTENT:
