@@ -2,9 +2,10 @@
 torch twin (float32): each of the config table's flags (fused activation, sorted
 intermediate rows, TMA descriptors for the weight tiles and the sorted rows, the down GEMM's
 rows sorted, persistent programs looping over the tiles, half tiles for blocks half
-padding), a weight TMA cannot tile (not contiguous: loaded through pointers), and the GEMV
-path of a few tokens. Run as ``TRITON_INTERPRET=1 python -m tests.interpret_moe`` (started so
-by ``test_triton_interpret.py``)."""
+padding, the top-k sum by atomics in the down GEMM), a weight TMA cannot tile (not
+contiguous: loaded through pointers), and the GEMV path of a few tokens. Run as
+``TRITON_INTERPRET=1 python -m tests.interpret_moe`` (started so by
+``test_triton_interpret.py``)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,36 @@ def main() -> int:
                   f"max diff {diff:.1e}")  # fmt: skip
     finally:
         fm.moe_config = table
-    return failed + half_tail(gate_up, down) + gemv(x, gate_up, down, w, ids, ref)
+    return (
+        failed + half_tail(gate_up, down) + atomic_sum(gate_up, down)
+        + gemv(x, gate_up, down, w, ids, ref)
+    )  # fmt: skip
+
+
+def atomic_sum(gate_up, down) -> int:
+    """``atomic_sum``: the down GEMM adds each row into its token's output row (Triton's
+    atomic_add here; the 16-byte reductions are CUDA's), at 7 tokens (the one-program
+    alignment) and at 300 (600 rows: the count and place kernels, three blocks), on the
+    table's kind of config, with persistent programs, and with half tiles."""
+    failed = 0
+    table = fm.moe_config
+    base = fm.MoEConfig(16, 1, (32, 32, 4, 2), (32, 32, 4, 2), atomic_sum=True)
+    try:
+        for m in (7, 300):
+            x = torch.randn(m, gate_up.shape[2])
+            w, ids = fm.moe_route_torch(torch.randn(m, gate_up.shape[0]), 2)
+            ref = fm.fused_experts_torch(x, gate_up, down, w, ids)
+            for flags in ({}, {"sorted_h": True, "tma": True}, {"persistent": True},
+                          {"block_m": 32, "half_tail": True, "sorted_h": True}):  # fmt: skip
+                cfg = base._replace(**flags)
+                fm.moe_config = lambda *_, c=cfg: c
+                diff = (fm.fused_experts_triton(x, gate_up, down, w, ids) - ref).abs().max().item()
+                ok = diff <= 1e-4
+                failed += not ok
+                print(f"{'ok' if ok else 'FAIL'} moe atomic_sum m={m} {flags}: max diff {diff:.1e}")
+    finally:
+        fm.moe_config = table
+    return failed
 
 
 def half_tail(gate_up, down) -> int:

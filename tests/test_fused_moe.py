@@ -119,10 +119,18 @@ def assert_same_routing(logits, twin, got, scoring, renormalize, scale=None):
 
 
 @kernel_test
-@pytest.mark.parametrize(("m", "e", "k"), [(1, 8, 2), (300, 16, 4), (8192, 128, 8), (5, 3, 1)])
-def test_align_groups_rows_by_expert_in_padded_blocks(m, e, k):
-    """Every row once, at its expert's block-aligned region; blocks name their expert."""
+@pytest.mark.parametrize(
+    ("m", "e", "k", "skewed"),
+    [(1, 8, 2, False), (300, 16, 4, False), (512, 128, 8, False), (600, 16, 8, False),
+     (8192, 128, 8, False), (5, 3, 1, False), (300, 16, 4, True), (2000, 16, 4, True)],
+)  # fmt: skip
+def test_align_groups_rows_by_expert_in_padded_blocks(m, e, k, skewed):
+    """Every row once, at its expert's block-aligned region; blocks name their expert. Up to
+    ``ALIGN_ONE_MAX_ROWS`` rows (512 x 8) in one program, above in a count and a place
+    kernel (600 x 8: a last block part empty); skewed: every token to experts 0..k-1."""
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int().to(DEVICE)
+    if skewed:
+        ids = torch.arange(k, dtype=torch.int32, device=DEVICE).repeat(m, 1)
     block_m = 16
     sorted_ids, expert_ids, total, inverse = fm.moe_align(ids, e, block_m, inverse=True)
     flat = ids.flatten().cpu()
@@ -209,6 +217,26 @@ def test_fused_experts_config_variants(
         fuse_act=fuse_act, sorted_h=sorted_h, tma=tma, sorted_y=sorted_y, persistent=persistent,
         half_tail=half_tail,
     )  # fmt: skip
+    monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
+    assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8))
+
+
+@kernel_test
+@pytest.mark.parametrize("m", [7, 256, 8192])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"sorted_y": True}, {"persistent": True, "half_tail": False},
+     {"fuse_act": False, "sorted_h": False, "tma": False, "half_tail": False}],
+    ids=["table", "sorted-y", "persistent", "plain"],
+)  # fmt: skip
+def test_fused_experts_atomic_sum(m, dtype, variant, monkeypatch):
+    """``atomic_sum``: the down GEMM adds each row into its token's output row (in the
+    output's dtype, in no fixed order) and no top-k sum runs, on the table's config at M and
+    on other variants (``sorted_y`` is then unread)."""
+    hidden, inter = _dims(2048, 768)
+    x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
+    cfg = fm.moe_config(m, 8, 128)._replace(atomic_sum=True, **variant)
     monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8))
 

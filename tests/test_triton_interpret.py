@@ -41,7 +41,7 @@ def test_kernels_merging_in_their_last_split():
 
 
 def test_fused_moe_launch_variants():
-    interpret("tests.interpret_moe", 46)
+    interpret("tests.interpret_moe", 54)
 
 
 @pytest.mark.parametrize(

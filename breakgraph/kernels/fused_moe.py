@@ -1,27 +1,31 @@
 """Mixture of experts: routing, token->expert alignment, grouped GEMMs, top-k reduction.
 
 The torch twins are HF's arithmetic (a per-expert loop, as ``Qwen3MoeExperts.forward``);
-the CPU runs them. On CUDA, :func:`fused_experts_triton` runs the experts in four launches
-and a memset (one more for an unfused SiLU), whatever the routing:
+the CPU runs them. On CUDA, :func:`fused_experts_triton` runs the experts in four or five
+launches and a memset (one more for an unfused SiLU), whatever the routing:
 
-1. ``_moe_count_kernel``: fills ``sorted_ids`` with the sentinel and counts each expert's
-   rows with atomics (each row keeps its rank within its expert);
-2. ``_moe_place_kernel``: every program recomputes the experts' block-padded offsets from the
-   counts (a scan over E), places its rows at ``offset[expert] + rank`` and writes the expert
-   of its share of GEMM blocks, so each block of ``BLOCK_M`` sorted rows has one expert;
-3. ``_moe_gemm_kernel`` (gate/up, SiLU or tanh-GELU and the product fused in the epilogue;
+1. the alignment: up to ``ALIGN_ONE_MAX_ROWS`` rows, ``_moe_align_one_kernel`` does all of
+   it in one program; above, ``_moe_count_kernel`` fills ``sorted_ids`` with the sentinel
+   and ranks each row within its expert (its block's rows sorted by expert, then one atomic
+   per expert per block for the rows of earlier blocks) and ``_moe_place_kernel``: every
+   program recomputes the experts' block-padded offsets from the counts (a scan over E),
+   places its rows at ``offset[expert] + rank`` and writes the expert of its share of GEMM
+   blocks, so each block of ``BLOCK_M`` sorted rows has one expert;
+2. ``_moe_gemm_kernel`` (gate/up, SiLU or tanh-GELU and the product fused in the epilogue;
    or, where the config table says it pays, a plain GEMM and then SiLU-and-mul), then again
    (down, each row scaled by its routing weight) into one row per (token, k), by row id or,
-   where the table says so (``sorted_y``), at its sorted position;
-4. ``_moe_sum_kernel``: the top-k rows of each token summed in float32 (with ``sorted_y``
+   where the table says so (``sorted_y``), at its sorted position, or (``atomic_sum``) added
+   into its token's output row (zeroed first) with atomics, and then no sum kernel runs;
+3. ``_moe_sum_kernel``: the top-k rows of each token summed in float32 (with ``sorted_y``
    found through the inverse of the sorted order, which the place kernel writes).
 
 Every buffer is sized from the step's token count (a shape, known on the host): the
 padded length is bounded by ``M*K + min(E, M*K) * (BLOCK_M - 1)``, blocks past the live
 total (a device scalar) exit at once. No host sync, no ``.item()``: capturable in a graph.
 
-A row's result does not depend on which rows share its block, so the atomics' order
-(which rows land where within an expert) changes nothing in the output.
+A row's result does not depend on which rows share its block, so the counts' atomics
+(which rows land where within an expert) change nothing in the output; ``atomic_sum``'s
+adds, in the output's dtype, round in the order they land.
 
 Steps of up to ``GEMV_MAX_TOKENS`` tokens (``BREAKGRAPH_MOE_GEMV``, default 4; 0 turns it
 off) take :func:`fused_experts_gemv_triton` instead: two launches, no alignment.
@@ -132,7 +136,9 @@ class MoEConfig(NamedTuple):
     ``persistent``: the GEMMs run about one program per SM, each looping over the live
     tiles (none for padding blocks; a flattened loop overlaps a tile's epilogue with the
     next tile's loads); ``half_tail``: a block whose second half is padding runs a tile of
-    half the rows (not with ``persistent``; BLOCK_M >= 32)."""
+    half the rows (not with ``persistent``; BLOCK_M >= 32); ``atomic_sum``: the down GEMM
+    adds each row into its token's output row with atomics in the output's dtype (as HF's
+    ``index_add_`` does, in no fixed order), and no top-k sum runs (``sorted_y`` unread)."""
 
     block_m: int
     group_m: int
@@ -144,6 +150,7 @@ class MoEConfig(NamedTuple):
     sorted_y: bool = False
     persistent: bool = False
     half_tail: bool = False
+    atomic_sum: bool = False
 
 
 # Launch configs by shape class: the mean rows per expert, M * K / E (the first row whose
@@ -176,21 +183,38 @@ class MoEConfig(NamedTuple):
 # not in the 64-row row: equal at M = 1024 (bench.moe --set half_tail=1, .../half/ab.log).
 # The down GEMM on 8 warps (the sweep's best with it, 2% in its eager times) was even in
 # graph replay (.../final/ab_down8.log), so the down tile stays.
+# atomic_sum (the down GEMM adds each row into its token's output row; no sum kernel) over 4
+# and up to 256 mean rows (M = 65 to 4096 at top-8 of 128; the 256 bound splits the 128-row
+# tiles' row): the layer's graph replay with it against the sum kernel, qwen3-30b-a3b /
+# gemma-4-26b-a4b, ms, same process (h200-2026-12-03/moe/ab2.log), by
+#   python benchmarks/moe_align_ab.py --old .dev/fused_moe_old.py   (the former module)
+# M = 128 0.328 vs 0.331 / 0.408 vs 0.412, 256 0.333 vs 0.337 / 0.415 vs 0.420, 1024 0.388 vs
+# 0.400 / 0.492 vs 0.497, 2048 0.481 vs 0.510 / 0.631 vs 0.660, 4096 0.783 vs 0.799 / 1.042
+# vs 1.038; at 8192 slower (1.440 vs 1.404 / 1.877 vs 1.848), at M = 8 and 64 even. One
+# atomic_add per element (BREAKGRAPH_MOE_RED_V8=0) was even up to M = 1024, slower at 2048
+# (0.495) and 4096 (0.799), about even at 8192 (1.407).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
     (4.0, MoEConfig(16, 1, (32, 128, 4, 4), (128, 128, 8, 3))),
-    (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4))),  # the former row (above)
-    (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3), tma=True)),
+    (16.0, MoEConfig(32, 4, (64, 64, 4, 4), (64, 64, 4, 4), atomic_sum=True)),
+    (96.0, MoEConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3), tma=True, atomic_sum=True)),
+    (256.0, MoEConfig(128, 8, (128, 64, 8, 4), (128, 64, 4, 3), sorted_h=True, tma=True,
+                      half_tail=True, atomic_sum=True)),
     (math.inf, MoEConfig(128, 8, (128, 64, 8, 4), (128, 64, 4, 3), sorted_h=True, tma=True,
                          half_tail=True)),
 )  # fmt: skip
+
+# BREAKGRAPH_MOE_ATOMIC_SUM=0: no config adds with atomics (each token's top-k rows are then
+# summed in a fixed order, so a prefill's output is the same bits from run to run)
+ATOMIC_SUM = os.environ.get("BREAKGRAPH_MOE_ATOMIC_SUM", "1") == "1"
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     """The launch config of a step of ``num_tokens`` tokens (host values only)."""
     mean_rows = num_tokens * top_k / num_experts
-    return next(cfg for bound, cfg in _CONFIGS if mean_rows <= bound)
+    cfg = next(cfg for bound, cfg in _CONFIGS if mean_rows <= bound)
+    return cfg if ATOMIC_SUM else cfg._replace(atomic_sum=False)
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -318,6 +342,79 @@ def _grouped_pdl(device: torch.device) -> dict:
     return pdl.launch(device) if GROUPED_PDL else {}
 
 
+@_jit()
+def _padded_ends(counts, BLOCK_M: tl.constexpr):
+    """Each expert's region of the sorted list: its rows padded to BLOCK_M, (start, end)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    return end - padded, end
+
+
+@_jit()
+def _rank_in_block(expert, ok, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The block's rows sorted by expert: (row within the block, its expert, its rank among
+    the block's rows of that expert, whether it is a row) per sorted position, and the
+    block's count of each expert. A sort of (expert, row) keys and a scan, no atomics."""
+    local = tl.arange(0, BLOCK)
+    counts = tl.histogram(expert, BLOCK_E, mask=ok)
+    key = tl.sort(tl.where(ok, expert, BLOCK_E) * BLOCK + local)
+    live = key < BLOCK_E * BLOCK
+    key_expert = tl.minimum(key // BLOCK, BLOCK_E - 1)
+    rank = local - tl.gather(tl.cumsum(counts, 0) - counts, key_expert, 0)
+    return key % BLOCK, key_expert, rank, live, counts
+
+
+@_jit()
+def _block_owners(expert_ids, end, num_experts, num_blocks, first_block,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """The expert of GEMM blocks [first_block, + BLOCK_B): the experts ending at or before
+    a block's first row are behind it; blocks past the live total get -1 (never read)."""
+    blocks = first_block + tl.arange(0, BLOCK_B)
+    e = tl.arange(0, BLOCK_E)
+    behind = (end[None, :] <= blocks[:, None] * BLOCK_M) & (e[None, :] < num_experts)
+    owner = tl.sum(behind.to(tl.int32), 1)
+    owner = tl.where(owner < num_experts, owner, -1)
+    tl.store(expert_ids + blocks, owner, mask=blocks < num_blocks)
+
+
+@_jit("num_rows", "num_blocks", "max_padded")
+def _moe_align_one_kernel(
+    topk_ids,
+    sorted_ids,
+    expert_ids,
+    num_post_padded,
+    inverse,
+    num_rows,
+    num_experts,
+    num_blocks,
+    max_padded,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    INVERSE: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
+):
+    """The whole alignment of up to BLOCK rows in one program: counts, offsets, places."""
+    pdl.enter(PDL)
+    for p0 in range(0, max_padded, BLOCK):  # padding slots name the sentinel row num_rows
+        p = p0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ids + p, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=p < max_padded)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < num_rows
+    expert = tl.load(topk_ids + offs, mask=ok, other=0)
+    row, key_expert, rank, live, counts = _rank_in_block(expert, ok, BLOCK, BLOCK_E)
+    start, end = _padded_ends(counts, BLOCK_M)
+    tl.store(num_post_padded, tl.sum(end - start, 0))
+    dest = tl.gather(start, key_expert, 0) + rank
+    tl.debug_barrier()  # the sentinel stores before the rows' (the same slots)
+    tl.store(sorted_ids + dest, row, mask=live)
+    if INVERSE:  # each row's sorted position
+        tl.store(inverse + row, dest, mask=live)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        _block_owners(expert_ids, end, num_experts, num_blocks, b0, BLOCK_M, BLOCK_E, BLOCK_B)
+
+
 @_jit("num_rows")
 def _moe_count_kernel(
     topk_ids,
@@ -327,16 +424,23 @@ def _moe_count_kernel(
     num_rows,
     max_padded,
     BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    """Each row's rank within its expert: its rank within this program's block (a sort),
+    after the rows of its expert in the blocks whose atomics came first (one atomic per
+    expert per block: a row per atomic serialized on the counters' few L2 slices)."""
     pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # padding slots of the sorted list name the sentinel row num_rows (the GEMMs mask it)
     tl.store(sorted_ids + offs, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=offs < max_padded)
     ok = offs < num_rows
     expert = tl.load(topk_ids + offs, mask=ok, other=0)
-    rank = tl.atomic_add(counts + expert, 1, mask=ok)
-    tl.store(ranks + offs, rank, mask=ok)
+    row, key_expert, rank, live, block_counts = _rank_in_block(expert, ok, BLOCK, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    before = tl.atomic_add(counts + e, block_counts, mask=block_counts > 0, sem="relaxed")
+    rank += tl.gather(before, key_expert, 0)
+    tl.store(ranks + tl.program_id(0) * BLOCK + row, rank, mask=live)
 
 
 @_jit("num_rows", "num_blocks")
@@ -358,36 +462,28 @@ def _moe_place_kernel(
     INVERSE: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    """Every program recomputes the experts' offsets from the counts (a scan over E),
+    places its rows at ``start[expert] + rank`` and writes its share of blocks' experts."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    c = tl.load(counts + e, mask=e < num_experts, other=0)
-    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    start = end - padded
+    start, end = _padded_ends(tl.load(counts + e, mask=e < num_experts, other=0), BLOCK_M)
     if pid == 0:
-        tl.store(num_post_padded, tl.sum(padded, 0))
-
-    # this program's rows at their expert's offset + rank
+        tl.store(num_post_padded, tl.sum(end - start, 0))
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_rows
     expert = tl.load(topk_ids + offs, mask=ok, other=0)
-    rank = tl.load(ranks + offs, mask=ok, other=0)
-    # start[expert] by a one-hot reduction: E is small (<= a few hundred)
-    hit = expert[:, None] == e[None, :]
-    base = tl.sum(tl.where(hit, start[None, :], 0), 1)
-    tl.store(sorted_ids + base + rank, offs, mask=ok)
+    dest = tl.gather(start, expert, 0) + tl.load(ranks + offs, mask=ok, other=0)
+    tl.store(sorted_ids + dest, offs, mask=ok)
     if INVERSE:  # each row's sorted position
-        tl.store(inverse + offs, base + rank, mask=ok)
+        tl.store(inverse + offs, dest, mask=ok)
+    _block_owners(expert_ids, end, num_experts, num_blocks, pid * BLOCK_B, BLOCK_M, BLOCK_E,
+                  BLOCK_B)  # fmt: skip
 
-    # the expert of this program's share of GEMM blocks: the experts ending at or before
-    # the block's first row are behind it; blocks past the total get -1 (never read)
-    blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-    first_row = blocks * BLOCK_M
-    behind = (end[None, :] <= first_row[:, None]) & (e[None, :] < num_experts)
-    owner = tl.sum(behind.to(tl.int32), 1)
-    owner = tl.where(owner < num_experts, owner, -1)
-    tl.store(expert_ids + blocks, owner, mask=blocks < num_blocks)
+
+# Up to this many (token, expert) rows, the alignment is one program (one launch, no counts
+# to zero); above it, a count and a place kernel, each program a block of 256 to 1024 rows.
+ALIGN_ONE_MAX_ROWS = 512
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: bool = False):
@@ -404,38 +500,32 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
     sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
-    inv = torch.empty(num_rows, dtype=torch.int32, device=device) if inverse else ranks
+    inv = torch.empty(num_rows, dtype=torch.int32, device=device) if inverse else sorted_ids
     flat = topk_ids.reshape(-1)
-    block = 1024
-    _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
-        flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, num_warps=4,
-        **_grouped_pdl(device),
-    )  # fmt: skip
     block_e = triton.next_power_of_2(num_experts)
-    place_block = max(16, min(1024, 8192 // block_e))
     block_b = max(16, min(256, 8192 // block_e))
-    grid = max(triton.cdiv(num_rows, place_block), triton.cdiv(num_blocks, block_b))
-    _moe_place_kernel[(grid,)](
-        flat,
-        counts,
-        ranks,
-        sorted_ids,
-        expert_ids,
-        num_post_padded,
-        inv,
-        num_rows,
-        num_experts,
-        num_blocks,
-        BLOCK_M=block_m,
-        BLOCK_E=block_e,
-        BLOCK=place_block,
-        BLOCK_B=block_b,
-        INVERSE=inverse,
-        num_warps=4,
-        **_grouped_pdl(device),
-    )
+    # power-of-two blocks of a few sizes, so that the serving warm-up's buckets compile all
+    if num_rows <= ALIGN_ONE_MAX_ROWS:
+        _moe_align_one_kernel[(1,)](
+            flat, sorted_ids, expert_ids, num_post_padded, inv, num_rows, num_experts,
+            num_blocks, padded, BLOCK_M=block_m, BLOCK_E=block_e,
+            BLOCK=max(256, triton.next_power_of_2(num_rows)), BLOCK_B=block_b, INVERSE=inverse,
+            num_warps=4, **_grouped_pdl(device),
+        )  # fmt: skip
+    else:  # blocks of 256 rows from 8 programs on (a sort of 2048 in one took 25 µs, not 8)
+        block = min(1024, max(256, triton.next_power_of_2(triton.cdiv(num_rows, 8))))
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
+        _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
+            flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, BLOCK_E=block_e,
+            num_warps=4, **_grouped_pdl(device),
+        )  # fmt: skip
+        grid = max(triton.cdiv(num_rows, block), triton.cdiv(num_blocks, block_b))
+        _moe_place_kernel[(grid,)](
+            flat, counts, ranks, sorted_ids, expert_ids, num_post_padded, inv, num_rows,
+            num_experts, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=block,
+            BLOCK_B=block_b, INVERSE=inverse, num_warps=4, **_grouped_pdl(device),
+        )  # fmt: skip
     if inverse:
         return sorted_ids, expert_ids, num_post_padded, inv
     return sorted_ids, expert_ids, num_post_padded
@@ -470,12 +560,43 @@ def _gated(acc, acc_up, c, GELU: tl.constexpr):
 
 
 @_jit()
+def _red_add_v8(ptrs, vals, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``vals`` [BLOCK_M, BLOCK_N] (2-byte floats) added at ``ptrs`` [BLOCK_M, BLOCK_N / 8],
+    each the address of 8 columns (16-byte aligned), by one vector reduction per 8 columns
+    (``red.global.add.noftz.v8``, sm_90): 8x fewer atomics than one per element, and no
+    result to wait for."""
+    # the columns 8j + i of each row as eight [BLOCK_M, BLOCK_N / 8] tensors (by splits)
+    even, odd = tl.split(tl.reshape(vals, (BLOCK_M, BLOCK_N // 8, 4, 2)))
+    e04, e26 = tl.split(tl.reshape(even, (BLOCK_M, BLOCK_N // 8, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, (BLOCK_M, BLOCK_N // 8, 2, 2)))
+    c0, c4 = tl.split(e04)
+    c2, c6 = tl.split(e26)
+    c1, c5 = tl.split(o15)
+    c3, c7 = tl.split(o37)
+    args = [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)] + [
+        h.to(tl.int16, bitcast=True) for h in (c0, c1, c2, c3, c4, c5, c6, c7)
+    ]
+    if vals.dtype == tl.bfloat16:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p red.global.add.noftz.v8.bf16 [$1], "
+            "{$3, $4, $5, $6, $7, $8, $9, $10}; mov.b32 $0, 0; }",
+            "=r,l,r,h,h,h,h,h,h,h,h", args, dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p red.global.add.noftz.v8.f16 [$1], "
+            "{$3, $4, $5, $6, $7, $8, $9, $10}; mov.b32 $0, 0; }",
+            "=r,l,r,h,h,h,h,h,h,h,h", args, dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@_jit()
 def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids, expert_ids,
     num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, B_TMA: tl.constexpr = False,
-    A_TMA: tl.constexpr = False
+    A_TMA: tl.constexpr = False, C_ATOMIC: tl.constexpr = False, RED_V8: tl.constexpr = False
 ):  # fmt: skip
     """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows (in
     units of this tile's BLOCK_M), column block ``pid_n``, the expert of alignment block
@@ -542,7 +663,16 @@ def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         out = out * tl.load(topk_weights + rows, mask=row_ok, other=0.0)[:, None]
-    if C_SORTED:
+    if C_ATOMIC:  # the top-k sum: each row added into its token's row of c, in c's dtype
+        token_row = (rows // top_k)[:, None].to(tl.int64) * stride_cm
+        if RED_V8:
+            cols8 = pid_n * BLOCK_N + 8 * tl.arange(0, BLOCK_N // 8)
+            mask8 = row_ok[:, None] & (cols8 < n_out)[None, :]
+            _red_add_v8(c + token_row + cols8[None, :], out.to(dtype), mask8, BLOCK_M, BLOCK_N)
+        else:
+            mask = row_ok[:, None] & n_ok[None, :]
+            tl.atomic_add(c + token_row + offs_n[None, :], out.to(dtype), mask=mask, sem="relaxed")
+    elif C_SORTED:
         c_ptrs = c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out.to(dtype), mask=n_ok[None, :])
     else:
@@ -585,6 +715,8 @@ def _moe_gemm_kernel(
     A_TMA: tl.constexpr = False,  # with A_SORTED, a: a descriptor, [BLOCK_M, BLOCK_K] tiles
     PERSISTENT: tl.constexpr = False,  # a grid of about one program per SM looping over tiles
     HALF_TAIL: tl.constexpr = False,  # a block half padding runs a [BLOCK_M / 2, BLOCK_N] tile
+    C_ATOMIC: tl.constexpr = False,  # c: [tokens, n_out], each row added into its token's row
+    RED_V8: tl.constexpr = False,  # C_ATOMIC by 16-byte vector reductions (sm_90, 2-byte c)
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
@@ -613,7 +745,7 @@ def _moe_gemm_kernel(
             _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids, expert_ids,
                 num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk,
                 stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED,
-                GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
+                GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), max_padded // BLOCK_M, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
@@ -627,12 +759,12 @@ def _moe_gemm_kernel(
                         sorted_ids, expert_ids, num_rows, n_out, k_in, top_k, stride_am,
                         stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M // 2, BLOCK_N,
                         BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE,
-                        B_TMA, A_TMA)  # fmt: skip
+                        B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
             if full:
                 _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids,
                     expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
                     stride_bk, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED,
-                    C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA)  # fmt: skip
+                    C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
 
 
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
@@ -648,6 +780,25 @@ def _tma_ok(t: torch.Tensor) -> bool:
     """Whether a TMA descriptor can tile ``t``: contiguous, its base and rows 16-byte
     aligned (else the GEMM loads it through pointers)."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
+
+
+# atomic_sum's reductions: one per 8 columns (``red...v8``), or (BREAKGRAPH_MOE_RED_V8=0, and
+# where c does not allow it) Triton's atomic_add, one per element
+RED_V8 = os.environ.get("BREAKGRAPH_MOE_RED_V8", "1") == "1"
+
+
+def _red_v8_ok(c: torch.Tensor, block_n: int) -> bool:
+    """Whether the 16-byte reductions can add into ``c``: a 2-byte float on an sm_90+ GPU,
+    rows of whole 16-byte groups, 16-byte aligned."""
+    return (
+        c.is_cuda
+        and c.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(c.device) >= (9, 0)
+        and block_n % 8 == 0
+        and c.shape[1] % 8 == 0
+        and c.stride(0) % 8 == 0
+        and c.data_ptr() % 16 == 0
+    )
 
 
 def _launch_gemm(
@@ -672,6 +823,8 @@ def _launch_gemm(
         b_arg = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, block_k])
         if flags["A_SORTED"]:
             a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    if flags.get("C_ATOMIC"):  # 16-byte vector reductions where c allows them
+        flags["RED_V8"] = RED_V8 and _red_v8_ok(c, block_n)
     a_half = a_arg
     if half_tail and tma and flags["A_SORTED"]:
         a_half = TensorDescriptor.from_tensor(a, [block_m // 2, block_k])
@@ -977,9 +1130,8 @@ def fused_experts_triton(
     topk_weights = topk_weights.float().contiguous()
     cfg = moe_config(m, top_k, num_experts)
     block_m, group_m = cfg.block_m, cfg.group_m
-    align = moe_align(
-        topk_ids.to(torch.int32).contiguous(), num_experts, block_m, inverse=cfg.sorted_y
-    )
+    sorted_y = cfg.sorted_y and not cfg.atomic_sum
+    align = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts, block_m, inverse=sorted_y)
     rows = m * top_k
     padded = align[0].shape[0]
     h_rows = padded if cfg.sorted_h else rows
@@ -1000,17 +1152,23 @@ def fused_experts_triton(
             persistent=cfg.persistent, half_tail=cfg.half_tail, **where,
         )  # fmt: skip
         h = silu_and_mul_triton(h2)
-    y = torch.empty((padded if cfg.sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
+    if cfg.atomic_sum:  # the down GEMM sums each token's rows into out itself
+        out.zero_()
+        y = out
+    else:
+        y = torch.empty((padded if sorted_y else rows, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(
         h, down, y, topk_weights, align, top_k, hidden, block_m, group_m, cfg.down,
-        A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=cfg.sorted_y, GATED=False,
+        A_PER_TOKEN=False, A_SORTED=cfg.sorted_h, C_SORTED=sorted_y, GATED=False,
         GELU=False, MUL_WEIGHT=True, tma=cfg.tma, persistent=cfg.persistent,
-        half_tail=cfg.half_tail,
+        half_tail=cfg.half_tail, C_ATOMIC=cfg.atomic_sum,
     )  # fmt: skip
+    if cfg.atomic_sum:
+        return out
     block = min(1024, triton.next_power_of_2(hidden))
-    inverse = align[3] if cfg.sorted_y else align[0]  # (unread without sorted_y)
+    inverse = align[3] if sorted_y else align[0]  # (unread without sorted_y)
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
         y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        SORTED=cfg.sorted_y, num_warps=4, **_grouped_pdl(x.device),
+        SORTED=sorted_y, num_warps=4, **_grouped_pdl(x.device),
     )  # fmt: skip
     return out
