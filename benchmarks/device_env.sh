@@ -15,15 +15,46 @@ mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".tcache/tcache.tgz*" > /dev/null; then
   cat .tcache/tcache.tgz* | tar xzf - -C "$TRITON_CACHE_DIR" || echo "device_env: .tcache unreadable, compiling afresh"
 fi
-save_tcache() {  # Triton's cache back in $OUT as tcache.tgz.NN parts: at most 4 of 15 MB,
-  # within the 8 files that come back and, with .whl, the 64 MiB that travel. Only each
-  # kernel's cubin and metadata travel: a hit loads nothing else (Triton's own
-  # TRITON_STORE_BINARY_ONLY mode), and the IR text (ttir, ttgir, llir, ptx, source) is
+# The carried entries' access times go back to 1970: an entry this run reads (a hit) gets a
+# new one (relatime updates an access time older than the file's change), one it compiles is
+# new; save_tcache drops the rest (a kernel whose source changed never hits its old entries).
+TCACHE_T0=$(date +%s)
+find "$TRITON_CACHE_DIR" -type f -exec touch -a -d @1 {} + 2>/dev/null
+TCACHE_MAX=${TCACHE_MAX:-42000000}  # bytes compressed: 3 parts, beside .whl (15 MB) and the tree
+prune_tcache() {  # the entries (one folder per kernel variant) this run neither read nor wrote;
+  # only where a carried entry shows a read (a filesystem mounted noatime would show none)
+  local d hits=0 stale=()
+  for d in "$TRITON_CACHE_DIR"/*/; do
+    if [ -n "$(find "$d" -type f -newermt "@$TCACHE_T0" -print -quit)" ]; then continue; fi
+    if [ -n "$(find "$d" -type f -newerat "@$TCACHE_T0" -print -quit)" ]; then
+      hits=$((hits + 1))
+    else
+      stale+=("$d")
+    fi
+  done
+  if [ "$hits" -gt 0 ]; then
+    echo "device_env: Triton cache: ${#stale[@]} entries unused by this run dropped, $hits carried ones hit"
+    rm -rf "${stale[@]}"
+  else
+    echo "device_env: Triton cache: no read seen (noatime?), nothing dropped"
+  fi
+}
+save_tcache() {  # Triton's cache back in $OUT as tcache.tgz.NN parts of 15 MB, at most
+  # TCACHE_MAX bytes: within the 8 files that come back and, with .whl, the 64 MiB that
+  # travel. Only each kernel's cubin and metadata travel: a hit loads nothing else (Triton's
+  # own TRITON_STORE_BINARY_ONLY mode), and the IR text (ttir, ttgir, llir, ptx, source) is
   # 4/5 of the cache: 324 MB -> 66 MB on disk, 43 -> 15 MB compressed (the one carried
-  # since 2026-12-01).
+  # since 2026-12-01). Entries this run did not use are dropped first (prune_tcache).
+  prune_tcache
   (cd "$TRITON_CACHE_DIR" \
     && find . -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
       -o -name '*.source' \) -delete \
-    && tar czf /tmp/tcache.tgz .) \
-    && [ "$(stat -c %s /tmp/tcache.tgz)" -lt 55000000 ] && split -b 15000000 -d /tmp/tcache.tgz "$OUT/tcache.tgz."
+    && tar czf /tmp/tcache.tgz .) || return
+  local size
+  size=$(stat -c %s /tmp/tcache.tgz)
+  if [ "$size" -ge "$TCACHE_MAX" ]; then
+    echo "device_env: Triton cache $size bytes compressed, over TCACHE_MAX=$TCACHE_MAX: not saved"
+    return
+  fi
+  split -b 15000000 -d /tmp/tcache.tgz "$OUT/tcache.tgz."
 }
