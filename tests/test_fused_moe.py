@@ -122,7 +122,8 @@ def assert_same_routing(logits, twin, got, scoring, renormalize, scale=None):
 @pytest.mark.parametrize(
     ("m", "e", "k", "skewed"),
     [(1, 8, 2, False), (300, 16, 4, False), (512, 128, 8, False), (600, 16, 8, False),
-     (8192, 128, 8, False), (5, 3, 1, False), (300, 16, 4, True), (2000, 16, 4, True)],
+     (8192, 128, 8, False), (5, 3, 1, False), (100, 256, 8, False), (300, 16, 4, True),
+     (2000, 16, 4, True)],
 )  # fmt: skip
 def test_align_groups_rows_by_expert_in_padded_blocks(m, e, k, skewed):
     """Every row once, at its expert's block-aligned region; blocks name their expert. Up to
