@@ -27,13 +27,15 @@ def this_module(atomic: bool, red_v8: bool = True):
     """This module's experts with ``atomic_sum`` forced to ``atomic``."""
 
     def experts(x, gate_up, down, w, ids, activation):
-        table, saved_red = fm.moe_config, fm.RED_V8
-        cfg = table(x.shape[0], ids.shape[1], gate_up.shape[0])._replace(atomic_sum=atomic)
-        fm.moe_config, fm.RED_V8 = (lambda *_: cfg), red_v8
+        cfg = fm.moe_config(x.shape[0], ids.shape[1], gate_up.shape[0])
+        saved, fm.RED_V8 = fm.RED_V8, red_v8
         try:
-            return fm.fused_experts_triton(x, gate_up, down, w, ids, activation)
+            return bm.with_config(
+                cfg._replace(atomic_sum=atomic),
+                lambda: fm.fused_experts_triton(x, gate_up, down, w, ids, activation),
+            )
         finally:
-            fm.moe_config, fm.RED_V8 = table, saved_red
+            fm.RED_V8 = saved
 
     return experts
 
