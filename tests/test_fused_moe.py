@@ -164,6 +164,8 @@ EXPERT_CASES = [  # (M, E, K, hidden, inter): decode, odd, prefill, 8K (Qwen3-30
     (256, 8, 2, 1024, 512),
     (100, 60, 4, 512, 352),  # E and inter not powers of two
     (64, 128, 8, 2816, 704),  # Gemma 4 26B-A4B shapes
+    (2048, 128, 8, 2816, 704),  # ... on the 128-row tiles (a last gate/up tile half idle)
+    (8192, 128, 8, 2816, 704),
 ]
 
 
