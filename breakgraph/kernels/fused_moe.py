@@ -164,9 +164,12 @@ class MoEConfig(NamedTuple):
 # config: M = 1024 (the sweep's best was within noise) and M = 256 (its best gate/up tile,
 # BLOCK_N = BLOCK_K = 128, failed the float32 GPU tests; 3% in bf16). A sweep times bf16
 # only, so a new row must pass tests/test_fused_moe.py in both dtypes before it lands.
-# Gemma 4's MoE shapes are not swept yet. sorted_h (the intermediate rows in sorted order)
-# from M = 8192: 1.411 vs 1.550 ms per layer there (gate/up 0.838 vs 0.915 ms, down 0.465
-# vs 0.524), equal at M <= 1024 (``bench.moe --breakdown``, h200-2026-12-01c/moe/moe.log).
+# Gemma 4's MoE shapes are not swept; its 704 intermediate columns leave the 128-column
+# gate/up tile's last one half idle, yet a 64-column tile measured 1.05-1.10x slower at
+# M = 2048-8192 (benchmarks/moe_flag_ab.py --tile, h200-2026-12-03b/moe/). sorted_h (the
+# intermediate rows in sorted order) from M = 8192: 1.411 vs 1.550 ms per layer there
+# (gate/up 0.838 vs 0.915 ms, down 0.465 vs 0.524), equal at M <= 1024 (``bench.moe
+# --breakdown``, h200-2026-12-01c/moe/moe.log).
 # tma (weight tiles, and the down GEMM's sorted rows, through TMA descriptors) from M = 256:
 # at M = 8192 the sweep with it (``--sweep --sweep-block-m 128 --sweep-table-flags``) found
 # 1.301 ms against the table's 1.587 before it (gate/up 0.832 vs 0.919 ms and down 0.433 vs
