@@ -33,7 +33,7 @@ def arms_of(table: fm.MoEConfig, flag: str | None, tile: tuple[str, tuple] | Non
     return {"A": table._replace(**{flag: False}), "B": table._replace(**{flag: True})}
 
 
-def ab(model: str, m: int, cfgs: dict, rounds: int, layer: bm.Layer) -> dict:
+def ab(m: int, cfgs: dict, rounds: int, layer: bm.Layer) -> dict:
     """Median graph-replay ms of the layer under each config of ``cfgs``, and of dense."""
     arms = {k: bm.with_config(cfg, lambda: bm.graphed(layer)) for k, cfg in cfgs.items()}
     times = {k: [] for k in arms}
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         for m in args.tokens:
             table = fm.moe_config(m, s["top_k"], s["experts"])
             shown = str(getattr(table, tile[0] if tile else args.flag)).replace(" ", "")
-            r = ab(model, m, arms_of(table, args.flag, tile), args.rounds, bm.Layer(m, s))
+            r = ab(m, arms_of(table, args.flag, tile), args.rounds, bm.Layer(m, s))
             d = r["dense"]
             print(f"{model:<18} {m:>6} {shown:>16} {d:7.3f} {r['A']:7.3f} ({r['A'] / d:.2f}x) "
                   f"{r['B']:7.3f} ({r['B'] / d:.2f}x) {r['B'] / r['A']:7.3f}", flush=True)  # fmt: skip
