@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import statistics
 
 import torch
@@ -38,23 +37,6 @@ def this_module(atomic: bool, red_v8: bool = True):
             fm.RED_V8 = saved
 
     return experts
-
-
-def graphed(layer: bm.Layer, experts):
-    """Routing + ``experts`` captured over a static logits buffer refilled from the cycle."""
-    static = layer.logits[0].clone()
-    s = layer.s
-    graph, _ = bm.capture(
-        lambda: experts(layer.x, layer.gate_up, layer.down,
-                        *fm.moe_route_triton(static, s["top_k"]), s["activation"])
-    )  # fmt: skip
-    turn = itertools.cycle(layer.logits)
-
-    def replay() -> None:
-        static.copy_(next(turn))
-        graph.replay()
-
-    return replay
 
 
 def graphed_align(module, m: int, s: dict):
@@ -87,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         s = bm.expert_shapes(model)
         for m in args.tokens:
             layer = bm.Layer(m, s)
-            replays = {name: graphed(layer, experts) for name, experts in arms.items()}
+            replays = {name: bm.graphed(layer, experts) for name, experts in arms.items()}
             times = {name: [] for name in arms}
             for _ in range(args.rounds):
                 for name, replay in replays.items():

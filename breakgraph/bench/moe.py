@@ -94,16 +94,18 @@ def capture(fn):
     return graph, out
 
 
-def graphed(layer: Layer):
+def graphed(layer: Layer, experts=None):
     """The layer as a graph step runs it: routing + experts captured once over a static
     logits buffer that each call refills from the cycle, then one replay. Captured as a
     decode graph of M rows is (``pdl.scope``: with programmatic dependent launch up to
-    ``pdl.AUTO_MAX_BATCH`` rows, as the engine's decode graphs)."""
+    ``pdl.AUTO_MAX_BATCH`` rows, as the engine's decode graphs). ``experts``: another
+    function of ``ops.fused_experts``'s arguments in its place (an A/B's arm)."""
     static = layer.logits[0].clone()
+    experts = experts or ops.fused_experts
 
     def body() -> torch.Tensor:
         w, ids = ops.moe_route(static, layer.s["top_k"])
-        return ops.fused_experts(layer.x, layer.gate_up, layer.down, w, ids, layer.s["activation"])
+        return experts(layer.x, layer.gate_up, layer.down, w, ids, layer.s["activation"])
 
     with pdl.scope(layer.m):
         graph, _ = capture(body)
