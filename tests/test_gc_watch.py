@@ -7,7 +7,7 @@ import sys
 
 CHILD = """
 import gc, json
-from breakgraph.engine import gc_watch
+from breakgraph.common import gc_watch
 before = gc_watch.report()
 keep = [[i] for i in range(50_000)]  # start-up objects: frozen, never walked again
 frozen = gc_watch.freeze()

@@ -12,8 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from breakgraph.engine.sampling_params import SamplingParams
-from breakgraph.server.messages import (
+from breakgraph.common.messages import (
     MESSAGE_TYPES,
     AbortReq,
     FlushCacheReply,
@@ -31,6 +30,7 @@ from breakgraph.server.messages import (
     decode,
     encode,
 )
+from breakgraph.common.sampling_params import SamplingParams
 
 SAMPLING = SamplingParams(
     max_new_tokens=7, temperature=0.5, top_k=3, seed=11, stop=["\n"], stop_token_ids=[2]

@@ -10,9 +10,9 @@ import re
 import orjson
 import pytest
 
-from breakgraph.engine.sampling_params import SamplingParams
-from breakgraph.server import messages
-from breakgraph.server.messages import ModelInfo
+from breakgraph.common import messages
+from breakgraph.common.messages import ModelInfo
+from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.protocol import (
     APIError,
     GenerateReqInput,
@@ -137,7 +137,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
     """simdjson's fast path (one ``[`` in the body: a flat input_ids): the ids come out as an
     IdArray without a Python int each; check_input_ids checks their range and packs them,
     the same bytes and the same 400 as the list path."""
-    from breakgraph.server.messages import IdArray
+    from breakgraph.common.messages import IdArray
     from breakgraph.server.protocol import simdjson
 
     if simdjson is None:
@@ -168,7 +168,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
 def test_a_batch_body_parses_each_prompt_as_one_array():
     """A batch of id prompts (input_ids' rows the body's only other arrays) takes the same
     fast path, one IdArray per row: the same prompts, bytes and 400s as orjson's lists."""
-    from breakgraph.server.messages import IdArray
+    from breakgraph.common.messages import IdArray
     from breakgraph.server.protocol import simdjson
 
     if simdjson is None:

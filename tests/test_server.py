@@ -24,12 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.engine import Engine
-from breakgraph.engine.sampling_params import SamplingParams
-from breakgraph.server.engine_process import EngineLoop
-from breakgraph.server.ipc import EngineSocket, FramedSocket
-from breakgraph.server.messages import (
+from breakgraph.common.messages import (
     GenerateReq,
     RequestError,
     Shutdown,
@@ -39,6 +34,11 @@ from breakgraph.server.messages import (
     decode,
     encode,
 )
+from breakgraph.common.sampling_params import SamplingParams
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.server.engine_process import EngineLoop
+from breakgraph.server.ipc import EngineSocket, FramedSocket
 from tests.conftest import make_hf_model
 
 CONTEXT_LEN = 4096  # room for a long stream that a disconnect cuts short

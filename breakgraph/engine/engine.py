@@ -19,14 +19,14 @@ import torch
 from breakgraph.cache.kv_pool import KVPool, SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.common import gc_watch
+from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
-from breakgraph.engine import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.cuda_graphs import prefill_token_buckets
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.engine.request import Req, SamplingParams
-from breakgraph.engine.sampling_params import check_logprob_args
 from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from breakgraph.engine.step_timer import StepTiming
 from breakgraph.engine.tp_worker import TPDriver, WorkerSetup, claim_device, rank_device

@@ -1,4 +1,4 @@
-"""A request's state inside the engine (its sampling parameters live in sampling_params.py)."""
+"""A request's state inside the engine (its sampling parameters: common/sampling_params.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # re-exported: engine code imports SamplingParams from here
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.common.sampling_params import SamplingParams
 
 __all__ = ["Req", "ReqStatus", "SamplingParams"]
 

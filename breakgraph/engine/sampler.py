@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from breakgraph.common.sampling_params import MAX_EFFECTIVE_TEMPERATURE
 from breakgraph.engine.request import SamplingParams
-from breakgraph.engine.sampling_params import MAX_EFFECTIVE_TEMPERATURE
 from breakgraph.forward_batch import upload_many
 
 

@@ -18,10 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.sampling_params import MAX_SAMPLES, SamplingParams
-from breakgraph.server.ipc import EngineConnection, IpcPaths, accept_engine
-from breakgraph.server.messages import (
+from breakgraph.common.messages import (
     AbortReq,
     FlushCacheReply,
     FlushCacheReq,
@@ -39,6 +36,9 @@ from breakgraph.server.messages import (
     decode,
     encode,
 )
+from breakgraph.common.sampling_params import MAX_SAMPLES, SamplingParams
+from breakgraph.engine.args import EngineArgs
+from breakgraph.server.ipc import EngineConnection, IpcPaths, accept_engine
 from breakgraph.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from breakgraph.engine import gc_watch
-from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.engine import Engine
-from breakgraph.server.ipc import EngineSocket, IpcPaths
-from breakgraph.server.messages import (
+from breakgraph.common import gc_watch
+from breakgraph.common.messages import (
     AbortReq,
     FlushCacheReply,
     FlushCacheReq,
@@ -40,6 +37,9 @@ from breakgraph.server.messages import (
     decode,
     encode,
 )
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.server.ipc import EngineSocket, IpcPaths
 
 if TYPE_CHECKING:  # annotation only: no runtime tie to where the engine defines it
     from breakgraph.engine.scheduler import StepOutput

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.client import EngineClient
 from breakgraph.server.detokenize import TextStream
 from breakgraph.tokenizer import Tokenizer

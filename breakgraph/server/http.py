@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import breakgraph
-from breakgraph.engine import gc_watch
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.common import gc_watch
+from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.asgi import HotRoutes
 from breakgraph.server.client import EngineError
 from breakgraph.server.generation import (

@@ -1,5 +1,5 @@
 """The one Unix-domain stream socket between the API process and the engine process, both ways,
-carrying length-prefixed frames (each a message of messages.py).
+carrying length-prefixed frames (each a message of common/messages.py).
 
 The API process listens before it spawns the engine. Neither side ever blocks on the other:
 a send writes what the socket takes and keeps the rest for later (the API process's event

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
-from breakgraph.engine import gc_watch
+from breakgraph.common import gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
 from breakgraph.server.client import EngineClient

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from breakgraph.common.messages import ModelInfo
 from breakgraph.server.generation import (
     GenerationRequest,
     GenerationState,
@@ -18,7 +19,6 @@ from breakgraph.server.generation import (
     stamp_received,
     stream_generation,
 )
-from breakgraph.server.messages import ModelInfo
 from breakgraph.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

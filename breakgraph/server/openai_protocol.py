@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from breakgraph.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from breakgraph.server.messages import ModelInfo
+from breakgraph.common.messages import ModelInfo
+from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from breakgraph.server.protocol import (
     MAX_CHOICES,
     TOKENIZED,

@@ -19,9 +19,9 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from breakgraph.engine.sampling_params import MAX_SAMPLES as MAX_CHOICES
-from breakgraph.engine.sampling_params import SamplingParams, check_logprob_args
-from breakgraph.server.messages import IdArray, IdList, ModelInfo, packed_id_list
+from breakgraph.common.messages import IdArray, IdList, ModelInfo, packed_id_list
+from breakgraph.common.sampling_params import MAX_SAMPLES as MAX_CHOICES
+from breakgraph.common.sampling_params import SamplingParams, check_logprob_args
 from breakgraph.tokenizer import Tokenizer
 
 try:  # simdjson hands a prompt's ids over as one int64 buffer (no Python int per id)

@@ -7,9 +7,9 @@ from typing import Any
 
 from fastapi import Request
 
+from breakgraph.common.messages import ModelInfo
 from breakgraph.engine.args import DEFAULT_MAX_REQUEST_BYTES
 from breakgraph.server.client import EngineClient
-from breakgraph.server.messages import ModelInfo
 from breakgraph.server.protocol import APIError
 from breakgraph.tokenizer import Tokenizer
 

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from breakgraph.engine.sampling_params import SamplingParams
+from breakgraph.common.sampling_params import SamplingParams
 
 # field metadata: token ids that travel packed (see the module docstring)
 PACKED_IDS = {"wire": "int32"}
