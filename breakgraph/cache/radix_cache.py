@@ -23,19 +23,22 @@ Lifecycle the scheduler follows for one request::
 
 A request that matched its whole prompt still needs one token to compute logits, so
 the scheduler usually matches ``prompt[:-1]``.
+
+The node and the match record are in ``radix_node.py``; LRU eviction (``evict``, its heap
+of candidate leaves) in ``radix_eviction.py``.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from breakgraph.cache.kv_pool import SlotAllocator
+from breakgraph.cache.radix_eviction import LeafEviction
+from breakgraph.cache.radix_node import MatchResult, TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _NO_KEY = np.empty(0, dtype=np.int32)
@@ -46,37 +49,6 @@ def _as_key(key: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.asarray(key, dtype=np.int32)
 
 
-class TreeNode:
-    """One edge of the radix tree: a run of tokens (int32 array) and their KV slots."""
-
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "in_heap")
-
-    def __init__(self, node_id: int, key: np.ndarray, value: torch.Tensor, parent: TreeNode | None):
-        self.id = node_id
-        self.children: dict[int, TreeNode] = {}  # first token of the child's key -> child
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access = 0
-        self.in_heap = False  # has an entry in the tree's eviction heap
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-@dataclass
-class MatchResult:
-    """The longest cached prefix: its KV slots (owned by the tree) and the node it ends at."""
-
-    slots: torch.Tensor  # CPU int64 [prefix_len]
-    node: TreeNode
-
-    @property
-    def prefix_len(self) -> int:
-        return self.slots.numel()
-
-
 def _common_prefix_len(node_key: np.ndarray, key: np.ndarray, start: int) -> int:
     """Length of the common prefix of ``node_key`` and ``key[start:]``: one vectorized
     compare (keys run to 64K+ tokens)."""
@@ -85,10 +57,11 @@ def _common_prefix_len(node_key: np.ndarray, key: np.ndarray, start: int) -> int
     return int(differ[0]) if differ.size else n
 
 
-class RadixCache:
+class RadixCache(LeafEviction):
     """SGLang-style prefix cache. With ``disable=True`` nothing is ever cached."""
 
     def __init__(self, allocator: SlotAllocator, disable: bool = False) -> None:
+        super().__init__()
         self.allocator = allocator
         self.disable = disable
         self._ids = itertools.count()
@@ -97,13 +70,6 @@ class RadixCache:
         self.root = TreeNode(next(self._ids), _NO_KEY, _EMPTY, None)
         self._evictable_size = 0
         self._protected_size = 0
-        # eviction candidates, (last_access, id, node), at most one per node: a node gets one
-        # when it becomes an unlocked leaf (inserted, unlocked, or left childless by an
-        # eviction) and has none, so that ``evict`` pops instead of walking the tree (under a
-        # full KV pool every allocation evicts, and a walk of a large tree costs milliseconds
-        # of host time). An entry may go stale (its node was touched since, gained a child or
-        # got locked): ``evict`` re-keys it or drops it as it pops it.
-        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
 
     # ---- sizes ---------------------------------------------------------------------------
 
@@ -293,73 +259,7 @@ class RadixCache:
         if node is not self.root and node.parent is None:
             raise RuntimeError(f"{node} is no longer in the tree (evicted or flushed)")
 
-    # ---- eviction ------------------------------------------------------------------------
-
-    def evict(self, num_tokens: int) -> int:
-        """Free least-recently-used unlocked leaves until ``num_tokens`` slots are freed.
-
-        Whole leaves are freed, so more than asked may be; fewer only when nothing
-        evictable is left. Returns the number of slots freed.
-        """
-        if self.disable or num_tokens <= 0:
-            return 0
-        heap, freed, values = self._leaf_heap, 0, []
-        while freed < num_tokens and self._evictable_size > 0:
-            if not heap:  # only if a candidate was missed: find them the slow way
-                self._rebuild_leaf_heap()
-                if not heap:
-                    break
-            at, _, leaf = heapq.heappop(heap)
-            if leaf.children or leaf.lock_ref:
-                leaf.in_heap = False  # no longer a candidate: pushed again if that ends
-                continue
-            if at != leaf.last_access:  # touched since: its place is further back
-                heapq.heappush(heap, (leaf.last_access, leaf.id, leaf))
-                continue
-            leaf.in_heap = False
-            values.append(leaf.value)
-            freed += len(leaf.key)
-            parent = self._detach_leaf(leaf)
-            if parent is not None:
-                self._push_leaf(parent)
-        if values:  # one free for every leaf: each call costs tens of µs
-            self.allocator.free(values[0] if len(values) == 1 else torch.cat(values))
-        return freed
-
-    def _detach_leaf(self, leaf: TreeNode) -> TreeNode | None:
-        """Take an evicted leaf out of the tree (its slots are the caller's to free); return
-        its parent if that is now an unlocked leaf itself."""
-        self._evictable_size -= len(leaf.key)
-        parent = leaf.parent
-        del parent.children[int(leaf.key[0])]
-        leaf.parent = None
-        if parent is not self.root and not parent.children and parent.lock_ref == 0:
-            return parent
-        return None
-
-    def _push_leaf(self, node: TreeNode) -> None:
-        """``node`` became an unlocked leaf: an eviction candidate (an entry it already has
-        stays, ``evict`` re-keys it)."""
-        if not node.in_heap:
-            node.in_heap = True
-            heapq.heappush(self._leaf_heap, (node.last_access, node.id, node))
-
-    def _rebuild_leaf_heap(self) -> None:
-        for _, _, node in self._leaf_heap:
-            node.in_heap = False
-        self._leaf_heap.clear()
-        for node in self._evictable_leaves():
-            self._push_leaf(node)
-
-    def _evictable_leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root and node.lock_ref == 0:
-                leaves.append(node)
-        return leaves
+    # ---- flush (``evict`` is ``LeafEviction``'s) -----------------------------------------
 
     def flush(self) -> bool:
         """Free every slot the tree owns and empty it; refused (False) while anything is locked."""
@@ -407,22 +307,7 @@ class RadixCache:
                 f"sizes drifted: evictable {self._evictable_size} (actual {evictable}), "
                 f"protected {self._protected_size} (actual {protected})"
             )
-        # the eviction heap: one entry per node that has its flag set, each in the tree and no
-        # later than its node's access time (``evict`` re-keys it), every unlocked leaf among them
-        entries = {node.id: (at, node) for at, _, node in self._leaf_heap}
-        if len(entries) != len(self._leaf_heap):
-            raise RuntimeError("a node has two eviction entries")
-        nodes = self._nodes()
-        for node in nodes:
-            entry = entries.pop(node.id, None)
-            if node.in_heap != (entry is not None):
-                raise RuntimeError(f"{node}'s eviction-entry flag is {node.in_heap}")
-            if entry is not None and entry[0] > node.last_access:
-                raise RuntimeError(f"{node}'s eviction entry is later than its last access")
-            if not node.children and node is not self.root and not node.lock_ref and not entry:
-                raise RuntimeError(f"{node} is an unlocked leaf without an eviction entry")
-        if entries:
-            raise RuntimeError(f"eviction entries of nodes not in the tree: {list(entries)}")
+        self._check_leaf_heap(self._nodes())
 
     def pretty(self, max_tokens: int = 8) -> str:
         """Indented dump: one line per node with its first tokens, length, locks, access time."""
