@@ -16,11 +16,9 @@ What sets Gemma 4 apart, all read from the text config:
   embeddings scaled by sqrt(hidden), final logit softcapping, double-wide MLP on the shared
   layers (``use_double_wide_mlp``), ``attention_k_eq_v`` (full layers use k as v).
 
-Bounded replay, eager part (``kv_sharing_fast_prefill``): in an extend step the shared layers
-only matter for the rows whose hidden states feed the LM head, so ``forward_logits_rows`` runs
-the layers before the first shared one on all rows and the shared layers on each request's
-last row only, over the metadata of ``ForwardBatch.tail()``. ``forward`` is HF's computation:
-every layer on every row.
+``forward`` is HF's computation: every layer on every row. Bounded prefill (the KV-shared
+layers on the LM head's rows only: ``forward_logits_rows``, ``forward_head``, ``forward_tail``)
+is in ``gemma4_tail.py``; checkpoint names onto parameters in ``gemma4_weights.py``.
 
 Tensor parallel (built under ``tp_group_scope``), as SGLang's and vLLM's: q/k/v (q/k when k
 is v) column-parallel by heads, each layer's KV heads split or replicated per rank (the pool
@@ -32,15 +30,11 @@ gather). The small per-layer (PLE) projections and every norm stay replicated.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from breakgraph.forward_batch import ForwardMode, forward_context, get_forward_context
 from breakgraph.kernels import ops
 from breakgraph.layers.attention import Attention
 from breakgraph.layers.linear import (
@@ -51,22 +45,15 @@ from breakgraph.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    default_weight_loader,
-    full,
     local_kv_heads,
 )
-from breakgraph.layers.moe import ExpertWeights, FusedMoE
+from breakgraph.layers.moe import FusedMoE
 from breakgraph.layers.norm import GemmaRMSNorm
 from breakgraph.layers.rotary import rope_inv_freq
+from breakgraph.models import gemma4_weights
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.gemma4_config import DEFAULT_ROPE, Gemma4Layer, gemma4_layers
-
-logger = logging.getLogger(__name__)
-
-# top-level modules of a Gemma4ForConditionalGeneration checkpoint that are not the text model
-_NON_TEXT_MODULES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
-_PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)")
-_SHARED_LAYER_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+from breakgraph.models.gemma4_tail import Gemma4BoundedPrefill
 
 
 class Gemma4RotaryEmbedding(nn.Module):
@@ -330,27 +317,11 @@ class Gemma4TextModel(nn.Module):
         hidden = self.run_layers(hidden, per_layer_inputs, positions, range(len(self.layers)))
         return self.norm(hidden)
 
-    def forward_head(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers that store KV, on all rows: (hidden [T, hidden], per-layer inputs)."""
-        hidden, per_layer_inputs = self.embed(input_ids)
-        head = range(self.first_kv_shared_layer_idx)
-        return self.run_layers(hidden, per_layer_inputs, positions, head), per_layer_inputs
 
-    def forward_tail(
-        self,
-        hidden: torch.Tensor,
-        per_layer_inputs: torch.Tensor | None,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """The KV-shared layers and the final norm on the rows given (the context's batch)."""
-        tail = range(self.first_kv_shared_layer_idx, len(self.layers))
-        return self.norm(self.run_layers(hidden, per_layer_inputs, positions, tail))
-
-
-class Gemma4ForCausalLM(nn.Module):
-    """Also serves ``Gemma4ForConditionalGeneration`` checkpoints: their text model only."""
+class Gemma4ForCausalLM(Gemma4BoundedPrefill, nn.Module):
+    """Also serves ``Gemma4ForConditionalGeneration`` checkpoints: their text model only.
+    Bounded prefill (``forward_logits_rows``, ``forward_head``, ``forward_tail``,
+    ``tail_inputs``) comes from ``Gemma4BoundedPrefill``."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -386,56 +357,6 @@ class Gemma4ForCausalLM(nn.Module):
         """Flat batch of new tokens [T] -> final hidden states [T, hidden], every layer."""
         return self.model(input_ids, positions)
 
-    def forward_logits_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, hidden] of the step's ``logits_rows`` (each request's last).
-
-        With ``kv_sharing_fast_prefill`` in an extend step, the KV-shared layers run on those
-        rows only, attending over each request's whole context (``ForwardBatch.tail``); the
-        result equals ``forward(...)[logits_rows]``.
-        """
-        ctx = get_forward_context()
-        batch = ctx.batch
-        if not (self.kv_sharing_fast_prefill and batch.mode is ForwardMode.EXTEND):
-            return self.model(input_ids, positions)[batch.logits_rows]
-        hidden, per_layer_inputs = self.forward_head(input_ids, positions)
-        rows, tail = batch.logits_rows, batch.tail()
-        with forward_context(dataclasses.replace(ctx, batch=tail)):
-            return self.forward_tail(
-                hidden[rows],
-                None if per_layer_inputs is None else per_layer_inputs[rows],
-                tail.positions,
-            )
-
-    # ---- bounded replay with graphs: the runner's prefill bank captures ``forward_head`` per
-    # token bucket and a tail bank ``forward_tail`` per tail-row bucket
-    @property
-    def bounded_prefill(self) -> bool:
-        """Extend steps split into head (all rows) and tail (each request's last row)."""
-        return self.kv_sharing_fast_prefill
-
-    def forward_head(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states [T, hidden] after the KV-storing layers, and the per-layer inputs
-        [T, layers, P] (None without PLE) the tail layers need."""
-        return self.model.forward_head(input_ids, positions)
-
-    def forward_tail(
-        self, hidden: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The KV-shared layers and the final norm on tail rows (the context's batch is the
-        step's ``tail()``)."""
-        return self.model.forward_tail(hidden, per_layer_inputs, positions)
-
-    def tail_inputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Trailing shape and dtype of each tail input per row (for a graph bank's buffers)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        inputs = {"hidden": ((self.config.hidden_size,), dtype)}
-        p = self.model.hidden_size_per_layer_input
-        if p:
-            inputs["per_layer_inputs"] = ((len(self.model.layers), p), dtype)
-        return inputs
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states).float()
         cap = self.final_logit_softcapping
@@ -448,50 +369,4 @@ class Gemma4ForCausalLM(nn.Module):
         """Copy HF-named tensors (``model.*`` or ``model.language_model.*``; tensors or lazy
         safetensors slices) into the parameters, each through its ``weight_loader`` (this
         rank's slice), and the ``layer_scalar`` buffers; returns the names loaded."""
-        targets = dict(self.named_parameters()) | dict(self.named_buffers())
-        experts = ExpertWeights(self)
-        loaded: set[str] = set()
-        skipped = 0
-        for hf_name, tensor in weights:
-            name = hf_name
-            if name.startswith("model.language_model."):
-                name = "model." + name.removeprefix("model.language_model.")
-            elif name.startswith("model.") and name.split(".")[1] in _NON_TEXT_MODULES:
-                skipped += 1
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if experts.load(name, tensor):
-                continue
-            shared = _SHARED_LAYER_KV.match(name)
-            if shared and self.model.layer_specs[int(shared[1])].shares_kv:
-                continue  # HF ignores them too: a shared layer uses its source's k/v
-            target, shard = self._target(name)
-            if target not in targets:
-                raise KeyError(f"checkpoint tensor {hf_name!r} has no parameter in the model")
-            param = targets[target]
-            if isinstance(param, nn.Parameter):
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
-            else:  # a buffer (layer_scalar)
-                param.copy_(full(tensor))
-            loaded.add(target)
-        if skipped:
-            logger.info("skipped %d vision/audio tensors (text model only)", skipped)
-        return loaded | experts.loaded()
-
-    def _target(self, name: str) -> tuple[str, str | int | None]:
-        """Our parameter for an HF name, and the shard of it the tensor fills (stacked ones:
-        "q"/"k"/"v" of ``qkv_proj``, 0/1 (gate/up) of ``gate_up_proj``)."""
-        m = _PROJ.fullmatch(name)
-        if m is None:
-            return name, None
-        layer_id, module, shard, kind = int(m[1]), m[2], m[3], m[4]
-        prefix = f"model.layers.{layer_id}.{module}"
-        if module == "mlp":
-            return f"{prefix}.gate_up_proj.{kind}", 0 if shard == "gate" else 1
-        attn = self.model.layers[layer_id].self_attn
-        if attn.shares_kv:
-            return name, None
-        if shard == "v" and attn.k_eq_v:
-            return name, None  # no such parameter: reported as unknown
-        return f"{prefix}.qkv_proj.{kind}", shard
+        return gemma4_weights.load_weights(self, weights)
