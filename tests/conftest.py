@@ -1,78 +1,15 @@
-"""Shared fixtures: tiny HF models saved as checkpoints, and engines over them."""
+"""Fixtures and hooks that tests in several folders use: tiny HF models saved as checkpoints,
+the device left idle after each test. Helpers live in ``tests/support``."""
 
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-)
-
-FAMILIES = {
-    # Llama 3.1 style: llama3 rope scaling, tied embeddings
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            tie_word_embeddings=True,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "rope_theta": 10000.0,
-            },
-        ),
-    ),
-    # Qwen2: q/k/v biases, GQA 4:1
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(num_key_value_heads=1, tie_word_embeddings=False),
-    ),
-    # Qwen2.5's long-context layout: YaRN rope (here 4x over a 128-token pretraining context)
-    "qwen2_yarn": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            tie_word_embeddings=False,
-            rope_scaling={
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-                "rope_theta": 10000.0,
-            },
-        ),
-    ),
-    # Qwen3: q/k norms, head_dim not hidden/heads
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
-    # Qwen3-MoE: layers 0 and 2 sparse (8 experts, top-2, renormalized), layer 1 dense
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(
-            head_dim=32,
-            num_hidden_layers=3,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-            tie_word_embeddings=False,
-        ),
-    ),
-}
+from tests.support.hf import FAMILIES, make_hf_model
 
 
 @pytest.fixture(autouse=True)
@@ -92,36 +29,6 @@ def _leave_the_device_idle():
         torch.cuda.empty_cache()
 
 
-class LogitsTap:
-    """Records every step's last-row logits (float32 copies) of an engine's scheduler forward."""
-
-    def __init__(self, engine):
-        self.steps: list[torch.Tensor] = []
-        inner = engine.scheduler.forward
-
-        def forward(batch):
-            logits = inner(batch)
-            self.steps.append(logits.float().clone())
-            return logits
-
-        engine.scheduler.forward = forward
-
-
-def make_hf_model(family: str, seed: int = 0):
-    transformers = pytest.importorskip("transformers")
-    cfg_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_name)(**{**TINY, **extra})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval().float()
-    with torch.no_grad():  # HF zero-inits biases and ones-inits norms: randomize them too
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight"):  # a router: top-k by margins, not by noise
-                p.normal_(0.0, 0.5)
-    return model
-
-
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def hf_checkpoint(request, tmp_path_factory):
     """(family, HF model, checkpoint dir) for each model family."""
@@ -136,4 +43,14 @@ def tiny_llama_dir(tmp_path_factory):
     model = make_hf_model("llama")
     path = tmp_path_factory.mktemp("tiny-llama-engine")
     model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """A dummy-weight Qwen3 config (``QWEN3_SMALL``) for the GPU engine and TP tests."""
+    from tests.support.gpu import QWEN3_SMALL  # the engine's import, for GPU tests only
+
+    path = tmp_path_factory.mktemp("qwen3-small")
+    (path / "config.json").write_text(json.dumps(QWEN3_SMALL))
     return path

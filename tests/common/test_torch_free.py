@@ -1,5 +1,5 @@
 """breakgraph.common is what the API process shares with the engine process: each of its
-modules imports without torch (the API process never loads it; tests/test_server.py's
+modules imports without torch (the API process never loads it; tests/server/test_server.py's
 test_api_process_never_loads_torch checks the running server)."""
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""Kernels that merge their splits in the last split to finish, under Triton's interpreter on
+CPU tensors, against their torch twins (float32), the arrival counters back at zero after:
+decode attention (the merge in the last split, one launch, and the merge kernel, two; plain
+and with a sliding window) and the skinny GEMM (split K, ragged tiles, bias; gate/up with
+SiLU or GELU in the epilogue; the residual add + RMSNorm as its prologue); the GEMV kernel;
+and one request's extend attention zeroing its padding rows (a whole prefill graph's). Run
+as ``TRITON_INTERPRET=1 python -m tests.kernels.interpret_kernels`` (started so by
+``test_triton_interpret.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from breakgraph.kernels import decode_attention as dec
+from breakgraph.kernels import skinny_gemm as sg
+from breakgraph.kernels.attention_meta import AttentionMeta
+
+SEQ_LENS = [0, 1, 2, 63, 64, 65, 300, 777]
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
+    torch.manual_seed(0)
+    kv_heads, group, head_dim = 2, 3, 32
+    batch, slots = len(SEQ_LENS), sum(SEQ_LENS) + 1
+    kc = torch.randn(slots, kv_heads, head_dim)
+    vc = torch.randn(slots, kv_heads, head_dim)
+    table = torch.zeros(batch, max(SEQ_LENS), dtype=torch.int32)
+    perm = torch.randperm(slots - 1) + 1  # slot 0 is the padding slot
+    at = 0
+    for b, n in enumerate(SEQ_LENS):
+        table[b, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    meta = AttentionMeta.decode(table, torch.arange(batch), seq_lens)
+    q = torch.randn(batch, kv_heads * group, head_dim)
+    failed = 0
+    for window in (None, 50):
+        ref = torch.zeros_like(q)
+        dec.decode_attention_torch(q, ref, kc, vc, meta, 0.3, sliding_window=window)
+        for merge in (True, False):
+            for splits in (1, 2, 5):  # 1: one pass, the output written directly
+                ws = dec.DecodeWorkspace()
+                o = torch.full_like(q, 7.0)
+                dec.decode_attention_triton(
+                    q, o, kc, vc, meta, 0.3, num_kv_splits=splits, workspace=ws,
+                    sliding_window=window, merge_in_split=merge,
+                )  # fmt: skip
+                diff = (o - ref).abs().max().item()
+                zero = not ws.counters(batch * kv_heads, q.device).any()
+                ok = diff <= 1e-5 and zero
+                failed += not ok
+                print(
+                    f"{'ok' if ok else 'FAIL'} window={window} merge_in_split={merge} "
+                    f"splits={splits}: max diff {diff:.1e}, counters zero {zero}"
+                )
+    return failed + skinny_gemm() + extend_zero_pad()
+
+
+def extend_zero_pad() -> int:
+    """One request's extend attention with ``zero_pad`` (a whole prefill graph's): its rows
+    equal the twin's, every row past them up to o's last is zero (o starts as NaN), on the
+    one-pass kernel (whose blocks past the request write the zeros) and the split one."""
+    from dataclasses import replace
+
+    from breakgraph.kernels import extend_attention as ext
+    from tests.support.kernels import paged_batch
+
+    failed, rows = 0, 48
+    for prefix, extend in ((7, 5), (0, 40), (130, 1)):
+        kc, vc, meta, _ = paged_batch([(prefix, extend)], 2, 32, torch.float32, "cpu")
+        meta = replace(meta, max_extend_len=rows, max_seq_len=prefix + extend)
+        q = torch.randn(rows, 4, 32)
+        ref = torch.zeros_like(q)
+        ext.extend_attention_torch(q, ref, kc, vc, meta, 0.3)
+        cfg = ext._extend_config(32, torch.float32, q.device)
+        for splits in (0, 2):
+            o = torch.full_like(q, float("nan"))
+            ext.ExtendPlan(q, kc, meta, 0.3, config=cfg, splits=splits, zero_pad=True)(q, o, kc, vc)
+            diff = (o[:extend] - ref[:extend]).abs().max().item()
+            zeros = bool((o[extend:] == 0).all())
+            ok = diff <= 1e-5 and zeros
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} extend zero_pad prefix={prefix} extend={extend} "
+                f"splits={splits}: max diff {diff:.1e}, padding zero {zeros}"
+            )
+    return failed
+
+
+def skinny_gemm() -> int:
+    failed = 0
+    for m, n, k in ((1, 40, 70), (3, 100, 300), (17, 64, 256), (64, 20, 64)):
+        x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 5)):
+            ws = sg.SkinnyWorkspace()
+            diff = max(
+                (sg.skinny_gemm_triton(x, w, b, cfg, ws) - F.linear(x, w, b)).abs().max().item()
+                for b in (None, bias)
+            )
+            zero = not any(b.any() for b in ws.buffers() if b.dtype == torch.int32)
+            ok = diff <= 1e-4 and zero
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} skinny {m}x{n}x{k} {cfg}: max diff {diff:.1e}")
+    for m, k, act in ((1, 70, "silu"), (17, 256, "gelu_tanh")):
+        x, gate_up = torch.randn(m, k), torch.randn(2 * 48, k)  # ragged N tiles of 48
+        ref = sg.skinny_act_and_mul_torch(x, gate_up, act)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 3)):
+            out = sg.skinny_gemm_triton(x, gate_up, None, cfg, sg.SkinnyWorkspace(), act)
+            rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+            ok = out.shape == ref.shape and rel <= 1e-4
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} skinny {act} {m}x{k} {cfg}: max rel diff {rel:.1e}")
+    for m, k, act in ((1, 300, None), (17, 256, "silu")):  # the residual add + RMSNorm in front
+        x, res, gate_up = torch.randn(m, k), torch.randn(m, k), torch.randn(2 * 48, k)
+        norm_w = 1 + 0.1 * torch.randn(k)
+        ref, ref_res = sg.skinny_norm_gemm_torch(x, res, norm_w, 1e-6, gate_up, act)
+        for cfg in (sg.SkinnyConfig(16, 32, 1), sg.SkinnyConfig(32, 64, 3)):
+            out, new_res = sg.skinny_norm_gemm_triton(
+                x, res, norm_w, 1e-6, gate_up, cfg, sg.SkinnyWorkspace(), act
+            )
+            rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+            ok = out.shape == ref.shape and rel <= 1e-4 and torch.equal(new_res, ref_res)
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} skinny norm+{act} {m}x{k} {cfg}: max rel diff {rel:.1e}"
+            )
+    return failed + gemv()
+
+
+def gemv() -> int:
+    """The GEMV kernel (``SkinnyConfig(gemv=True)``): rows 1..8, ragged N and K tiles, bias,
+    gate/up with its activation; and a norm in front stays apart (the prologue is the tensor-
+    core kernel's only)."""
+    failed = 0
+    cfgs = (sg.SkinnyConfig(4, 32, 1, gemv=True), sg.SkinnyConfig(16, 64, 1, gemv=True))
+    for m, n, k in ((1, 40, 70), (3, 100, 300), (8, 9, 64)):
+        x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        for cfg in cfgs:
+            diff = max(
+                (sg.skinny_gemm_triton(x, w, b, cfg) - F.linear(x, w, b)).abs().max().item()
+                for b in (None, bias)
+            )
+            ok = diff <= 1e-4
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} gemv {m}x{n}x{k} {cfg}: max diff {diff:.1e}")
+    for m, k, act in ((1, 70, "silu"), (5, 256, "gelu_tanh")):
+        x, gate_up = torch.randn(m, k), torch.randn(2 * 48, k)
+        ref = sg.skinny_act_and_mul_torch(x, gate_up, act)
+        out = sg.skinny_gemm_triton(x, gate_up, None, cfgs[1], activation=act)
+        rel = ((out - ref).abs() / ref.abs().clamp_min(1)).max().item()
+        ok = out.shape == ref.shape and rel <= 1e-4
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} gemv {act} {m}x{k}: max rel diff {rel:.1e}")
+    # a GEMV config with a norm in front, or past GEMV_MAX_M rows: the tensor-core kernel
+    rows = sg.GEMV_MAX_M + 1
+    x, res, w = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(9, 64)
+    norm_w = 1 + 0.1 * torch.randn(64)
+    ref, _ = sg.skinny_norm_gemm_torch(x[:2], res[:2], norm_w, 1e-6, w)
+    out, _ = sg.skinny_norm_gemm_triton(x[:2], res[:2], norm_w, 1e-6, w, cfgs[0])
+    diff = max(
+        (out - ref).abs().max().item(),
+        (sg.skinny_gemm_triton(x, w, None, cfgs[0]) - F.linear(x, w)).abs().max().item(),
+    )
+    ok = diff <= 1e-4
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} gemv config off its kernel: max diff {diff:.1e}")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The Triton kernels, wired into every model family, on the CPU: Triton's interpreter runs
+them on CPU tensors (``tests/kernels/interpret_models.py``), compared with the torch twins in
+float32. Skipped where Triton is not installed; bfloat16 is not checked here (the interpreter
+does not round like the GPU does)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)"
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def interpret(module: str, expected: int) -> None:
+    """Run ``python -m module`` under the interpreter: ``expected`` lines, each "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-m", module], capture_output=True, text=True, timeout=900, env=env,
+        cwd=ROOT,
+    )  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
+    assert out.returncode == 0 and len(lines) == expected, out.stdout + out.stderr[-3000:]
+
+
+def test_every_family_on_the_triton_path_equals_the_twins():
+    interpret("tests.kernels.interpret_models", 8)
+
+
+def test_kernels_merging_in_their_last_split():
+    interpret("tests.kernels.interpret_kernels", 43)
+
+
+def test_fused_moe_launch_variants():
+    interpret("tests.kernels.interpret_moe", 54)
+
+
+@pytest.mark.parametrize(
+    ("skinny", "merge", "most"), [("off", "kernel", 26), ("off", "split", 24), ("all", "split", 18)]
+)
+def test_decode_step_kernel_count_does_not_grow(skinny, merge, most):
+    """Kernels one Qwen3 decode step launches on the Triton path (tiny model, 2 layers; the
+    interpreter counts them, ``benchmarks/decode_kernels_cpu.py``): 26 on cuBLAS with decode
+    attention's merge kernel, 24 with the merge in its last split, 18 with every projection on
+    the skinny GEMM too (the norms and gate/up's SiLU fused into it). A change that adds
+    launches to the decode graph fails here first."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "BREAKGRAPH_SKINNY": skinny}
+    env["BREAKGRAPH_DECODE_MERGE"] = merge
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decode_kernels_cpu.py", "qwen3"], capture_output=True,
+        text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    found = re.search(r"qwen3 +2 layers: (\d+) kernels per decode step", out.stdout)
+    assert out.returncode == 0 and found, out.stdout + out.stderr[-3000:]
+    assert int(found.group(1)) <= most, out.stdout
