@@ -7,19 +7,19 @@ import logging
 import sys
 
 from breakgraph.bench.args import add_decode_args, add_step_args
-from breakgraph.engine.args import add_engine_args, add_server_args
+from breakgraph.engine.args import (
+    LOGGING,
+    SERVER,
+    HelpFormatter,
+    add_engine_args,
+    add_server_args,
+    argument_group,
+)
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-
-
-class _HELP(argparse.HelpFormatter):
-    """--help shows each flag's default (those that are not None or off)."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
-            if "%(default)" not in (action.help or ""):
-                action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
-        return super()._format_action(action)
+DEFAULT_LOG_LEVEL = "warning"
+_HELP = HelpFormatter
+FLAGS_DOC = "Every flag, grouped: docs/flags.md. Environment variables: docs/env.md."
 
 
 def _port(text: str) -> int:
@@ -32,25 +32,86 @@ def _port(text: str) -> int:
     return port
 
 
-def _add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
-    p.add_argument(
+def _add_log_level(p: argparse.ArgumentParser, top: bool) -> None:
+    g = p if top else argument_group(p, LOGGING)
+    g.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
         # a subcommand's flag overrides the top-level one only when given
-        default=default if default is not None else argparse.SUPPRESS,
+        default=DEFAULT_LOG_LEVEL if top else argparse.SUPPRESS,
+        help="the level of Python logging in every process"
+        + (
+            ""
+            if top
+            else f" (default: {DEFAULT_LOG_LEVEL}, or the level given before the subcommand)"
+        ),
+    )
+
+
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    g = argument_group(p, "prompt")
+    g.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        help="the prompt: a user message, text (--raw) or ids (--input-ids)",
+    )
+    g.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    g.add_argument(
+        "--input-ids", action="store_true", help="PROMPT is a list of token ids ('1 2 3')"
     )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g = argument_group(p, "sampling")
+    g.add_argument(
+        "--max-new-tokens", metavar="N", type=int, default=128, help="the answer's length bound"
+    )
+    g.add_argument("--temperature", metavar="T", type=float, default=0.0, help="0: greedy")
+    g.add_argument(
+        "--top-p", metavar="P", type=float, default=1.0, help="nucleus sampling (1: off)"
+    )
+    g.add_argument(
+        "--top-k", metavar="K", type=int, default=-1, help="the k most likely tokens only (-1: off)"
+    )
+    g.add_argument(
+        "--min-p",
+        metavar="P",
+        type=float,
+        default=0.0,
+        help="drop tokens below this share of the top one",
+    )
+    g.add_argument(
+        "--sampling-seed",
+        metavar="N",
+        type=int,
+        default=None,
+        help="this request's sampling seed (default: the engine's generator, seeded by --seed)",
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="run to --max-new-tokens")
+
+
+def _add_listen_args(p: argparse.ArgumentParser) -> None:
+    g = argument_group(p, SERVER)
+    g.add_argument("--host", metavar="HOST", default="127.0.0.1", help="the address to listen on")
+    g.add_argument(
+        "--port", metavar="PORT", type=_port, default=30000, help="the port to listen on"
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name of the OpenAI API, as /v1/models lists it (the alias 'default' "
+        "is accepted too); default: the name `serve` prints when ready, from --model-path or "
+        "the embedded model's file",
+    )
+    g.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="the API process's event loop (uvicorn's name): auto takes uvloop where it is "
+        "installed (less host time per request and per streamed token), else asyncio's",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -124,45 +185,34 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__, formatter_class=_HELP)
-    _add_log_level(parser, "warning")
+    _add_log_level(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
-        "generate", help="answer one prompt with the chat template applied", formatter_class=_HELP
+        "generate",
+        help="answer one prompt with the chat template applied",
+        description="Answer one prompt in-process, the chat template applied.",
+        epilog=FLAGS_DOC,
+        formatter_class=_HELP,
     )
-    _add_log_level(gen, None)
-    gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
-    gen.add_argument(
-        "--input-ids", action="store_true", help="PROMPT is a list of token ids ('1 2 3')"
-    )
-    add_engine_args(gen)
+    _add_prompt_args(gen)
     _add_sampling_args(gen)
+    add_engine_args(gen)
+    _add_log_level(gen, top=False)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser(
         "serve",
         help="HTTP server: SGLang-native /generate and the OpenAI API",
+        description="HTTP server: SGLang-native /generate and the OpenAI API, listening once "
+        "the model is loaded and its graphs captured.",
+        epilog=FLAGS_DOC,
         formatter_class=_HELP,
     )
-    _add_log_level(srv, None)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=_port, default=30000)
-    srv.add_argument(
-        "--loop",
-        choices=["auto", "asyncio", "uvloop"],
-        default="auto",
-        help="the API process's event loop (uvicorn's name): auto takes uvloop where it is "
-        "installed (less host time per request and per streamed token), else asyncio's",
-    )
-    srv.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name of the OpenAI API (the alias 'default' is accepted too); "
-        "default: --model-path or the embedded model's",
-    )
     add_engine_args(srv)
+    _add_listen_args(srv)
     add_server_args(srv)
+    _add_log_level(srv, top=False)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -201,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     code = args.func(args)
-    tp = sys.modules.get("breakgraph.engine.tp_worker")  # imported only where TP ran
+    tp = sys.modules.get("breakgraph.engine.tp.teardown")  # imported only where TP ran
     if tp is not None:
         tp.exit_if_stuck(code or 0)
     return code
