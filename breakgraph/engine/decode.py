@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from breakgraph.engine.cache_manager import CacheManager
+from breakgraph.engine.config import SchedulerConfig
 from breakgraph.engine.request import Req, ReqStatus
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from breakgraph.engine.scheduler import SchedulerConfig
+    from breakgraph.engine.cache_manager import CacheManager
 
 logger = logging.getLogger(__name__)
 

@@ -16,28 +16,25 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from breakgraph.cache.kv_pool import KVPool, SlotAllocator
+from breakgraph.cache.kv_pool import SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
-from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.common import gc_watch
+from breakgraph.common.messages import TokenDelta
 from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
-from breakgraph.engine.cuda_graphs import prefill_token_buckets
-from breakgraph.engine.model_runner import ModelRunner
-from breakgraph.engine.penalties import PenaltyPool
+from breakgraph.engine.config import SchedulerConfig
+from breakgraph.engine.rank import build_rank, claim_device, rank_device
 from breakgraph.engine.request import Req, SamplingParams
-from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.engine.scheduler import Scheduler
 from breakgraph.engine.step_timer import StepTiming
-from breakgraph.engine.tp_worker import TPDriver, WorkerSetup, claim_device, rank_device
+from breakgraph.engine.tp.driver import TPDriver
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
-from breakgraph.models.loader import load_model, peek_config, resolve_dtype
+from breakgraph.models.loader import peek_config
 from breakgraph.models.registry import check_tp_support
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
 @dataclass
@@ -53,71 +50,6 @@ class GenerateResult:
     output_top_logprobs: list[list[list]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[list] | None] = field(default_factory=list)
-
-
-def capture_graphs(
-    args: EngineArgs,
-    runner: ModelRunner,
-    req_pool: ReqToTokenPool,
-    max_running: int,
-    context_len: int,
-) -> None:
-    """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
-    # padding rows of graph steps read this table row: all zeros, i.e. slot 0
-    pad_req_idx = req_pool.alloc()
-    graph_max_bs = args.cuda_graph_max_bs
-    if graph_max_bs is None:
-        total = torch.cuda.get_device_properties(runner.kv_pool.device).total_memory
-        graph_max_bs = default_cuda_graph_max_bs(total, args.tp_size)
-    decode_bs = None if args.disable_cuda_graph else min(graph_max_bs, max_running)
-    buckets = None
-    if args.cuda_graph_backend_prefill in ("auto", "breakable"):
-        max_tokens = min(
-            args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, context_len
-        )
-        buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
-        buckets = [b for b in buckets if b <= context_len]
-    runner.capture_graphs(
-        pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
-        tail_max_rows=min(graph_max_bs, max_running),
-        whole_max_tokens=args.cuda_graph_max_tokens_prefill_whole,
-    )  # fmt: skip
-
-
-def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:
-    """The largest decode graph by GPU memory, SGLang's tiers: 256 rows on an 80-160 GB GPU
-    (H100, H200), 512 from four TP ranks or on a larger GPU, 160 below 60 GB. Above it a
-    decode step replays the largest graph in pieces (``DecodeGraphs``)."""
-    gib = total_memory / 2**30
-    if gib < 60:
-        return 160
-    if gib < 160 and tp_size < 4:
-        return 256
-    return 512
-
-
-def configure_model(model, args: EngineArgs):
-    """The engine flags a model reads at run time (every TP rank applies the same)."""
-    if args.kv_sharing_fast_prefill is not None and hasattr(model, "kv_sharing_fast_prefill"):
-        model.kv_sharing_fast_prefill = args.kv_sharing_fast_prefill
-    return model
-
-
-def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.device) -> int:
-    """KV slots this rank's pool holds: ``--max-total-tokens``, else from free device memory."""
-    per_slot = KVPool.slot_bytes(model.kv_cache_shapes(), dtype)
-    if args.max_total_tokens:
-        return args.max_total_tokens
-    if device.type != "cuda":
-        return CPU_DEFAULT_MAX_TOTAL_TOKENS
-    free, total = torch.cuda.mem_get_info(device)
-    budget = total * args.mem_fraction_static - (total - free)
-    if budget < per_slot * 1024:
-        raise RuntimeError(
-            f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
-            f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
-        )
-    return int(budget // per_slot)
 
 
 def ids_in_vocab(input_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray | None:
@@ -182,62 +114,29 @@ class Engine:
 
     def _init(self, args: EngineArgs) -> None:
         self.warmup_report: WarmupReport | None = None
-        self.device = torch.device(args.resolved_device())
-        if self.tp_driver is not None:
-            self.device = rank_device(self.device, 0)
-        claim_device(self.device)
+        device = torch.device(args.resolved_device())
+        driver = self.tp_driver
+        if driver is not None:
+            device = rank_device(device, 0)
+        claim_device(device)
         torch.manual_seed(args.seed)
-        self.tp_group = (
-            self.tp_driver.join_group(self.device)
-            if self.tp_driver
-            else TPGroup(device=self.device)
-        )
-        loaded = load_model(
-            args.model_path,
-            args.load_format,
-            args.dtype,
-            self.device,
-            args.seed,
-            args.context_length,
-            tp_group=self.tp_group,
-        )
-        self.model = configure_model(loaded.model, args)
-        self.model_config = cfg = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_source = loaded.source
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        self.context_len = min(
-            args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = eos
-        self.penalties = self._penalty_pool()  # before the KV pool takes what is left
-
-        # each rank sizes its own pool; the engine holds what the smallest one holds
-        num_slots = self._num_kv_slots()
-        if self.tp_driver is not None:
-            num_slots = self.tp_driver.agree_num_slots(num_slots)
-        # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
-        self.kv_pool = KVPool.from_shapes(
-            num_slots + 1, self.model.kv_cache_shapes(), self.dtype, self.device
-        )
-        self.allocator = SlotAllocator(num_slots + 1)
-        self.max_running_requests = args.max_running_requests or min(1024, max(8, num_slots // 64))
-        # + 1: the padding row graph steps use
-        self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
-        if self.tp_driver is not None:
-            self.tp_driver.setup(
-                self.req_pool, WorkerSetup(self.max_running_requests, self.context_len, num_slots)
-            )
+        self.tp_group = driver.join_group(device) if driver else TPGroup(device=device)
+        self.rank = rank = build_rank(
+            args, device, self.tp_group,
+            agree_slots=driver.agree_num_slots if driver else lambda n: n,
+            on_tables=driver.attach if driver else lambda req_pool: None,
+        )  # fmt: skip
+        self.device, self.dtype, self.context_len = rank.device, rank.dtype, rank.context_len
+        self.model, self.model_config, self.tokenizer = rank.model, rank.config, rank.tokenizer
+        self.model_source, self.eos_token_ids = rank.model_source, rank.eos_token_ids
+        self.penalties, self.kv_pool, self.req_pool = rank.penalties, rank.kv_pool, rank.req_pool
+        self.max_running_requests = rank.max_running_requests
+        self.runner = rank.runner
+        if driver is not None:
+            self.runner.attach_tp(driver)
+        self.allocator = SlotAllocator(rank.num_slots + 1)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.req_pool.table, tp=self.tp_driver)
-        self.runner.penalties = self.penalties
-        if self.device.type == "cuda":
-            jit_watch.install()
-            self._capture_graphs()
+        overlap = device.type == "cuda" if args.overlap_schedule is None else args.overlap_schedule
         self.scheduler = Scheduler(
             self.runner.forward,
             self.allocator,
@@ -247,16 +146,12 @@ class Engine:
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_running_requests=self.max_running_requests,
                 max_context_len=self.context_len,
-                eos_token_ids=eos,
+                eos_token_ids=self.eos_token_ids,
                 enable_mixed_chunk=args.enable_mixed_chunk,
-                overlap=(
-                    self.device.type == "cuda"
-                    if args.overlap_schedule is None
-                    else args.overlap_schedule
-                ),
+                overlap=overlap,
                 max_prefill_tokens=args.max_prefill_tokens,
             ),
-            self.device,
+            device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
             prompt_forward=self.runner.forward_prompt,
             penalties=self.penalties,
@@ -264,7 +159,7 @@ class Engine:
         )
         logger.info(
             "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
-            num_slots,
+            rank.num_slots,
             self.kv_pool.size_bytes / 2**30,
             self.max_running_requests,
             self.context_len,
@@ -284,32 +179,6 @@ class Engine:
     def mark_ready(self) -> None:
         """Serving starts: JIT compilations from now on are counted as stalls in traffic."""
         jit_watch.mark_ready()
-
-    def _capture_graphs(self) -> None:
-        capture_graphs(
-            self.args, self.runner, self.req_pool, self.max_running_requests, self.context_len
-        )
-
-    def _penalty_pool(self) -> PenaltyPool:
-        """Fixed (``--max-penalized-requests`` rows) where the decode graphs apply it, else
-        growing on demand. Under TP it is applied after the graph: capturing a second bank
-        runs its collectives on rank 0 alone (the workers would have to capture it too)."""
-        args = self.args
-        if args.max_penalized_requests < 0:
-            raise ValueError(
-                f"--max-penalized-requests must be >= 0, got {args.max_penalized_requests}"
-            )
-        in_graphs = (
-            self.device.type == "cuda"
-            and not args.disable_cuda_graph
-            and args.max_penalized_requests > 0
-            and self.tp_driver is None
-        )
-        capacity = args.max_penalized_requests if in_graphs else None
-        return PenaltyPool(self.vocab_size, self.device, self.eos_token_ids, capacity)
-
-    def _num_kv_slots(self) -> int:
-        return num_kv_slots(self.args, self.model, self.dtype, self.device)
 
     def _stop_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -379,10 +248,10 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def abort(self, rid: str) -> StepOutput | None:
+    def abort(self, rid: str) -> TokenDelta | None:
         return self.scheduler.abort(rid)
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TokenDelta]:
         outputs = self.scheduler.step()
         if self.tp_driver is not None:
             # a worker gone during the step (its collectives aborted by the TP watchdog):

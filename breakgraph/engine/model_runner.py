@@ -1,4 +1,4 @@
-"""Runs one forward of a ForwardBatch: a CUDA graph when one fits, else eagerly.
+"""Runs one forward of a ForwardBatch through the graph the dispatcher picks, or eagerly.
 
 The model contract: ``model(input_ids, positions)`` -> final hidden states of every row;
 ``compute_logits(hidden)``; ``kv_cache_shapes()`` -> (num_kv_heads, head_dim) per layer that
@@ -6,8 +6,9 @@ stores KV; optionally ``forward_logits_rows(input_ids, positions)`` -> the final
 states of the step's ``logits_rows`` only, which eager steps prefer (Gemma 4 runs its
 KV-shared layers on those rows only).
 
-Under tensor parallelism rank 0's runner has a ``tp`` driver (engine/tp_worker.py): each
-forward first sends the step to the other ranks, which run the same forward on their shards.
+Every rank of a TP group holds the same runner (engine/rank.py). Rank 0's has a ``tp``
+driver (engine/tp/driver.py): each forward first sends the step and its key to the other
+ranks, whose runners ``execute`` it on their shards.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from breakgraph.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_batch_sizes
+from breakgraph.engine.graphs.base import decode_batch_sizes
+from breakgraph.engine.graphs.decode import DecodeGraphs
+from breakgraph.engine.graphs.dispatch import PROMPT_LOGPROBS, StepDispatcher
+from breakgraph.engine.graphs.key import DECODE_PENALIZED, EAGER, StepKey
+from breakgraph.engine.graphs.prefill import PrefillGraphs
 from breakgraph.engine.logprobs import chunked_row_logprobs
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 
@@ -28,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor, tp=None):
+    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor, penalties=None):
+        """``penalties``: the rank's penalty pool (engine/penalties.py); a fixed one is
+        captured into a second decode bank."""
         self.model = model
-        self.tp = tp  # TPDriver on rank 0 of a TP group; None otherwise (TP 1, workers)
+        self.tp = None  # rank 0 of a TP group: its TPDriver (attach_tp)
         shapes = [tuple(s) for s in model.kv_cache_shapes()]
         if kv_pool.layer_shapes != shapes:
             raise ValueError(
@@ -39,12 +45,15 @@ class ModelRunner:
             )
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.penalties = penalties
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.step_counts: Counter[str] = Counter()  # "decode_graph", "extend_eager", ...
-        # per-request sampling state (engine/penalties.py); a fixed one is captured into a
-        # second decode bank (rank 0 only: the TP workers' logits are not sampled)
-        self.penalties = None
+        self.dispatcher = StepDispatcher()
+        self.step_counts: Counter[StepKey] = Counter()  # rank 0's steps by key
+
+    def attach_tp(self, driver) -> None:
+        """Rank 0 of a TP group: every forward goes to the workers first."""
+        self.tp = driver
 
     @torch.inference_mode()
     def capture_graphs(
@@ -75,30 +84,32 @@ class ModelRunner:
                 penalties=fixed,
             )  # fmt: skip
             self.decode_graphs.capture()
+        self.dispatcher = StepDispatcher(self.decode_graphs, self.prefill_graphs)
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> logits [B, vocab] float32 of each request's last row."""
-        if self.tp is not None:
-            with self.tp.step(batch):
-                return self._forward(batch)
-        return self._forward(batch)
+    def dispatch(self, batch: ForwardBatch, penalized: bool = False) -> StepKey:
+        """The key serving replays ``batch`` with (see engine/graphs/dispatch.py)."""
+        return self.dispatcher.dispatch(batch, penalized)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        decode = batch.mode is ForwardMode.DECODE
-        graphs = self.decode_graphs if decode else self.prefill_graphs
-        if graphs is not None:
-            logits = graphs.run(batch)
-            if logits is not None:
-                self.step_counts[f"{batch.mode.value}_graph"] += 1
-                if not decode and graphs.replayed_whole:
-                    self.step_counts["extend_graph_whole"] += 1
-                if decode and batch.batch_size > graphs.bank.max_size:
-                    self.step_counts["decode_graph_in_pieces"] += 1
-                return logits
-        self.step_counts[f"{batch.mode.value}_eager"] += 1
-        return self._forward_eager(batch)
+    def count(self, *banks: str) -> int:
+        """Rank 0's steps so far through any of ``banks`` (graphs/key.py's names)."""
+        return sum(n for key, n in self.step_counts.items() if key.bank in banks)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, key: StepKey | None = None) -> torch.Tensor:
+        """-> logits [B, vocab] float32 of each request's last row, through ``key`` (default:
+        the dispatcher's choice; a benchmark may name another bank's bucket)."""
+        key = key or self.dispatch(batch)
+        self.step_counts[key] += 1
+        if self.tp is not None:
+            with self.tp.step(batch, key):
+                return self.execute(key, batch)
+        return self.execute(key, batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step without graphs (every TP rank likewise)."""
+        return self.forward(batch, StepKey(EAGER, reason="asked"))
 
     @torch.inference_mode()
     def forward_penalized(
@@ -106,30 +117,33 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits, logits with the penalty pool applied at ``penalty_rows``): a decode
         step replays the bank that applies it inside the graph; other steps apply it after
-        the forward, with the same ops. TP workers run the plain forward (same collectives)."""
+        the forward, with the same ops."""
+        key = self.dispatch(batch, penalized=True)
+        self.step_counts[key] += 1
         if self.tp is not None:
-            with self.tp.step(batch):
-                return self._forward_penalized(batch, penalty_rows)
-        return self._forward_penalized(batch, penalty_rows)
+            with self.tp.step(batch, key):
+                return self._penalized(key, batch, penalty_rows)
+        return self._penalized(key, batch, penalty_rows)
 
-    def _forward_penalized(self, batch: ForwardBatch, penalty_rows: torch.Tensor):
-        if batch.mode is ForwardMode.DECODE and self.decode_graphs is not None:
-            out = self.decode_graphs.run_penalized(batch, penalty_rows)
-            if out is not None:
-                self.step_counts["decode_graph"] += 1
-                return out
-        logits = self._forward(batch)
+    def _penalized(self, key: StepKey, batch: ForwardBatch, penalty_rows: torch.Tensor):
+        if key.bank == DECODE_PENALIZED:
+            return self.decode_graphs.replay(key, batch, penalty_rows)
+        logits = self.execute(key, batch)
         return logits, self.penalties.apply(logits, penalty_rows)
 
-    @torch.inference_mode()
-    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step without graphs (every TP rank likewise)."""
-        if self.tp is not None:
-            with self.tp.step(batch, kind="eager"):
-                return self._forward_eager(batch)
-        return self._forward_eager(batch)
+    def execute(self, key: StepKey, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's forward of ``batch`` through ``key`` -> logits (a TP worker runs rank
+        0's key; ``DECODE_PENALIZED`` on a worker: its logits with the neutral pool row)."""
+        if key.eager:
+            return self._eager(batch)
+        if batch.mode is ForwardMode.DECODE:
+            if key.bank == DECODE_PENALIZED:
+                rows = torch.zeros_like(batch.req_pool_indices)
+                return self.decode_graphs.replay(key, batch, rows)[0]
+            return self.decode_graphs.replay(key, batch)
+        return self.prefill_graphs.replay(key, batch)
 
-    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+    def _eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         logits_rows_only = getattr(self.model, "forward_logits_rows", None)
         with forward_context(ctx):
@@ -147,13 +161,14 @@ class ModelRunner:
         on all rows (no graph, no ``forward_logits_rows``: Gemma 4's KV-shared layers must
         see the prompt rows too) -> (logits of each request's last row, logprobs of the
         rows' targets, top-k logprobs, their ids); the rows go through a chunked LM head."""
+        self.step_counts[PROMPT_LOGPROBS] += 1
         if self.tp is not None:
-            with self.tp.step(batch, rows, targets, top_k):
-                return self._forward_prompt(batch, rows, targets, top_k)
-        return self._forward_prompt(batch, rows, targets, top_k)
+            with self.tp.step(batch, PROMPT_LOGPROBS, rows, targets, top_k):
+                return self.execute_prompt(batch, rows, targets, top_k)
+        return self.execute_prompt(batch, rows, targets, top_k)
 
-    def _forward_prompt(self, batch: ForwardBatch, rows, targets, top_k: int):
-        self.step_counts[f"{batch.mode.value}_eager"] += 1
+    def execute_prompt(self, batch: ForwardBatch, rows, targets, top_k: int):
+        """This rank's part of ``forward_prompt``."""
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)
@@ -162,34 +177,6 @@ class ModelRunner:
             hidden[rows], targets, self.model.compute_logits, self.vocab_size, top_k
         )
         return logits, lp, top_v, top_i
-
-    @torch.inference_mode()
-    def capture_whole(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
-        """The step captured whole as one CUDA graph at its fixed shape, attention inline (the
-        floor a breakable bank is measured against) -> its replay. Under TP every rank
-        captures it and every replay runs on every rank. CUDA only."""
-        if self.tp is not None:
-            with self.tp.step(batch, kind="capture_whole"):
-                replay = self._capture_whole(batch)
-            tp = self.tp
-
-            def replay_all() -> torch.Tensor:
-                tp.replay_whole()
-                return replay()
-
-            return replay_all
-        return self._capture_whole(batch)
-
-    def _capture_whole(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
-        from breakgraph.graph import BreakableGraph
-
-        def fwd() -> torch.Tensor:
-            return self._forward_eager(batch)
-
-        fwd()  # warm: allocations and Triton compiles happen outside the capture
-        graph = BreakableGraph(split_at_breaks=False)
-        graph.capture(fwd)
-        return graph.replay
 
     @property
     def vocab_size(self) -> int:

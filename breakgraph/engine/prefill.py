@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from breakgraph.engine.cache_manager import CacheManager
-from breakgraph.engine.decode import DecodeManager
+from breakgraph.engine.config import SchedulerConfig
 from breakgraph.engine.request import Req, ReqStatus
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions
 
 if TYPE_CHECKING:
-    from breakgraph.engine.scheduler import SchedulerConfig
+    from breakgraph.engine.cache_manager import CacheManager
+    from breakgraph.engine.decode import DecodeManager
 
 
 class PrefillManager:
@@ -42,7 +42,11 @@ class PrefillManager:
         decode: DecodeManager,
         cfg: SchedulerConfig,
         device: torch.device,
+        has_room: Callable[[Req], bool] = lambda req: True,
+        on_admit: Callable[[Req], None] = lambda req: None,
     ):
+        """``has_room(req)``: room for the request beside its KV (a penalty-pool row);
+        ``on_admit(req)``: what it takes once admitted."""
         self.cache = cache
         self.decode = decode
         self.cfg = cfg
@@ -52,10 +56,8 @@ class PrefillManager:
         # the last batch's prefill requests, whose computed tokens go into the prefix tree
         # once the step is launched (cache_computed)
         self.uncached: list[Req] = []
-        # admission hooks: room for the request beside its KV (a penalty-pool row), and
-        # what it takes once admitted
-        self.has_room: Callable[[Req], bool] = lambda req: True
-        self.on_admit: Callable[[Req], None] = lambda req: None
+        self.has_room = has_room
+        self.on_admit = on_admit
 
     # ---- queue ----
     def add(self, req: Req) -> None:

@@ -26,10 +26,12 @@ import torch
 from breakgraph.cache.kv_pool import SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.common.messages import TokenDelta
 from breakgraph.engine.cache_manager import CacheManager
+from breakgraph.engine.config import SchedulerConfig, SchedulerStats
 from breakgraph.engine.decode import DecodeManager
 from breakgraph.engine.logprobs import ReadBack, token_logprobs
-from breakgraph.engine.output import OutputProcessor, StepOutput, fill_meta, finished_output
+from breakgraph.engine.output import OutputProcessor, fill_meta, finished_output
 from breakgraph.engine.penalties import PenaltyPool, needs_row
 from breakgraph.engine.prefill import PrefillManager
 from breakgraph.engine.request import Req
@@ -37,7 +39,7 @@ from breakgraph.engine.sampler import sample
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "StepOutput"]
+__all__ = ["Scheduler"]
 
 # (batch, pool rows) -> (logits, logits with the penalty pool applied)
 PenalizedForward = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -76,41 +78,6 @@ class Launched:
     prompt_top_k: int = 0
 
 
-@dataclass
-class SchedulerConfig:
-    chunked_prefill_size: int
-    max_running_requests: int
-    max_context_len: int
-    eos_token_ids: set[int]
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.001
-    reserve_cap_tokens: int = 4096  # a request reserves at most this many future decode tokens
-    enable_mixed_chunk: bool = False  # running requests decode inside prefill steps
-    max_prefill_tokens: int | None = None  # new tokens in one prefill batch (None: no bound)
-    overlap: bool = False  # launch step k+1 before reading step k back
-
-    def __post_init__(self) -> None:
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-
-
-@dataclass
-class SchedulerStats:
-    """Live load and KV usage (for /metrics and /get_server_info)."""
-
-    num_running_reqs: int  # decoding, or between admission and their last prefill chunk
-    num_queued_reqs: int
-    kv_tokens_used: int  # held by requests or locked in the tree
-    kv_tokens_cached: int  # held only by the tree (evictable)
-    kv_tokens_total: int
-    num_retractions: int
-    # penalty-pool rows (penalties, logit_bias, min_new_tokens) held, and the fixed bound
-    # when the decode graphs apply them (0: no bound, the pool grows)
-    penalized_reqs: int = 0
-    penalized_reqs_max: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -137,9 +104,9 @@ class Scheduler:
         self.device = device
         self.cache = CacheManager(allocator, tree, req_pool)
         self.decode = DecodeManager(self.cache, config, device)
-        self.prefill = PrefillManager(self.cache, self.decode, config, device)
-        self.prefill.has_room = lambda req: self.penalties is None or self.penalties.has_room(req)
-        self.prefill.on_admit = self._on_admit
+        self.prefill = PrefillManager(
+            self.cache, self.decode, config, device, has_room=self._has_room, on_admit=self._on_admit
+        )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
         # finished requests whose KV is not yet released (see release_finished)
@@ -156,7 +123,7 @@ class Scheduler:
         self.reqs[req.rid] = req
         self.prefill.add(req)
 
-    def abort(self, rid: str) -> StepOutput | None:
+    def abort(self, rid: str) -> TokenDelta | None:
         """Abort a request wherever it is; its KV slots are freed at once."""
         req = self.reqs.get(rid)
         if req is None:
@@ -192,12 +159,12 @@ class Scheduler:
 
     # ---- one step ----
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TokenDelta]:
         """Schedule, launch (no host sync until here), then read the sampled ids back: this
         step's, or with overlap the previous step's (this one's stay in flight)."""
         self.timer.step_begin()
         self.release_finished()
-        outputs: list[StepOutput] = []
+        outputs: list[TokenDelta] = []
         scheduled = self.schedule(outputs)
         launched = None
         self.last_step_tokens = 0
@@ -214,12 +181,12 @@ class Scheduler:
         self.timer.step_end()
         return outputs
 
-    def drain(self) -> list[StepOutput]:
+    def drain(self) -> list[TokenDelta]:
         """Read back the step in flight (overlap), if any."""
         launched, self.in_flight = self.in_flight, None
         return [] if launched is None else self.process_outputs(launched)
 
-    def schedule(self, outputs: list[StepOutput]) -> tuple[list[Req], ForwardBatch] | None:
+    def schedule(self, outputs: list[TokenDelta]) -> tuple[list[Req], ForwardBatch] | None:
         """Pick the next batch (prefill first, else decode) and upload its metadata.
 
         Requests finished without a forward have their outputs appended to ``outputs``.
@@ -355,7 +322,7 @@ class Scheduler:
         rows_t, targets_t = upload_many([rows, targets], torch.int64, self.device)
         return rows_t, targets_t, max(req_k(p.req) for p in prompt)
 
-    def process_outputs(self, launched: Launched) -> list[StepOutput]:
+    def process_outputs(self, launched: Launched) -> list[TokenDelta]:
         """Read the step back (its one host sync); append each request's sampled token,
         finish it, or move it on to decoding."""
         values = launched.readback.fetch()  # the step's one host sync
@@ -428,11 +395,15 @@ class Scheduler:
             at += n
 
     @staticmethod
-    def _attach_prompt(out: StepOutput, req: Req) -> None:
+    def _attach_prompt(out: TokenDelta, req: Req) -> None:
         """A request's prompt logprobs travel once, with its first output."""
         if req.logprob_start_len >= 0 and req.return_logprob:
             out.input_logprobs = list(req.input_logprobs)
             out.input_top_logprobs = list(req.input_top_logprobs) if req.top_logprobs_num else []
+
+    def _has_room(self, req: Req) -> bool:
+        """Room for ``req`` beside its KV: a penalty-pool row, where it needs one."""
+        return self.penalties is None or self.penalties.has_room(req)
 
     def _on_admit(self, req: Req) -> None:
         """A request leaves the queue for its first prefill chunk: its penalty-pool row."""
@@ -441,7 +412,7 @@ class Scheduler:
                 raise RuntimeError("penalties, logit_bias or min_new_tokens need a PenaltyPool")
             self.penalties.acquire(req)
 
-    def _finish(self, req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
+    def _finish(self, req: Req, reason: dict, last: TokenDelta | None = None) -> TokenDelta:
         """Forget the request, release its KV, table row and penalty row (with
         ``defer_release``: at ``release_finished``), report it finished."""
         self.decode.remove(req)

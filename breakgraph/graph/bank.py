@@ -1,12 +1,11 @@
 """GraphBank: one BreakableGraph per row-count bucket over bank-owned static inputs.
 
 Each static input is one buffer of the largest bucket's size; bucket ``b`` is captured on
-the views ``buf[:b]``. ``run(n, **live)`` copies the live rows into ``buf[:n]`` (one
+the views ``buf[:b]``. ``replay(b, n, **live)`` copies the live rows into ``buf[:n]`` (one
 multi-tensor copy per dtype), fills rows ``n:b`` with the input's pad value, and replays
-bucket ``b`` (the smallest that fits, if its padding stays within ``max_pad_factor``; the
-smallest bucket takes any smaller ``n``); otherwise it returns None and the caller runs
-eagerly. All buckets share one memory pool, captured largest first so smaller buckets reuse
-its blocks.
+bucket ``b``. The bank owns no choice: its caller picks the bucket (``smallest_bucket`` is
+the usual rule) or runs eagerly. All buckets share one memory pool, captured largest first
+so smaller buckets reuse its blocks.
 
 Capture runs every bucket once eagerly before capturing any, so lazily sized workspaces and
 JIT-compiled kernels of every shape exist first; it then checks that the captures compiled
@@ -19,7 +18,6 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from breakgraph.common import envs
 from breakgraph.graph.breakable import BreakableGraph
 
 logger = logging.getLogger(__name__)
@@ -40,6 +39,16 @@ class GraphAddressError(RuntimeError):
 
 class GraphCaptureError(RuntimeError):
     """A capture did something serving cannot afford (a JIT compile inside it)."""
+
+
+def smallest_bucket(sizes: list[int], n: int, max_pad_factor: float = float("inf")) -> int | None:
+    """The smallest of the sorted ``sizes`` >= ``n``, or None if none is or its padding
+    exceeds ``max_pad_factor`` (the smallest size takes any smaller ``n``)."""
+    i = bisect.bisect_left(sizes, n)
+    if n <= 0 or i == len(sizes):
+        return None
+    size = sizes[i]
+    return size if size <= n * max_pad_factor or size == sizes[0] else None
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,6 @@ class GraphBank:
         sizes: Iterable[int],
         device: torch.device | str,
         *,
-        max_pad_factor: float = 2.0,
         pool=None,
         split_at_breaks: bool = True,
         guard_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
@@ -76,14 +84,13 @@ class GraphBank:
         if not self.sizes:
             raise ValueError("a GraphBank needs at least one bucket size")
         self.device = torch.device(device)
-        self.max_pad_factor = max_pad_factor
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.split_at_breaks = split_at_breaks
         self.guard_tensors = guard_tensors
         self.capture_context = capture_context or (lambda size: nullcontext())
         self.compile_counter = compile_counter
         if check_addresses is None:
-            check_addresses = os.environ.get("BREAKGRAPH_GRAPH_GUARD") == "1"
+            check_addresses = envs.GRAPH_GUARD.get()
         self.check_addresses = check_addresses
         self.name = name
         max_size = self.sizes[-1]
@@ -178,14 +185,6 @@ class GraphBank:
                 used / 2**20,
             )
 
-    def bucket_for(self, n: int) -> int | None:
-        """The smallest captured bucket >= n, or None if none fits within the pad factor."""
-        i = bisect.bisect_left(self.sizes, n)
-        if n <= 0 or i == len(self.sizes):
-            return None
-        size = self.sizes[i]
-        return size if size <= n * self.max_pad_factor or size == self.sizes[0] else None
-
     def check_guard(self) -> None:
         """Every buffer watched at capture is where it was. Watch lists may grow at the end
         (a workspace outgrown after capture keeps its old buffer alive and adds a new one)."""
@@ -199,11 +198,10 @@ class GraphBank:
                 f"(watched #{moved[:5]}; {len(now)} now vs {len(self._addresses)} at capture)"
             )
 
-    def run(self, n: int, **live: torch.Tensor) -> Any | None:
-        """Replay the bucket for ``n`` live rows, or return None (caller runs eagerly)."""
-        size = self.bucket_for(n)
-        if size is None or size not in self.graphs:
-            return None
+    def replay(self, size: int, n: int, **live: torch.Tensor) -> Any:
+        """Replay bucket ``size`` (captured, >= ``n``) on ``n`` live rows -> its output, all
+        ``size`` rows (the first ``n`` are the live ones')."""
+        graph = self.graphs[size]
         copies: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for spec in self.inputs:
             buf, src = self.static[spec.name], live[spec.name]
@@ -220,4 +218,4 @@ class GraphBank:
             torch._foreach_copy_(dst, srcs, non_blocking=True)
         if self.check_addresses:
             self.check_guard()
-        return self.graphs[size].replay()
+        return graph.replay()

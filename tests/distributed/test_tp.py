@@ -99,11 +99,11 @@ def test_tp2_logits_equal_tp1(checkpoints, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
-def test_tp2_with_the_norms_reducing_equals_tp1(checkpoints, family, monkeypatch):
+def test_tp2_with_the_norms_reducing_equals_tp1(checkpoints, family, knobs):
     """BREAKGRAPH_AR_NORM=1: o and down hand partial sums to the norms after them, which
     all-reduce them (the final norm too; a MoE block still reduces its own output): the
     same tokens and logits as TP1."""
-    monkeypatch.setenv("BREAKGRAPH_AR_NORM", "1")  # the workers inherit it
+    knobs(AR_NORM=True)  # the workers inherit it
     _assert_tp2_logits_equal_tp1(checkpoints[family], reducing_norms=True)
 
 
@@ -199,7 +199,7 @@ def test_worker_dying_mid_generation_stops_the_engine_at_once(checkpoints, caplo
 
         threading.Timer(0.3, kill).start()
         deadline = time.monotonic() + 30
-        with caplog.at_level(logging.ERROR, logger="breakgraph.engine.tp_worker"):
+        with caplog.at_level(logging.ERROR, logger="breakgraph.engine.tp.driver"):
             with pytest.raises(RuntimeError, match="TP worker rank 1"):
                 while time.monotonic() < deadline:  # generating when the kill lands
                     engine.generate(prompts([8, 5]), greedy(400))
@@ -215,15 +215,14 @@ def test_worker_dying_mid_generation_stops_the_engine_at_once(checkpoints, caplo
     assert not [p for p in mp.active_children() if p.name.startswith("breakgraph-tp")]
 
 
-def test_trace_reports_every_ranks_host_time_per_step(checkpoints, monkeypatch, capfd, caplog):
+def test_trace_reports_every_ranks_host_time_per_step(checkpoints, knobs, capfd, caplog):
     """BREAKGRAPH_TP_TRACE=1: at shutdown rank 0 logs its sends and each worker its pipe,
     build and launch times per step, as percentiles in µs (the worker's on its stderr)."""
     import re
 
-    from breakgraph.engine import tp_worker
+    from breakgraph.engine.tp.trace import StepTrace
 
-    monkeypatch.setenv("BREAKGRAPH_TP_TRACE", "1")  # the spawned worker reads it
-    monkeypatch.setattr(tp_worker, "TRACE", True)
+    knobs(TP_TRACE=True)  # read by rank 0 and by the spawned worker
     engine = Engine(make_args(checkpoints["llama"], tp_size=2))
     engine.generate(prompts([8]), greedy(3))
     engine.shutdown()
@@ -232,7 +231,7 @@ def test_trace_reports_every_ranks_host_time_per_step(checkpoints, monkeypatch, 
     assert re.search(rank0, caplog.text), caplog.text
     pattern = r"TP rank 1 trace, \d+ steps, us: pipe p50 \d+ .*; build p50 \d+ .*; launch p50"
     assert re.search(pattern, err), err
-    trace = tp_worker._StepTrace(1, ("a", "b"))
+    trace = StepTrace(1, ("a", "b"))
     trace.add(0.0, 1e-6, 3e-6)
     trace.add(0.0, 2e-6, 3e-6)
     assert (
@@ -254,14 +253,14 @@ WATCHDOG_SCRIPT = r"""
 import logging, multiprocessing as mp, sys, time
 import torch
 from breakgraph.distributed import TPGroup
-from breakgraph.engine import tp_worker
+from breakgraph.engine.tp import driver
 logging.basicConfig(level=logging.INFO)
 calls = []
 def abort(group):  # NCCL's abort with its peer killed may never return (NVIDIA/nccl#863)
     calls.append(group)
     if sys.argv[1] == "hangs":
         time.sleep(3600)
-tp_worker.abort_tp_group = abort
+driver.abort_tp_group = abort
 fork = mp.get_context("fork")
 worker = fork.Process(target=int)  # a worker that exits at once
 other = fork.Process(target=time.sleep, args=(3600,))  # one still in a collective
@@ -271,7 +270,7 @@ worker.start()
 stop, _ = mp.Pipe(duplex=False)
 one_shot = object() if sys.argv[1] == "one_shot" else None  # its kernels never see an abort
 group = TPGroup(0, 3, torch.device("cpu"), one_shot)
-tp_worker._watch_workers([worker, other], stop, group, abort_s=0.5)
+driver._watch_workers([worker, other], stop, group, abort_s=0.5)
 other.kill()
 other.join()
 print("returned", len(calls))
@@ -307,12 +306,12 @@ STUCK_TEARDOWN_SCRIPT = r"""
 import logging, sys, time
 import torch
 from breakgraph.distributed import TPGroup
-from breakgraph.engine import tp_worker
+from breakgraph.engine.tp import teardown
 logging.basicConfig(level=logging.INFO)
-tp_worker._destroy_quietly = lambda group: time.sleep(3600)  # NCCL's abort that never returns
-tp_worker._leave_group(TPGroup(0, 2, torch.device("cpu")), 0.2)
+teardown.destroy_quietly = lambda group: time.sleep(3600)  # NCCL's abort that never returns
+teardown.leave_group(TPGroup(0, 2, torch.device("cpu")), 0.2)
 print("results written", flush=False)  # still in the buffer: the exit must flush it
-tp_worker.exit_if_stuck(3)
+teardown.exit_if_stuck(3)
 print("not reached")
 """
 
@@ -667,7 +666,7 @@ def test_a_cuda_process_runs_host_ops_on_one_thread(monkeypatch):
     """On CUDA the engine's host-side torch ops are bookkeeping: one intra-op thread, so a
     busy core never stalls a 64K-slot table write for an OS time slice. The CPU keeps its
     threads (the forward runs there)."""
-    from breakgraph.engine.tp_worker import claim_device
+    from breakgraph.engine.rank import claim_device
 
     threads = torch.get_num_threads()
     chosen = []
@@ -689,13 +688,13 @@ def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
         tmp_path,
         f"""
         import time
-        from breakgraph.engine import tp_worker
+        from breakgraph.engine.tp import teardown
         from breakgraph.engine.args import EngineArgs
         from breakgraph.engine.engine import Engine
         def hang(*a, **k):
             time.sleep(3600)
-        tp_worker.destroy_tp_group = hang  # rank 0 must not tear down (nor wait on it)
-        tp_worker._leave_group = hang
+        teardown.destroy_tp_group = hang  # rank 0 must not tear down (nor wait on it)
+        teardown.leave_group = hang
         if __name__ == "__main__":
             e = Engine(EngineArgs(model_path={str(checkpoints["llama"])!r}, device="cpu",
                                   dtype="float32", max_total_tokens=512, tp_size=2))
@@ -704,7 +703,7 @@ def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
             e.shutdown(leave_group=False)
             print("stopped in", round(time.monotonic() - start, 1), "codes",
                   *[p.exitcode for p in e.tp_driver.procs])
-            tp_worker.exit_if_stuck(5)
+            teardown.exit_if_stuck(5)
             print("not reached")
         """,
     )
@@ -716,27 +715,29 @@ def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
 
 def test_step_messages_cross_the_pipe_in_their_binary_layout():
     """Rank 0's step message in its fixed layout (no pickle on the step's path) comes back
-    whole: every kind, mode and field, with and without table writes; other messages
-    (setup, replay, stop) are pickled."""
-    from breakgraph.engine.tp_worker import ReplayWhole, StepMessage, _unwire, _wire
+    whole: every bank of the key, mode and field, with and without table writes; other
+    messages (setup, stop) are pickled."""
+    from breakgraph.engine.graphs.key import BANKS, StepKey
+    from breakgraph.engine.tp.wire import StepMessage, WorkerSetup, from_wire, to_wire
 
     def i32(*v):
         return np.asarray(v, dtype=np.int32)
 
     writes = (i32(1, 4), i32(2, 5), i32(3, 6))
-    for mode, kind, tw in (("decode", "forward", None), ("extend", "eager", writes),
-                           ("extend", "capture_whole", writes)):  # fmt: skip
-        msg = StepMessage(mode, i32(5, 6, 7), i32(1, 2), i32(1024, 0), i32(1, 2), tw,
-                          prompt_rows=3, top_k=2, sent_at=12.5, kind=kind)  # fmt: skip
-        data = _wire(msg)
+    keys = [StepKey(bank, 16 * i, rest=i, tail=2 * i) for i, bank in enumerate(BANKS)]
+    for i, key in enumerate(keys):
+        mode, tw = ("decode", None) if i % 2 else ("extend", writes)
+        msg = StepMessage(mode, i32(5, 6, 7), i32(1, 2), i32(1024, 0), i32(1, 2), tw, key,
+                          prompt_rows=3, top_k=2, sent_at=12.5)  # fmt: skip
+        data = to_wire(msg)
         assert data[:1] == b"S"
-        back = _unwire(data)
-        for name in ("mode", "kind", "prompt_rows", "top_k", "sent_at"):
+        back = from_wire(data)
+        for name in ("mode", "key", "prompt_rows", "top_k", "sent_at"):
             assert getattr(back, name) == getattr(msg, name)
         for name in ("out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens"):
             assert getattr(back, name).tolist() == getattr(msg, name).tolist()
         assert (back.table_writes is None) == (tw is None)
         if tw is not None:
             assert [a.tolist() for a in back.table_writes] == [a.tolist() for a in tw]
-    assert _unwire(_wire(None)) is None
-    assert isinstance(_unwire(_wire(ReplayWhole())), ReplayWhole)
+    assert from_wire(to_wire(None)) is None
+    assert from_wire(to_wire(WorkerSetup(77))) == WorkerSetup(77)

@@ -36,7 +36,7 @@ def test_tp2_custom_all_reduce_equals_nccl_with_graphs(small_dir):
         forbid_host_syncs_in_steps(tp2)
         tap1, tap2 = LogitsTap(tp1), LogitsTap(tp2)
         assert run_workload(tp2) == run_workload(tp1)
-        assert tp2.runner.step_counts["decode_graph"] > 0
+        assert tp2.runner.count("decode", "decode_long", "decode_penalized") > 0
         assert_close_steps(tap1, tap2)
     finally:
         tp2.shutdown()
@@ -50,14 +50,14 @@ def test_tp2_equals_tp1_with_graphs(small_dir):
         forbid_host_syncs_in_steps(tp2)
         tap1, tap2 = LogitsTap(tp1), LogitsTap(tp2)
         assert run_workload(tp2) == run_workload(tp1)
-        assert tp2.runner.step_counts["extend_graph"] > 0
-        assert tp2.runner.step_counts["decode_graph"] > 0
+        assert tp2.runner.count("prefill", "prefill_whole") > 0
+        assert tp2.runner.count("decode", "decode_long", "decode_penalized") > 0
         assert_close_steps(tap1, tap2)
     finally:
         tp2.shutdown()
 
 
-def test_tp2_graphs_equal_eager_and_floor_replays(small_dir):
+def test_tp2_graphs_equal_eager_and_keyed_replays(small_dir):
     graph = engine(small_dir, graphs=True, tp_size=2)
     try:
         tap_g = LogitsTap(graph)
@@ -77,7 +77,9 @@ def test_tp2_graphs_equal_eager_and_floor_replays(small_dir):
         for a, b in zip(tap_g.steps, eager_steps, strict=True):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=ATOL)
         graph.scheduler.forward = forward
-        # the floor (one whole graph per step shape) replays on both ranks
+        # a key rank 0 names (the breakable bank on a step serving would replay whole)
+        # replays on both ranks
+        from breakgraph.engine.graphs.key import StepKey
         from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
         rows = graph.req_pool.alloc()
@@ -86,8 +88,8 @@ def test_tp2_graphs_equal_eager_and_floor_replays(small_dir):
         batch = ForwardBatch.build(
             ForwardMode.EXTEND, list(range(5, 69)), slots.tolist(), [rows], [0], [64], graph.device
         )
-        replay = runner.capture_whole(batch)
-        torch.testing.assert_close(replay(), runner.forward_eager(batch), atol=ATOL, rtol=ATOL)
+        keyed = runner.forward(batch, StepKey("prefill", 64)).clone()
+        torch.testing.assert_close(keyed, runner.forward_eager(batch), atol=ATOL, rtol=ATOL)
     finally:
         graph.shutdown()
 
@@ -148,7 +150,7 @@ def test_worker_death_mid_decode_fails_at_once_not_at_the_nccl_timeout(small_dir
 
 
 def test_one_shot_all_reduce_paths_equal_nccl_bitwise_in_graphs():
-    """bench.allreduce on two GPUs: the one-shot all-reduce, with torch's fused staging copy
+    """``bench allreduce`` on two GPUs: the one-shot all-reduce, with torch's fused staging copy
     and with a copy kernel in front, equals NCCL bitwise at decode's and prefill's sizes,
     each captured 4 times in one CUDA graph and replayed; the fused all-reduce + residual add
     + RMSNorm matches a float32 reference with the same bits on both ranks, before and after
@@ -157,7 +159,7 @@ def test_one_shot_all_reduce_paths_equal_nccl_bitwise_in_graphs():
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "breakgraph.bench.allreduce", "--kib", "8", "64", "1024",
+        [sys.executable, "-m", "breakgraph.cli", "bench", "allreduce", "--kib", "8", "64", "1024",
          "--ops", "4", "--norm-rows", "1", "7", "64"],
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip

@@ -10,7 +10,9 @@ import torch
 
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, StepKey
 from breakgraph.engine.request import SamplingParams
+from breakgraph.graph import smallest_bucket
 from tests.support.gpu import (
     BUCKETS,
     WARMUP_SCRIPT,
@@ -21,6 +23,8 @@ from tests.support.gpu import (
     run_workload,
 )
 from tests.support.hf import LogitsTap
+
+DECODE_BANKS = (DECODE, DECODE_LONG, DECODE_PENALIZED)
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -39,12 +43,12 @@ def test_graph_equals_eager_tokens_and_logits(small_dir):
     graph = engine(small_dir, graphs=True)
     tap_e, tap_g = LogitsTap(eager), LogitsTap(graph)
     assert run_workload(graph) == run_workload(eager)
-    counts = graph.runner.step_counts
-    assert counts["extend_graph"] > 0 and counts["decode_graph"] > 0
+    runner, counts = graph.runner, graph.runner.step_counts
+    assert runner.count("prefill") > 0 and runner.count("decode") > 0
     # batch 20 > cuda_graph_max_bs (16): the largest graph, then the 4-row one, not eager
-    assert counts["decode_graph_in_pieces"] > 0 and counts["decode_eager"] == 0, counts
+    assert StepKey("decode", 16, rest=4) in counts, counts
     # lone prompts replay whole graphs, batches of prompts the breakable bank
-    assert 0 < counts["extend_graph_whole"] < counts["extend_graph"], counts
+    assert runner.count("prefill_whole") > 0 and runner.count("prefill") > 0, counts
     assert len(tap_e.steps) == len(tap_g.steps)
     for a, b in zip(tap_e.steps, tap_g.steps, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
@@ -78,40 +82,41 @@ def test_whole_prefill_graph_equals_breakable_and_eager(small_dir):
     cases = [(0, 1), (0, 16), (0, 17), (0, 100), (0, 128), (40, 3), (40, 88), (900, 100)]
     for prefix, new in cases:
         batch = step(prefix, new)
-        assert graphs.whole_bucket(batch) is not None, (prefix, new)
+        key = eng.runner.dispatch(batch)
+        assert key.bank == "prefill_whole", (prefix, new, key)
         whole = eng.runner.forward(batch)
-        with torch.inference_mode():
-            breakable = graphs.run(batch, whole=False)
+        size = smallest_bucket(graphs.bank.sizes, new)
+        breakable = eng.runner.forward(batch, StepKey("prefill", size))
         eager = eng.runner.forward_eager(batch)
         torch.testing.assert_close(whole, eager, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(whole, breakable, atol=1e-4, rtol=1e-4)
-    assert eng.runner.step_counts["extend_graph_whole"] == len(cases)
+    assert eng.runner.count("prefill_whole") == len(cases)
     # a context past the one-pass bound and its bucket: the breakable bank
-    assert graphs.whole_bucket(step(1100, 100)) is None
+    assert eng.runner.dispatch(step(1100, 100)).bank == "prefill"
     two = ForwardBatch.build(
         ForwardMode.EXTEND, ids[:20], slots[:20], [req, req], [0, 0], [10, 10], eng.device
     )
-    assert graphs.whole_bucket(two) is None
+    assert eng.runner.dispatch(two).bank == "prefill"
     off = engine(small_dir, graphs=True, cuda_graph_max_tokens_prefill_whole=0)
     assert off.runner.prefill_graphs.whole is None
 
 
-def test_programmatic_dependent_launch_equals_plain_launches(small_dir, monkeypatch):
+def test_programmatic_dependent_launch_equals_plain_launches(small_dir, knobs):
     """BREAKGRAPH_PDL (kernels/pdl.py): every Triton kernel of the step launched dependent on
     its predecessor, waiting for it before reading, in graphs and eager steps alike: the same
     arithmetic, so the same tokens and bitwise the same logits as plain launches."""
     from breakgraph.kernels import pdl
 
-    monkeypatch.setattr(pdl, "MODE", "0")
+    knobs(PDL="0")
     plain = engine(small_dir, graphs=True)
     tap_plain = LogitsTap(plain)
     tokens = run_workload(plain)
-    monkeypatch.setattr(pdl, "MODE", "1")
+    knobs(PDL="1")
     assert pdl.launch(plain.device) == {"PDL": True, "launch_pdl": True}
     dependent = engine(small_dir, graphs=True)  # its graphs capture the dependent launches
     tap = LogitsTap(dependent)
     assert run_workload(dependent) == tokens
-    assert dependent.runner.step_counts["decode_graph"] > 0
+    assert dependent.runner.count("decode") > 0
     assert len(tap.steps) == len(tap_plain.steps)
     for a, b in zip(tap_plain.steps, tap.steps, strict=True):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
@@ -147,8 +152,8 @@ def test_long_context_batch_1_replays_its_own_capture(small_dir, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(graphs.long_bank, "run", counted("long", graphs.long_bank.run))
-    monkeypatch.setattr(graphs.bank, "run", counted("plain", graphs.bank.run))
+    monkeypatch.setattr(graphs.long_bank, "replay", counted("long", graphs.long_bank.replay))
+    monkeypatch.setattr(graphs.bank, "replay", counted("plain", graphs.bank.replay))
     tap_e, tap_g = LogitsTap(eager), LogitsTap(graph)
     g = torch.Generator().manual_seed(5)
     rand = lambda n: torch.randint(5, 1000, (n,), generator=g).tolist()  # noqa: E731
@@ -204,14 +209,14 @@ def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir
         sampled.append(counting(scheduler_mod, "sample", keep=torch.Tensor.clone))
         if graphs:
             forbid_host_syncs_in_steps(eng)
-            replays = counting(eng.runner.decode_graphs.penalized_bank, "run")
+            replays = counting(eng.runner.decode_graphs.penalized_bank, "replay")
         outs.append([r.output_ids for r in eng.generate(prompts, sp)])
         assert pool.rows_in_use == 0
         if graphs:  # every decode step replayed the penalized bank; plain steps the plain one
-            steps = eng.runner.step_counts["decode_graph"]
+            steps = eng.runner.count(*DECODE_BANKS)
             assert replays and len(replays) == steps
             eng.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0.0))
-            assert eng.runner.step_counts["decode_graph"] == steps + 2 and len(replays) == steps
+            assert eng.runner.count(*DECODE_BANKS) == steps + 2 and len(replays) == steps
             del sampled[-1][len(replays) + 1 :]  # the prefill, the decode steps
     assert outs[0] == outs[1]
     assert all(9 not in ids for ids in outs[0])
@@ -293,6 +298,7 @@ LONG_SCRIPT = r"""
 import json, random, sys, time
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, StepKey
 from breakgraph.engine.request import SamplingParams
 from breakgraph.kernels import jit_watch
 

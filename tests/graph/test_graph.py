@@ -71,7 +71,7 @@ def test_breakable_graph_equals_eager_with_live_state():
             torch.testing.assert_close(out, net(x), rtol=0, atol=0)
 
 
-def test_bank_pads_and_picks_buckets():
+def test_bank_pads_to_the_bucket_it_is_given():
     net = make()
     LIVE["scale"] = torch.ones(64, device="cuda")
     bank = GraphBank(
@@ -80,16 +80,11 @@ def test_bank_pads_and_picks_buckets():
     )  # fmt: skip
     with torch.no_grad():
         bank.capture(progress=False)
-        for n, bucket in [(1, 16), (16, 16), (17, 32), (40, 64), (64, 64)]:
-            assert bank.bucket_for(n) == bucket
+        for n, bucket in [(1, 16), (16, 16), (17, 32), (40, 64), (64, 64), (17, 64)]:
             x = torch.randn(n, 32, device="cuda")
             LIVE["scale"] = torch.rand(n, device="cuda")
-            out = bank.run(n, x=x)[:n]
+            out = bank.replay(bucket, n, x=x)[:n]
             torch.testing.assert_close(out, net(x), rtol=1e-6, atol=1e-6)
-        assert (
-            bank.bucket_for(65) is None
-            and bank.run(65, x=torch.zeros(65, 32, device="cuda")) is None
-        )
 
 
 def test_address_guard_fires_when_a_static_buffer_moves():
@@ -101,23 +96,23 @@ def test_address_guard_fires_when_a_static_buffer_moves():
     )  # fmt: skip
     with torch.no_grad():
         bank.capture(progress=False)
-        bank.run(8, x=torch.zeros(8, 32, device="cuda"))
+        bank.replay(16, 8, x=torch.zeros(8, 32, device="cuda"))
         net.b.weight.data = net.b.weight.data.clone()  # a captured kernel still reads the old one
         with pytest.raises(GraphAddressError, match="moved"):
-            bank.run(8, x=torch.zeros(8, 32, device="cuda"))
+            bank.replay(16, 8, x=torch.zeros(8, 32, device="cuda"))
         bank.static["x"] = torch.zeros_like(bank.static["x"])
         with pytest.raises(GraphAddressError):
-            bank.run(8, x=torch.zeros(8, 32, device="cuda"))
+            bank.replay(16, 8, x=torch.zeros(8, 32, device="cuda"))
 
 
-def test_debug_mode_names_the_faulting_break(monkeypatch):
+def test_debug_mode_names_the_faulting_break(knobs):
     net = make()
     x = torch.randn(16, 32, device="cuda")
     LIVE["scale"] = torch.ones(16, device="cuda")
     graph = BreakableGraph()
     with torch.no_grad():
         graph.capture(net, x)
-    monkeypatch.setenv("BREAKGRAPH_GRAPH_DEBUG", "1")
+    knobs(GRAPH_DEBUG=True)
     LIVE["scale"] = "not a tensor"  # the second piece to run (break 0) faults
     with pytest.raises(GraphReplayError, match=r"break 0 \(live_scale#0\)"):
         graph.replay()

@@ -29,11 +29,11 @@ def test_bounded_replay_equals_eager(gemma4_dir):
     tail = graph.runner.prefill_graphs.tail
     assert tail is not None and sorted(tail.bank.graphs) == [1, 2, 4, 8, 16]
     replays = []
-    run = tail.bank.run
-    tail.bank.run = lambda n, **live: replays.append(n) or run(n, **live)
+    run = tail.bank.replay
+    tail.bank.replay = lambda size, n, **live: replays.append(n) or run(size, n, **live)
     tap_e, tap_g = LogitsTap(eager), LogitsTap(graph)
     assert workload(graph) == workload(eager)
-    assert replays and graph.runner.step_counts["extend_graph"] > 0
+    assert replays and graph.runner.count("prefill", "prefill_whole") > 0
     assert len(tap_e.steps) == len(tap_g.steps)
     for a, b in zip(tap_e.steps, tap_g.steps, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
@@ -41,6 +41,7 @@ def test_bounded_replay_equals_eager(gemma4_dir):
 
 def test_every_tail_bucket_replays_the_eager_tail(gemma4_dir):
     from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
+    from breakgraph.graph import smallest_bucket
 
     eng = gpu_engine(gemma4_dir, True)
     graphs = eng.runner.prefill_graphs
@@ -59,7 +60,8 @@ def test_every_tail_bucket_replays_the_eager_tail(gemma4_dir):
             ref = model.forward_tail(
                 live["hidden"], live.get("per_layer_inputs"), live["positions"]
             )
-            got = graphs.tail.bank.run(n, **live)[:n]
+            size = smallest_bucket(graphs.tail.bank.sizes, n)
+            got = graphs.tail.bank.replay(size, n, **live)[:n]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -1,0 +1,155 @@
+"""Decode graphs: one whole-forward CUDA graph per decode batch size (attention captured
+inline), and the replay of a batch over the largest bucket in pieces."""
+
+from __future__ import annotations
+
+import torch
+
+from breakgraph.engine.graphs.base import GraphsBase, decode_batch_sizes
+from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, StepKey
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
+from breakgraph.graph import GraphBank, StaticInput
+from breakgraph.kernels import decode_attention, pdl
+
+
+class DecodeGraphs(GraphsBase):
+    """One whole-forward CUDA graph per decode batch size (attention captured inline).
+
+    With a fixed ``penalties`` pool (engine/penalties.py) a second bank captures the same
+    forward followed by the pool's ``apply`` on each row's pool row (a static input, padding
+    rows on the neutral row 0): steps with penalties, logit_bias or min_new_tokens replay it
+    and get both logits; the others replay the plain bank and pay nothing for it. Batch 1
+    over a long context replays a third capture, with decode attention's long-context
+    variant (``long_bank``)."""
+
+    def __init__(
+        self,
+        model,
+        kv_pool,
+        req_to_token,
+        pad_req_idx,
+        max_bs: int,
+        pool,
+        check_addresses=None,
+        penalties=None,
+    ):
+        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        self.penalties = penalties
+        inputs = [
+            StaticInput("input_ids", torch.int64),
+            StaticInput("positions", torch.int64),
+            StaticInput("out_cache_loc", torch.int64),
+            StaticInput("req_pool_indices", torch.int64, pad_value=pad_req_idx),
+            StaticInput("seq_lens", torch.int32, pad_value=1),
+        ]
+        sizes = decode_batch_sizes(max_bs)
+        self.bank = self._bank(
+            inputs, sizes, pool, check_addresses, name="decode graphs", split_at_breaks=False
+        )
+        self.penalized_bank = None
+        if penalties is not None:
+            assert penalties.fixed, "graphs read the pool by address: it must not grow"
+            self.penalized_bank = self._bank(
+                [*inputs, StaticInput("penalty_rows", torch.int64, pad_value=0)],
+                sizes,
+                pool,
+                check_addresses,
+                name="decode graphs with penalties",
+                split_at_breaks=False,
+                fn=self._forward_penalized,
+            )
+        # batch 1 over a long context: decode attention's long-context variant, captured once
+        # more (kernels/decode_attention.py) and replayed by the step's longest sequence
+        self.long_bank = self._bank(
+            inputs, sizes[:1], pool, check_addresses, name="decode graphs, long context",
+            split_at_breaks=False, capture_context=lambda size: decode_attention.long_context(),
+        )  # fmt: skip
+        self.banks = {DECODE: self.bank, DECODE_LONG: self.long_bank}
+        if self.penalized_bank is not None:
+            self.banks[DECODE_PENALIZED] = self.penalized_bank
+        n = self.bank.max_size
+        self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
+        self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._ones32 = torch.ones(n, dtype=torch.int32, device=self.device)
+
+    def _forward(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens):
+        bs = input_ids.shape[0]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            prefix_lens=seq_lens,  # unused by decode attention
+            extend_lens=self._ones32[:bs],
+            extend_start_loc=self._arange32[:bs],
+            logits_rows=self._arange64[:bs],
+            seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
+        # small batches' Triton kernels launch dependent on their predecessor (kernels/pdl.py)
+        with forward_context(self._context(batch)), pdl.scope(bs):
+            hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden)
+
+    def _forward_penalized(
+        self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, penalty_rows
+    ):
+        logits = self._forward(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
+        return logits, self.penalties.apply(logits, penalty_rows)
+
+    def _guard_tensors(self):
+        # the pool first: the base list ends with kernel workspaces, a list that may grow
+        if self.penalties is not None:
+            yield from self.penalties.tensors()
+        yield from super()._guard_tensors()
+
+    def capture(self) -> None:
+        self.bank.capture()
+        self.long_bank.capture()
+        if self.penalized_bank is not None:
+            self.penalized_bank.capture()
+
+    def replay(self, key: StepKey, batch: ForwardBatch, penalty_rows: torch.Tensor | None = None):
+        """The step through ``key``'s bank -> logits [B, vocab], or (logits, logits with the
+        penalty pool applied) for ``DECODE_PENALIZED`` (``penalty_rows``: each row's pool
+        row)."""
+        live = dict(
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+        )
+        if key.bank == DECODE_PENALIZED:
+            live["penalty_rows"] = penalty_rows
+        return replay_rows(self.banks[key.bank], key, batch.batch_size, live)
+
+
+def replay_rows(bank: GraphBank, key: StepKey, bs: int, live: dict[str, torch.Tensor]):
+    """A decode step of ``bs`` rows through ``bank`` at ``key`` -> its output (a tensor or a
+    tuple of them) cut to ``bs`` rows.
+
+    A batch over the bucket ``key.size`` (the largest) replays it piece by piece, the last
+    piece in bucket ``key.rest``, each piece's outputs copied out before the next replay
+    overwrites them. Each piece reads the weights again, a small cost beside the eager step
+    it replaces: every kernel of every layer launched from Python, many times the graph's
+    time at these sizes (the cliff a concurrency just over the largest bucket fell off).
+    Decode rows are independent requests, so the pieces compute what one step would."""
+    most = key.size
+    if bs <= most:
+        out = bank.replay(most, bs, **live)
+        return tuple(t[:bs] for t in out) if isinstance(out, tuple) else out[:bs]
+    results = None
+    for start in range(0, bs, most):
+        n = min(most, bs - start)
+        size = most if n == most else key.rest
+        out = bank.replay(size, n, **{name: t[start : start + n] for name, t in live.items()})
+        parts = out if isinstance(out, tuple) else (out,)
+        if results is None:
+            results = tuple(t.new_empty((bs, *t.shape[1:])) for t in parts)
+        for dst, src in zip(results, parts, strict=True):
+            dst[start : start + n].copy_(src[:n])
+    return results if isinstance(out, tuple) else results[0]

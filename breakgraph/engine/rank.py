@@ -1,0 +1,190 @@
+"""One rank of the engine, built the same way on every rank: the model (its shard under TP),
+the penalty pool, the KV pool, the request table, the runner and its graphs.
+
+Rank 0 (engine.py) and every TP worker (tp/worker.py) call ``build_rank``; the two differ
+only in how the KV pool's size is agreed (``agree_slots``: rank 0 takes the smallest any rank
+can hold and tells the workers) and in what rank 0 adds around the rank (the scheduler, the
+radix tree, the slot allocator, the TP driver).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from breakgraph.cache.kv_pool import KVPool
+from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.distributed import TPGroup
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.graphs.base import prefill_token_buckets
+from breakgraph.engine.model_runner import ModelRunner
+from breakgraph.engine.penalties import PenaltyPool
+from breakgraph.kernels import jit_watch
+from breakgraph.models.config import ModelConfig
+from breakgraph.models.loader import load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+@dataclass
+class Rank:
+    """What one rank holds (every rank of a TP group the same, on its own shard)."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object | None
+    model_source: str
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+    eos_token_ids: set[int]
+    penalties: PenaltyPool
+    num_slots: int  # KV slots, the reserved padding slot 0 not counted
+    kv_pool: KVPool
+    max_running_requests: int
+    req_pool: ReqToTokenPool
+    runner: ModelRunner
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A rank's device: ``cuda:{rank}`` on CUDA, the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def claim_device(device: torch.device) -> None:
+    """Make ``device`` this process's own. On CUDA the host's torch ops are bookkeeping
+    (slots, table rows: up to 64K elements), which torch would split over an OpenMP thread
+    per core; one busy core then holds up the whole op for an OS time slice (a 64K-slot
+    table write: 0.24 ms on one thread, 6 ms on two with one core busy; on the H200 every
+    other 64K-prefix hit spent ~10 ms more in scheduling). So one intra-op thread there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+        torch.set_num_threads(1)
+
+
+def build_rank(
+    args: EngineArgs,
+    device: torch.device,
+    tp_group: TPGroup,
+    agree_slots: Callable[[int], int] = lambda n: n,
+    on_tables: Callable[[ReqToTokenPool], None] = lambda req_pool: None,
+) -> Rank:
+    """Load the model, size and allocate the KV pool, build the runner, capture the graphs.
+    ``agree_slots(n)``: the KV slots every rank uses, given this rank's ``n``; ``on_tables``:
+    called with the request table before any graph is captured (rank 0 logs its writes
+    for the workers from then on)."""
+    loaded = load_model(
+        args.model_path, args.load_format, args.dtype, device, args.seed, args.context_length,
+        tp_group=tp_group,
+    )  # fmt: skip
+    model = configure_model(loaded.model, args)
+    cfg = loaded.config
+    dtype = resolve_dtype(args.dtype, device)
+    context_len = min(args.context_length or cfg.max_position_embeddings,
+                      cfg.max_position_embeddings)  # fmt: skip
+    eos = set(cfg.eos_token_ids)
+    if loaded.tokenizer is not None:
+        eos |= set(loaded.tokenizer.eos_token_ids)
+    penalties = penalty_pool(args, cfg.vocab_size, device, eos)  # before the KV pool
+    num_slots = agree_slots(num_kv_slots(args, model, dtype, device))
+    # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
+    kv_pool = KVPool.from_shapes(num_slots + 1, model.kv_cache_shapes(), dtype, device)
+    max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
+    # + 1: the padding row graph steps use
+    req_pool = ReqToTokenPool(max_running + 1, context_len, device)
+    on_tables(req_pool)
+    runner = ModelRunner(model, kv_pool, req_pool.table, penalties)
+    if device.type == "cuda":
+        jit_watch.install()
+        capture_graphs(args, runner, req_pool, max_running, context_len)
+    return Rank(
+        model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
+        num_slots, kv_pool, max_running, req_pool, runner,
+    )  # fmt: skip
+
+
+def configure_model(model, args: EngineArgs):
+    """The engine flags a model reads at run time."""
+    if args.kv_sharing_fast_prefill is not None and hasattr(model, "kv_sharing_fast_prefill"):
+        model.kv_sharing_fast_prefill = args.kv_sharing_fast_prefill
+    return model
+
+
+def penalty_pool(
+    args: EngineArgs, vocab_size: int, device: torch.device, eos: set[int]
+) -> PenaltyPool:
+    """Fixed (``--max-penalized-requests`` rows) where the decode graphs apply it, else
+    growing on demand. Every rank holds one, so every rank captures the same banks (a TP
+    worker replays the penalized bank on the neutral row: its logits are not sampled)."""
+    if args.max_penalized_requests < 0:
+        raise ValueError(
+            f"--max-penalized-requests must be >= 0, got {args.max_penalized_requests}"
+        )
+    in_graphs = (
+        device.type == "cuda" and not args.disable_cuda_graph and args.max_penalized_requests > 0
+    )
+    capacity = args.max_penalized_requests if in_graphs else None
+    return PenaltyPool(vocab_size, device, eos, capacity)
+
+
+def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.device) -> int:
+    """KV slots this rank's pool holds: ``--max-total-tokens``, else from free device memory."""
+    per_slot = KVPool.slot_bytes(model.kv_cache_shapes(), dtype)
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * args.mem_fraction_static - (total - free)
+    if budget < per_slot * 1024:
+        raise RuntimeError(
+            f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
+            f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
+        )
+    return int(budget // per_slot)
+
+
+def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:
+    """The largest decode graph by GPU memory, SGLang's tiers: 256 rows on an 80-160 GB GPU
+    (H100, H200), 512 from four TP ranks or on a larger GPU, 160 below 60 GB. Above it a
+    decode step replays the largest graph in pieces (graphs/decode.py)."""
+    gib = total_memory / 2**30
+    if gib < 60:
+        return 160
+    if gib < 160 and tp_size < 4:
+        return 256
+    return 512
+
+
+def capture_graphs(
+    args: EngineArgs,
+    runner: ModelRunner,
+    req_pool: ReqToTokenPool,
+    max_running: int,
+    context_len: int,
+) -> None:
+    """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
+    # padding rows of graph steps read this table row: all zeros, i.e. slot 0
+    pad_req_idx = req_pool.alloc()
+    graph_max_bs = args.cuda_graph_max_bs
+    if graph_max_bs is None:
+        total = torch.cuda.get_device_properties(runner.kv_pool.device).total_memory
+        graph_max_bs = default_cuda_graph_max_bs(total, args.tp_size)
+    decode_bs = None if args.disable_cuda_graph else min(graph_max_bs, max_running)
+    buckets = None
+    if args.cuda_graph_backend_prefill in ("auto", "breakable"):
+        max_tokens = min(
+            args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, context_len
+        )
+        buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
+        buckets = [b for b in buckets if b <= context_len]
+    runner.capture_graphs(
+        pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
+        tail_max_rows=min(graph_max_bs, max_running),
+        whole_max_tokens=args.cuda_graph_max_tokens_prefill_whole,
+    )  # fmt: skip
