@@ -1,30 +1,13 @@
-"""What a step hands back per request: sampled tokens appended, finish checks (stop
-tokens, lengths, stop strings) and the meta info the API reports."""
+"""What a step hands back per request, a ``TokenDelta`` (common/messages.py, the record the
+API process consumes): sampled tokens appended, finish checks (stop tokens, lengths, stop
+strings) and the meta info the API reports."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from breakgraph.common.messages import TokenDelta
 from breakgraph.engine.request import Req, ReqStatus
-
-
-@dataclass(slots=True)  # one per request per step
-class StepOutput:
-    """What one step produced for one request."""
-
-    rid: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: dict | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[lp, id], ...]
-    input_logprobs: list[float | None] | None = None  # once, with the first output
-    input_top_logprobs: list[list[list] | None] | None = None
-    timeline: dict[str, float] | None = None  # engine stamps, once, with the first output
 
 
 class OutputProcessor:
@@ -38,12 +21,12 @@ class OutputProcessor:
         self.max_context_len = max_context_len
         self.stop_text = stop_text  # decodes ids to text for stop strings (None: no tokenizer)
 
-    def append_token(self, req: Req, tok: int, lp: float | None) -> tuple[StepOutput, dict | None]:
+    def append_token(self, req: Req, tok: int, lp: float | None) -> tuple[TokenDelta, dict | None]:
         """Append a sampled token; return its output and the finish reason (None: goes on)."""
         req.output_ids.append(tok)
         if lp is not None:
             req.output_logprobs.append(lp)
-        out = StepOutput(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
+        out = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
         return out, self.check_finish(req, tok)
 
     def check_finish(self, req: Req, tok: int) -> dict | None:
@@ -64,7 +47,7 @@ class OutputProcessor:
         return None
 
 
-def fill_meta(out: StepOutput, req: Req) -> StepOutput:
+def fill_meta(out: TokenDelta, req: Req) -> TokenDelta:
     """Token counts as the API reports them (``meta_info``)."""
     out.prompt_tokens = len(req.input_ids)
     out.completion_tokens = len(req.output_ids)
@@ -72,12 +55,12 @@ def fill_meta(out: StepOutput, req: Req) -> StepOutput:
     return out
 
 
-def finished_output(req: Req, reason: dict, last: StepOutput | None = None) -> StepOutput:
+def finished_output(req: Req, reason: dict, last: TokenDelta | None = None) -> TokenDelta:
     """Mark ``req`` finished (its KV already released); ``last``: this step's token, if any."""
     req.decoding = False
     req.status = ReqStatus.FINISHED
     req.finish_reason = reason
-    out = StepOutput(rid=req.rid, finished=True, finish_reason=reason)
+    out = TokenDelta(rid=req.rid, finished=True, finish_reason=reason)
     if last is not None:
         out.token_ids, out.logprobs = last.token_ids, last.logprobs
         out.top_logprobs = last.top_logprobs

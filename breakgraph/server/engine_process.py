@@ -8,14 +8,12 @@ process that spawned it is gone.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from breakgraph.common import gc_watch
 from breakgraph.common.messages import (
@@ -40,9 +38,6 @@ from breakgraph.common.messages import (
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.server.ipc import EngineSocket, IpcPaths
-
-if TYPE_CHECKING:  # annotation only: no runtime tie to where the engine defines it
-    from breakgraph.engine.scheduler import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +87,7 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
             engine.shutdown(leave_group=False)
         sock.flush(timeout_s=1.0)  # the last outputs, or why the engine failed
         sock.close()
-        tp = sys.modules.get("breakgraph.engine.tp_worker")  # imported only where TP ran
+        tp = sys.modules.get("breakgraph.engine.tp.teardown")  # imported only where TP ran
         if tp is not None:
             tp.exit_if_stuck(code)
         if code:
@@ -171,7 +166,7 @@ class EngineLoop:
             self._check_parent()
         logger.info("engine loop stopped")
 
-    def _add_outputs(self, outs: list[StepOutput]) -> None:
+    def _add_outputs(self, outs: list[TokenDelta]) -> None:
         """A step's outputs: plain tokens into the message's two columns, the rest as deltas.
         The API routes the columns first, so a request with a delta in the message already
         sends any later token as a delta too (its outputs keep their order)."""
@@ -183,8 +178,8 @@ class EngineLoop:
             else:
                 self._add_delta(o)
 
-    def _add_delta(self, out: StepOutput) -> None:
-        self._outputs.append(token_delta(out))
+    def _add_delta(self, out: TokenDelta) -> None:
+        self._outputs.append(out)
         self._delta_rids.add(out.rid)
 
     def _send_step(self, step_ms: float | None) -> None:
@@ -265,10 +260,7 @@ class EngineLoop:
             self._errors.append(RequestError(msg.rid, str(e)))
 
 
-_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(TokenDelta))
-
-
-def is_plain(out: StepOutput) -> bool:
+def is_plain(out: TokenDelta) -> bool:
     """One token and nothing else: neither the request's first output (its timeline, its
     counts) nor its last, no logprobs. The API process rebuilds its delta from the rid, the
     token and what the request's earlier deltas said."""
@@ -280,9 +272,3 @@ def is_plain(out: StepOutput) -> bool:
         and not out.top_logprobs
         and out.input_logprobs is None
     )
-
-
-def token_delta(out: StepOutput) -> TokenDelta:
-    """The wire form of an engine output: TokenDelta's fields taken from it by name (the
-    engine may add fields of its own; one it lacks fails here, not on the wire)."""
-    return TokenDelta(**{name: getattr(out, name) for name in _DELTA_FIELDS})

@@ -19,7 +19,8 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from breakgraph.common.messages import IdArray, IdList, ModelInfo, packed_id_list
+from breakgraph.common.codec import IdArray, IdList, packed_id_list
+from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.common.sampling_params import SamplingParams, check_logprob_args
 from breakgraph.tokenizer import Tokenizer

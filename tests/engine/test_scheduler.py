@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from breakgraph.cache import RadixCache, ReqToTokenPool, SlotAllocator
+from breakgraph.common.messages import TokenDelta
 from breakgraph.engine.request import Req, SamplingParams
-from breakgraph.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from breakgraph.engine.scheduler import Scheduler, SchedulerConfig
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_groups
 from tests.support.engines import assert_no_leak, make_engine
 
@@ -231,8 +232,8 @@ def submit(sched: Scheduler, prompt: list[int], max_new_tokens: int = 8) -> str:
     return rid
 
 
-def drain(sched: Scheduler, outputs: dict | None = None) -> dict[str, list[StepOutput]]:
-    """Step until idle; every StepOutput, by request."""
+def drain(sched: Scheduler, outputs: dict | None = None) -> dict[str, list[TokenDelta]]:
+    """Step until idle; every TokenDelta, by request."""
     outputs = {} if outputs is None else outputs
     for _ in range(10_000):
         if not sched.has_work:
@@ -242,7 +243,7 @@ def drain(sched: Scheduler, outputs: dict | None = None) -> dict[str, list[StepO
     raise AssertionError("the scheduler did not finish its requests")
 
 
-def tokens(outs: list[StepOutput]) -> list[int]:
+def tokens(outs: list[TokenDelta]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
@@ -351,7 +352,7 @@ def test_aborts_and_finishes_free_every_slot():
     sched.step()
     assert sched.prefill.chunked is not None
     aborted = {rid: sched.abort(rid) for rid in (chunked, waiting)}
-    outs: dict[str, list[StepOutput]] = {}
+    outs: dict[str, list[TokenDelta]] = {}
     for _ in range(4):
         for o in sched.step():
             outs.setdefault(o.rid, []).append(o)
@@ -455,7 +456,7 @@ def test_a_prompt_the_batch_computes_waits_a_step_and_hits_the_cache():
     (same,) = rand_prompts(5, 1, 20, 21)
     prompts = [*distinct, same, list(same)]
     rids = [submit(sched, p, max_new_tokens=2) for p in prompts]
-    outs: dict[str, list[StepOutput]] = {}
+    outs: dict[str, list[TokenDelta]] = {}
     for o in sched.step():
         outs.setdefault(o.rid, []).append(o)
     assert sched.last_step_tokens == 7 * 20  # the six and the first copy; the second waits

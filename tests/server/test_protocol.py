@@ -10,7 +10,7 @@ import re
 import orjson
 import pytest
 
-from breakgraph.common import messages
+from breakgraph.common import codec, messages
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.protocol import (
@@ -36,7 +36,7 @@ def test_a_long_valid_prompt_comes_back_with_its_int32_bytes():
     ids = [i % 256 for i in range(LONG)]
     out = check_input_ids(ids, INFO)
     assert out == ids
-    assert out.packed == array.array("i", ids).tobytes() == messages._pack_ids(out)
+    assert out.packed == array.array("i", ids).tobytes() == codec._pack_int32(out)
     msg = messages.GenerateReq("r", out, SamplingParams(max_new_tokens=1))
     assert messages.decode(messages.encode(msg)).input_ids.tolist() == ids
     subclassed = [1, _Tok.A, 255]  # an int subclass is an int (not on the fast path)
@@ -137,7 +137,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
     """simdjson's fast path (one ``[`` in the body: a flat input_ids): the ids come out as an
     IdArray without a Python int each; check_input_ids checks their range and packs them,
     the same bytes and the same 400 as the list path."""
-    from breakgraph.common.messages import IdArray
+    from breakgraph.common.codec import IdArray
     from breakgraph.server.protocol import simdjson
 
     if simdjson is None:
@@ -152,7 +152,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
     got = check_input_ids(body["input_ids"], INFO)
     assert type(got) is IdArray and len(got) == LONG and got == ids
     assert got[3] == 3 and got[-2:] == ids[-2:] and got + [1] == ids + [1] and list(got) == ids
-    assert got.packed == array.array("i", ids).tobytes() == messages._pack_ids(got)
+    assert got.packed == array.array("i", ids).tobytes() == codec._pack_int32(got)
     msg = messages.GenerateReq("r", got, SamplingParams(max_new_tokens=1))
     assert messages.decode(messages.encode(msg)).input_ids.tolist() == ids
     for bad, words in ((256, "input_ids[2]: token id 256 is out of range [0, 256)"),
@@ -168,7 +168,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
 def test_a_batch_body_parses_each_prompt_as_one_array():
     """A batch of id prompts (input_ids' rows the body's only other arrays) takes the same
     fast path, one IdArray per row: the same prompts, bytes and 400s as orjson's lists."""
-    from breakgraph.common.messages import IdArray
+    from breakgraph.common.codec import IdArray
     from breakgraph.server.protocol import simdjson
 
     if simdjson is None:

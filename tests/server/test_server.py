@@ -506,7 +506,7 @@ def test_plain_tokens_keep_each_requests_order(tiny_model_dir):
     """A request whose delta is already in the message sends its later tokens as deltas
     too, and the API routes the plain tokens first: each request's queue gets its outputs in
     the engine's order, with the counts of its latest delta carried onto plain tokens."""
-    from breakgraph.engine.output import StepOutput
+    from breakgraph.common.messages import TokenDelta
     from breakgraph.server.client import EngineClient, _InFlight
 
     engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
@@ -515,14 +515,14 @@ def test_plain_tokens_keep_each_requests_order(tiny_model_dir):
         loop = EngineLoop(engine, EngineSocket(engine_end))
         counts = dict(prompt_tokens=7, cached_tokens=3)
         loop._add_outputs([
-            StepOutput("a", [1], timeline={"first_token": 1.0}, completion_tokens=1, **counts),
-            StepOutput("b", [5], completion_tokens=4, **counts),  # plain
+            TokenDelta("a", [1], timeline={"first_token": 1.0}, completion_tokens=1, **counts),
+            TokenDelta("b", [5], completion_tokens=4, **counts),  # plain
         ])  # fmt: skip
         # the same message, later: "a" has a delta in it already; its finish follows
         loop._add_outputs([
-            StepOutput("a", [2], completion_tokens=2, **counts),
-            StepOutput("b", [6], completion_tokens=5, **counts),
-            StepOutput("b", [7], finished=True, finish_reason={"type": "length"},
+            TokenDelta("a", [2], completion_tokens=2, **counts),
+            TokenDelta("b", [6], completion_tokens=5, **counts),
+            TokenDelta("b", [7], finished=True, finish_reason={"type": "length"},
                        completion_tokens=6, **counts),
         ])  # fmt: skip
         msg = decode(encode(StepResult(1.0, loop._outputs, [], token_rids=loop._token_rids,
