@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import breakgraph
 from breakgraph.common import gc_watch
 from breakgraph.common.sampling_params import SamplingParams
+from breakgraph.server.api_error import APIError
 from breakgraph.server.asgi import HotRoutes
 from breakgraph.server.client import EngineError
 from breakgraph.server.generation import (
@@ -29,21 +30,18 @@ from breakgraph.server.generation import (
     stamp_received,
     stream_generation,
 )
+from breakgraph.server.json_body import off_loop_if_large, parse_json, read_body
 from breakgraph.server.openai_api import chat_completions, completions
 from breakgraph.server.openai_api import router as openai_router
 from breakgraph.server.protocol import (
-    APIError,
     GenerateReqInput,
     batch_fields,
     check_fits,
     check_logprobs,
-    off_loop_if_large,
-    parse_json,
     parse_model,
     per_sample,
     pop_n,
     prompts_of,
-    read_body,
     sampling_from_dict,
     unsupported,
 )

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from breakgraph.common.messages import ModelInfo
+from breakgraph.server.api_error import APIError
 from breakgraph.server.generation import (
     GenerationRequest,
     GenerationState,
@@ -19,6 +20,7 @@ from breakgraph.server.generation import (
     stamp_received,
     stream_generation,
 )
+from breakgraph.server.json_body import off_loop_if_large, parse_json, read_body
 from breakgraph.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,14 +29,7 @@ from breakgraph.server.openai_protocol import (
     check_all_fit,
     completion_prompts,
 )
-from breakgraph.server.protocol import (
-    APIError,
-    off_loop_if_large,
-    parse_json,
-    parse_model,
-    per_sample,
-    read_body,
-)
+from breakgraph.server.protocol import parse_model, per_sample
 from breakgraph.server.sse import DONE, GenerationResponse, event_stream, sse
 from breakgraph.server.state import ServerState, server_state
 from breakgraph.tokenizer import Tokenizer

@@ -1,4 +1,5 @@
-"""Request parsing and validation in the API process (SGLang-native shapes), and the error type.
+"""Request validation in the API process (SGLang-native shapes): a parsed body (json_body.py)
+becomes checked prompts and sampling parameters.
 
 Everything that can be checked without the engine is checked here, with the limits the
 engine reported when it became ready, so a bad request is answered 400 before it is sent.
@@ -6,29 +7,20 @@ engine reported when it became ready, so a bad request is answered 400 before it
 
 from __future__ import annotations
 
-import array
-import asyncio
 import functools
-import threading
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
-import orjson
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from breakgraph.common.codec import IdArray, IdList, packed_id_list
+from breakgraph.common.codec import IdArray, packed_id_list
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.common.sampling_params import SamplingParams, check_logprob_args
+from breakgraph.server.api_error import APIError
+from breakgraph.server.json_body import IntList, int_values
 from breakgraph.tokenizer import Tokenizer
-
-try:  # simdjson hands a prompt's ids over as one int64 buffer (no Python int per id)
-    import simdjson
-except ImportError:  # every body goes to orjson
-    simdjson = None
 
 # sampling parameters handled in the API process (detokenization), not by the engine
 API_SAMPLING_KEYS = {"skip_special_tokens": True, "no_stop_trim": False}
@@ -41,185 +33,11 @@ _FLOAT_PARAMS = (
     "repetition_penalty",
 )
 _INT_PARAMS = ("max_new_tokens", "top_k", "seed", "min_new_tokens")
-MAX_JSON_DEPTH = 32  # no request shape nests deeper than ~5; deeper bodies are refused
-_CONTAINERS = frozenset((list, dict))  # the container types orjson produces
 TOKENIZED = "tokenized text"  # how a 400 names a prompt the tokenizer produced
 # SGLang sampling parameters breakgraph lacks: accepted at their neutral value only
 _NEUTRAL_PARAMS = {"spaces_between_special_tokens": True}
 
-OFF_LOOP_BYTES = 64 << 10
 M = TypeVar("M", bound=BaseModel)
-R = TypeVar("R")
-
-
-class APIError(Exception):
-    """An error answered as JSON: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-
-    @property
-    def type(self) -> str:
-        return {400: "invalid_request_error", 404: "not_found_error"}.get(
-            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The raw body, refused (413) as soon as it is known to exceed ``limit_bytes``."""
-    too_large = APIError(
-        f"the request body exceeds {limit_bytes} bytes (--max-request-bytes)", status=413
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def off_loop_if_large(raw: bytes, fn: Callable[..., R], *args: Any) -> R:
-    """``fn(*args)``, in a worker thread when the body is large enough for its parsing and
-    tokenization to stall the event loop (and with it every other client)."""
-    if len(raw) < OFF_LOOP_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
-
-
-def parse_json(raw: bytes) -> Any:
-    """A JSON body; malformed JSON, invalid UTF-8, lone surrogates, numbers out of a double's
-    range and nesting deeper than MAX_JSON_DEPTH are all a 400."""
-    body = _parse_prompt_body(raw)
-    if body is not None:
-        return body
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        if "depth" in str(e):  # orjson's own recursion limit (1024 in recent versions)
-            raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
-        raise APIError(f"malformed JSON body: {e}") from None
-    _check_depth(body)
-    return body
-
-
-class IntList(IdList):
-    """A JSON array that the parser found to hold plain ints only (no bool), with their
-    values as int64 (``values``, converted in the same C pass that checked them):
-    ``check_input_ids`` checks only the range of a 64K-id prompt, and hands the array on
-    with its int32 bytes (no copy: the parser made it)."""
-
-    values: np.ndarray
-
-
-_SIMDJSON = threading.local()  # a parser per thread (off_loop_if_large's threads)
-
-
-def _parse_prompt_body(raw: bytes) -> dict[str, Any] | None:
-    """The common large bodies, an object whose only arrays are its ``input_ids``: one flat
-    prompt of ints (the whole body holds one ``[`` and one ``"input_ids"``), or a batch of
-    them (one ``[`` more per prompt, each holding ints), parsed by simdjson: each prompt's
-    ids come out as one int64 array (an ``IdArray``), not 64K Python ints converted and
-    checked one by one. None for any other body, or one that simdjson refuses or might read
-    otherwise than orjson (a bool, float or 64-bit-overflowing id, a repeated key, an empty
-    prompt): ``parse_json`` parses it with orjson, whose errors name the problem."""
-    if simdjson is None or raw[:1] != b"{" or raw.count(b'"input_ids"') != 1:
-        return None  # (a body orjson refuses, such as one led by a BOM, goes to orjson)
-    brackets = raw.count(b"[")
-    if brackets != 1 and not _batch_of_arrays(raw):
-        return None
-    parser = getattr(_SIMDJSON, "parser", None)
-    if parser is None:
-        parser = _SIMDJSON.parser = simdjson.Parser()
-    try:
-        doc = parser.parse(raw)
-        if not isinstance(doc, simdjson.Object):
-            return None
-        keys = list(doc.keys())
-        ids = doc.get("input_ids")
-        if len(set(keys)) != len(keys) or not isinstance(ids, simdjson.Array) or not len(ids):
-            return None
-        if brackets == 1:
-            prompts: IdArray | list[IdArray] = IdArray(_int64(ids))
-        else:  # every '[' is input_ids' or one of its rows': no other array, nothing deeper
-            rows = [ids[i] for i in range(len(ids))]
-            if brackets != 1 + len(rows) or not all(
-                isinstance(r, simdjson.Array) and len(r) for r in rows
-            ):
-                return None
-            prompts = [IdArray(_int64(r)) for r in rows]
-            del rows  # (views into the parser's document, as below)
-        body: dict[str, Any] = {}
-        for key in keys:
-            if key != "input_ids":
-                value = doc[key]
-                body[key] = value.as_dict() if isinstance(value, simdjson.Object) else value
-        del doc, ids  # the parser is reused: nothing may point into its document
-    except (ValueError, TypeError, KeyError, RuntimeError, UnicodeDecodeError):
-        return None
-    _check_depth(body)
-    body["input_ids"] = prompts
-    return body
-
-
-def _int64(array: Any) -> np.ndarray:
-    """A simdjson array of ints as int64, copied out of the parser's document (as_buffer
-    flattens nested arrays: the caller's bracket count rules them out)."""
-    return np.frombuffer(array.as_buffer(of_type="i"), dtype=np.int64)
-
-
-def _batch_of_arrays(raw: bytes) -> bool:
-    """Whether ``input_ids``' value opens with ``[`` then ``[`` (whitespace aside): a batch
-    of prompts, worth simdjson's parse; a quick look before any parsing."""
-    at = raw.find(b"[", raw.find(b'"input_ids"'))
-    return at >= 0 and raw[at + 1 : at + 64].lstrip()[:1] == b"["
-
-
-def _int_values(items: list) -> np.ndarray | None:
-    """``items`` as int64 in one C pass, or None unless all are plain ints. ``array('q')``
-    refuses floats, strings, None, containers and ints past 64 bits; a bool it takes for 0
-    or 1, so only the items that came out 0 or 1 (few in a prompt) are looked at again."""
-    try:
-        arr = np.frombuffer(array.array("q", items), dtype=np.int64)
-    except (TypeError, OverflowError):
-        return None
-    for i in np.flatnonzero((arr == 0) | (arr == 1)).tolist():
-        if type(items[i]) is bool:
-            return None
-    return arr
-
-
-def _check_depth(body: Any) -> None:
-    """Raise past MAX_JSON_DEPTH; arrays of plain ints inside containers become IntList."""
-    stack = [(body, 1)] if isinstance(body, list | dict) else []
-    while stack:
-        obj, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        types = {*map(type, obj.values() if isinstance(obj, dict) else obj)}
-        if _CONTAINERS.isdisjoint(types):
-            continue  # only scalars (a prompt of 64K ids): one pass in C, not a Python loop
-        for key, child in items:
-            if type(child) is list and child and (arr := _int_values(child)) is not None:
-                obj[key] = IntList(child)  # scalars only: nothing deeper to check
-                obj[key].values = arr
-            elif isinstance(child, list | dict):
-                stack.append((child, depth + 1))
 
 
 def parse_model(model: type[M], body: Any) -> M:
@@ -374,7 +192,7 @@ def check_input_ids(ids: Any, info: ModelInfo, field: str = "input_ids") -> list
     if type(ids) is IntList:
         arr = ids.values
     elif {*map(type, ids)} == {int}:
-        arr = _int_values(ids)  # None beyond 64 bits: out of range, named below
+        arr = int_values(ids)  # None beyond 64 bits: out of range, named below
     else:
         arr = None
     if arr is not None:

@@ -17,8 +17,8 @@ import orjson
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from breakgraph.server.api_error import APIError
 from breakgraph.server.client import EngineError
-from breakgraph.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,9 @@ import pytest
 from breakgraph.common import codec, messages
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import SamplingParams
-from breakgraph.server.protocol import (
-    APIError,
-    GenerateReqInput,
-    IntList,
-    check_input_ids,
-    parse_json,
-    parse_model,
-    prompts_of,
-)
+from breakgraph.server.api_error import APIError
+from breakgraph.server.json_body import IntList, parse_json
+from breakgraph.server.protocol import GenerateReqInput, check_input_ids, parse_model, prompts_of
 
 INFO = ModelInfo("m", "LlamaForCausalLM", 256, 131_072, 64, 1 << 20, "float32", "cpu", 1)
 LONG = 65_536
@@ -138,7 +132,7 @@ def test_a_single_prompt_body_parses_its_ids_as_one_array():
     IdArray without a Python int each; check_input_ids checks their range and packs them,
     the same bytes and the same 400 as the list path."""
     from breakgraph.common.codec import IdArray
-    from breakgraph.server.protocol import simdjson
+    from breakgraph.server.json_body import simdjson
 
     if simdjson is None:
         pytest.skip("pysimdjson not installed")
@@ -169,7 +163,7 @@ def test_a_batch_body_parses_each_prompt_as_one_array():
     """A batch of id prompts (input_ids' rows the body's only other arrays) takes the same
     fast path, one IdArray per row: the same prompts, bytes and 400s as orjson's lists."""
     from breakgraph.common.codec import IdArray
-    from breakgraph.server.protocol import simdjson
+    from breakgraph.server.json_body import simdjson
 
     if simdjson is None:
         pytest.skip("pysimdjson not installed")
@@ -212,10 +206,10 @@ def test_a_batch_body_parses_each_prompt_as_one_array():
 )
 def test_bodies_off_the_fast_path_parse_as_before(raw, monkeypatch):
     """Anything but a clean single prompt goes to orjson: the same dict, errors, 400s."""
-    from breakgraph.server import protocol
+    from breakgraph.server import json_body
 
     got = _parsed(raw)
-    monkeypatch.setattr(protocol, "simdjson", None)
+    monkeypatch.setattr(json_body, "simdjson", None)
     assert got == _parsed(raw)
 
 
