@@ -34,6 +34,13 @@ from breakgraph.engine.logprobs import ReadBack, token_logprobs
 from breakgraph.engine.output import OutputProcessor, fill_meta, finished_output
 from breakgraph.engine.penalties import PenaltyPool, needs_row
 from breakgraph.engine.prefill import PrefillManager
+from breakgraph.engine.prompt_logprobs import (
+    PromptRows,
+    attach_prompt,
+    prompt_plan,
+    prompt_rows,
+    take_prompt_logprobs,
+)
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
 from breakgraph.engine.step_timer import StepTimer
@@ -49,16 +56,6 @@ PromptForward = Callable[
     [ForwardBatch, torch.Tensor, torch.Tensor, int],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
 ]
-
-
-@dataclass
-class PromptRows:
-    """A request's prompt rows in this step: ``count`` rows from position ``first``."""
-
-    req: Req
-    first: int
-    count: int
-    row: int  # its first row in the step's flat rows
 
 
 @dataclass
@@ -105,7 +102,12 @@ class Scheduler:
         self.cache = CacheManager(allocator, tree, req_pool)
         self.decode = DecodeManager(self.cache, config, device)
         self.prefill = PrefillManager(
-            self.cache, self.decode, config, device, has_room=self._has_room, on_admit=self._on_admit
+            self.cache,
+            self.decode,
+            config,
+            device,
+            has_room=self._has_room,
+            on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         self.reqs: dict[str, Req] = {}
@@ -226,11 +228,13 @@ class Scheduler:
         rb = ReadBack()
         if any(r.num_pending for r in reqs if r.decoding):
             batch.input_ids = self._resolve_pending(batch.input_ids)
-        prompt = self._prompt_rows(reqs, batch)
+        prompt = prompt_rows(reqs, batch)
+        if prompt and self.prompt_forward is None:
+            raise RuntimeError("this scheduler has no prompt_forward: prompt logprobs unavailable")
         launched = Launched(done=[], readback=rb)
         pen_rows = None if self.penalties is None else self.penalties.rows(reqs)
         processed = None  # the logits with the penalty pool applied, where the forward did
-        plan = self._prompt_plan(prompt) if prompt else None
+        plan = prompt_plan(prompt, self.device) if prompt else None
         fwd_start = self.timer.forward_begin()
         if plan is not None:
             rows, targets, k = plan
@@ -297,38 +301,16 @@ class Scheduler:
             if r.scheduled_at is None:
                 r.scheduled_at, r.forward_start_at, r.forward_end_at = scheduled_at, start, end
 
-    def _prompt_rows(self, reqs: list[Req], batch: ForwardBatch) -> list[PromptRows]:
-        """The prompt rows this step computes that requests want logprobs of."""
-        if batch.mode is ForwardMode.DECODE:  # prompt rows are only ever in extend steps
-            return []
-        out, start = [], 0
-        for req, pre, ext in zip(reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
-            first = req.prompt_rows_from
-            if first is not None:
-                lo, hi = max(pre, first), min(pre + ext, len(req.input_ids) - 1)
-                if hi > lo or (req.logprob_start_len == 0 and not req.input_logprobs):
-                    out.append(PromptRows(req, lo, max(hi - lo, 0), start + lo - pre))
-            start += ext
-        if out and self.prompt_forward is None:
-            raise RuntimeError("this scheduler has no prompt_forward: prompt logprobs unavailable")
-        return out
-
-    def _prompt_plan(self, prompt: list[PromptRows]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Flat row indices, target ids and top-k of the step's prompt rows (one upload)."""
-        rows, targets = [], []
-        for p in prompt:
-            rows.extend(range(p.row, p.row + p.count))
-            targets.extend(p.req.input_ids[p.first + 1 : p.first + 1 + p.count])
-        rows_t, targets_t = upload_many([rows, targets], torch.int64, self.device)
-        return rows_t, targets_t, max(req_k(p.req) for p in prompt)
-
     def process_outputs(self, launched: Launched) -> list[TokenDelta]:
         """Read the step back (its one host sync); append each request's sampled token,
         finish it, or move it on to decoding."""
         values = launched.readback.fetch()  # the step's one host sync
         read_at = time.time()
         if launched.prompt:
-            self._take_prompt_logprobs(launched, values)
+            take_prompt_logprobs(
+                launched.prompt, launched.prompt_handles, launched.prompt_top_k, values,
+                live=lambda req: self.reqs.get(req.rid) is req,
+            )  # fmt: skip
         reqs = launched.done
         if not reqs:
             return []
@@ -349,7 +331,7 @@ class Scheduler:
             first = not req.output_ids
             if req.sampling.max_new_tokens == 0:  # prompt logprobs only: nothing to sample
                 out = self._finish(req, {"type": "length", "length": 0})
-                self._attach_prompt(out, req)
+                attach_prompt(out, req)
                 out.timeline = first_token_timeline(req, read_at)
                 outputs.append(out)
                 continue
@@ -359,7 +341,7 @@ class Scheduler:
                 top = tops[b][: req.top_logprobs_num]
                 out.top_logprobs = [top]
             if first:
-                self._attach_prompt(out, req)
+                attach_prompt(out, req)
                 if req.first_token_at is None:
                     out.timeline = first_token_timeline(req, read_at)
             if reason is not None:
@@ -371,35 +353,6 @@ class Scheduler:
                 fill_meta(out, req)
             outputs.append(out)
         return outputs
-
-    def _take_prompt_logprobs(self, launched: Launched, values: list[list[float]]) -> None:
-        lp_h, tv_h, ti_h = launched.prompt_handles
-        lps = values[lp_h]
-        k = launched.prompt_top_k
-        at = 0
-        for p in launched.prompt:
-            req, n, want = p.req, p.count, req_k(p.req)
-            if self.reqs.get(req.rid) is not req:  # aborted while in flight
-                at += n
-                continue
-            if req.logprob_start_len == 0 and not req.input_logprobs:
-                req.input_logprobs.append(None)  # the first prompt token has no logprob
-                req.input_top_logprobs.append(None)
-            req.input_logprobs.extend(lps[at : at + n])
-            if want:
-                tv, ti = values[tv_h], values[ti_h]
-                req.input_top_logprobs.extend(
-                    [[tv[r * k + j], int(ti[r * k + j])] for j in range(want)]
-                    for r in range(at, at + n)
-                )
-            at += n
-
-    @staticmethod
-    def _attach_prompt(out: TokenDelta, req: Req) -> None:
-        """A request's prompt logprobs travel once, with its first output."""
-        if req.logprob_start_len >= 0 and req.return_logprob:
-            out.input_logprobs = list(req.input_logprobs)
-            out.input_top_logprobs = list(req.input_top_logprobs) if req.top_logprobs_num else []
 
     def _has_room(self, req: Req) -> bool:
         """Room for ``req`` beside its KV: a penalty-pool row, where it needs one."""
@@ -431,11 +384,6 @@ class Scheduler:
             self.cache.release(req)
             if self.penalties is not None:
                 self.penalties.release(req)
-
-
-def req_k(req: Req) -> int:
-    """Top-k a request wants for its prompt rows."""
-    return req.top_logprobs_num if req.return_logprob else 0
 
 
 def first_token_timeline(req: Req, sampled_at: float) -> dict[str, float]:

@@ -16,18 +16,8 @@ import torch
 from breakgraph.common import envs
 from breakgraph.distributed import TPGroup, destroy_tp_group, init_tp_group
 from breakgraph.engine.rank import Rank, build_rank, claim_device, rank_device
-from breakgraph.engine.tp import teardown
+from breakgraph.engine.tp import teardown, wire
 from breakgraph.engine.tp.trace import StepTrace
-from breakgraph.engine.tp.wire import (
-    ExitNow,
-    StepMessage,
-    WorkerFailed,
-    WorkerSetup,
-    WorkerSlots,
-    WorkerUp,
-    broadcast_inputs,
-    from_wire,
-)
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -52,11 +42,11 @@ def _recv(conn, parent_pid: int, spin_s: float = 0.0):
         deadline = time.perf_counter() + spin_s
         while time.perf_counter() < deadline:
             if conn.poll(0):
-                return from_wire(conn.recv_bytes())
+                return wire.from_wire(conn.recv_bytes())
     while not conn.poll(_POLL_S):
         if os.getppid() != parent_pid:
             raise _ParentGone
-    return from_wire(conn.recv_bytes())
+    return wire.from_wire(conn.recv_bytes())
 
 
 def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: int) -> None:
@@ -71,14 +61,14 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
         device = rank_device(torch.device(args.resolved_device()), rank)
         claim_device(device)
         torch.manual_seed(args.seed)
-        conn.send(WorkerUp())
+        conn.send(wire.WorkerUp())
         group = init_tp_group(
             rank, size, init_method, device, custom_all_reduce=not args.disable_custom_all_reduce
         )
 
         def agree(num_slots: int) -> int:
-            conn.send(WorkerSlots(num_slots))
-            setup: WorkerSetup | None = _recv(conn, parent_pid)
+            conn.send(wire.WorkerSlots(num_slots))
+            setup: wire.WorkerSetup | None = _recv(conn, parent_pid)
             if setup is None:
                 raise _StopNow
             return setup.num_slots
@@ -91,7 +81,7 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
     except Exception as e:
         logger.exception("TP worker rank %d failed", rank)
         with contextlib.suppress(Exception):
-            conn.send(WorkerFailed(f"{type(e).__name__}: {e}"))
+            conn.send(wire.WorkerFailed(f"{type(e).__name__}: {e}"))
         os._exit(1)  # no teardown that could block on the group
     finally:
         if group is not None:
@@ -104,7 +94,7 @@ def _serve(rank: Rank, group: TPGroup, conn, parent_pid: int) -> None:
     # the CPU's ranks share its cores: no spinning there
     spin_s = envs.TP_SPIN_MS.get() / 1e3 if rank.device.type == "cuda" else 0.0
     while (msg := _recv(conn, parent_pid, spin_s)) is not None:
-        if isinstance(msg, ExitNow):
+        if isinstance(msg, wire.ExitNow):
             if trace is not None:
                 logger.warning("%s", trace.report())
             teardown.exit_now(0)  # no teardown: rank 0 skips its own too (ExitNow)
@@ -113,7 +103,7 @@ def _serve(rank: Rank, group: TPGroup, conn, parent_pid: int) -> None:
         logger.warning("%s", trace.report())
 
 
-def run_step(msg: StepMessage, rank: Rank, group: TPGroup, trace: StepTrace | None = None):
+def run_step(msg: wire.StepMessage, rank: Rank, group: TPGroup, trace: StepTrace | None = None):
     """Run rank 0's step here, through rank 0's key."""
     received = time.perf_counter()
     req_pool, device = rank.req_pool, rank.device
@@ -137,12 +127,12 @@ def run_step(msg: StepMessage, rank: Rank, group: TPGroup, trace: StepTrace | No
     with torch.inference_mode():
         if msg.prompt_rows < 0:
             built = time.perf_counter()
-            broadcast_inputs(group, batch.input_ids)
+            wire.broadcast_inputs(group, batch.input_ids)
             rank.runner.execute(msg.key, batch)
             if trace is not None:
                 trace.add(msg.sent_at, received, built, time.perf_counter())
             return
         rows = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
         targets = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
-        broadcast_inputs(group, batch.input_ids, rows, targets)
+        wire.broadcast_inputs(group, batch.input_ids, rows, targets)
         rank.runner.execute_prompt(batch, rows, targets, msg.top_k)
