@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from breakgraph.bench.args import add_decode_args, add_step_args
+from breakgraph.bench.args import add_bench_parsers
 from breakgraph.engine.args import (
     LOGGING,
     SERVER,
@@ -146,13 +146,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_step(args: argparse.Namespace) -> int:
-    from breakgraph.bench.step import run_step_bench
-
-    run_step_bench(args)
-    return 0
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from breakgraph.server.launch import serve
 
@@ -160,27 +153,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"breakgraph: serving {what}", file=sys.stderr, flush=True)
 
     return serve(args, on_ready)
-
-
-def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from breakgraph.bench.decode import run_decode_bench
-
-    run_decode_bench(args)
-    return 0
-
-
-def cmd_bench_prefill(args: argparse.Namespace) -> int:
-    from breakgraph.bench.prefill import run_prefill_bench
-
-    run_prefill_bench(args)
-    return 0
-
-
-def cmd_bench_serving(args: argparse.Namespace) -> int:
-    from breakgraph.bench.serving import run_serving_bench
-
-    run_serving_bench(args)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,28 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(srv, top=False)
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    step = bench_sub.add_parser("step", help="one prefill step, in-process, against peers")
-    add_step_args(step)
-    step.set_defaults(func=cmd_bench_step)
-    decode = bench_sub.add_parser("decode", help="one decode step per batch size: graph vs eager")
-    add_decode_args(decode)
-    decode.set_defaults(func=cmd_bench_decode)
-    prefill = bench_sub.add_parser(
-        "prefill", help="TTFT of concurrent prefills against a running server: cold | hit"
-    )
-    from breakgraph.bench.prefill import add_prefill_args
-
-    add_prefill_args(prefill)
-    prefill.set_defaults(func=cmd_bench_prefill)
-    serving = bench_sub.add_parser(
-        "serving", help="closed-loop serving tables per concurrency against a running server"
-    )
-    from breakgraph.bench.serving import add_serving_args
-
-    add_serving_args(serving)
-    serving.set_defaults(func=cmd_bench_serving)
+    bench = sub.add_parser("bench", help="benchmarks (breakgraph bench BENCH --help)")
+    add_bench_parsers(bench, _HELP)
     parser.set_defaults(_parsers={"generate": gen, "serve": srv})
     return parser
 

@@ -1,10 +1,8 @@
-"""All-reduce per message size on the GPUs of one host: NCCL against the one-shot all-reduce
-over symmetric memory (the engine's default on CUDA; also with a copy kernel staging its
-input, the path before torch's fused-copy op), same run, both as the decode graphs
-run them: ``--ops`` consecutive all-reduces captured in one CUDA graph, replayed; µs per op.
-
-    python -m breakgraph.bench.allreduce [--tp 2] [--kib 8 16 32 64 128 256 512 1024 4096]
-        [--norm-rows 1 8 64] [--hidden 4096]
+"""``breakgraph bench allreduce``: all-reduce per message size on the GPUs of one host, NCCL
+against the one-shot all-reduce over symmetric memory (the engine's default on CUDA; also
+with a copy kernel staging its input, the path before torch's fused-copy op), same run, both
+as the decode graphs run them: ``--ops`` consecutive all-reduces captured in one CUDA graph,
+replayed; µs per op. ``--norm-rows`` adds the fused all-reduce + residual add + RMSNorm.
 
 bf16 messages (a decode step's hidden states: batch x hidden x 2 bytes; 8 KB is one row of
 a 4096-wide model). Prints a row per size and whether the two paths agree; the crossing is
@@ -15,7 +13,6 @@ NVLink multicast.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 
@@ -108,31 +105,14 @@ def _add_rms_norm_rows(rank: int, size: int, one_shot, args, device) -> None:
             print(f"{m:>6} {apart:>21.2f} {fused:>9.2f} {fused / apart:>5.2f}x  {ok}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument(
-        "--kib", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096]
-    )
-    parser.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
-    parser.add_argument(
-        "--norm-rows", type=int, nargs="*", default=[],
-        help="also the fused all-reduce + add + RMSNorm at these row counts (e.g. 1 8 64)",
-    )  # fmt: skip
-    parser.add_argument("--hidden", type=int, default=4096, help="the fused norm's row width")
-    args = parser.parse_args(argv)
+def run_allreduce_bench(args) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
-        print(f"breakgraph.bench.allreduce needs {args.tp} CUDA devices; nothing to measure here.")
-        return
+        raise SystemExit(f"error: bench allreduce needs {args.tp} CUDA devices")
     import torch.multiprocessing as mp
 
-    from breakgraph.engine.tp_worker import free_port
+    from breakgraph.engine.tp.driver import free_port
 
     port = free_port()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     mp.spawn(_rank, args=(args.tp, port, args), nprocs=args.tp)
-
-
-if __name__ == "__main__":
-    main()

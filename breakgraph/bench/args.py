@@ -1,15 +1,31 @@
-"""Flags of ``bench step`` and ``bench decode``, apart from their code: building the CLI parser
-(``breakgraph serve`` included) must not import torch."""
+"""The ``breakgraph bench`` subcommands and their flags, apart from their code: building the CLI
+parser (``breakgraph serve`` included) imports neither torch nor a bench's own dependencies.
+
+Each subcommand names the function that runs it (``module:function``), imported only when
+that subcommand runs.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 
-def _add_custom_all_reduce(p) -> None:
+DEFAULT_URL = "http://127.0.0.1:30000"
+
+
+def _add_tp(p) -> None:
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
         help="TP on CUDA: every all-reduce on NCCL (the engine's flag)",
     )
+
+
+def _add_outputs(p, plot: str | None = None) -> None:
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    if plot:
+        p.add_argument("--plot", default=None, metavar="FILE.png", help=plot)
 
 
 def add_step_args(p) -> None:
@@ -19,13 +35,17 @@ def add_step_args(p) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-hf", action="store_true", help="no HF transformers arms")
+    p.add_argument("--no-compile", action="store_true", help="no HF torch.compile arm")
     p.add_argument("--compile-timeout", type=float, default=120.0)
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
-    _add_custom_all_reduce(p)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against N")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: per arm, the GPU's span and busy time, the delay to its first kernel, and "
+        "its kernels by time beside the floor's",
+    )
+    _add_tp(p)
+    _add_outputs(p, "step ms against N")
 
 
 def add_decode_args(p) -> None:
@@ -34,12 +54,245 @@ def add_decode_args(p) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="auto")
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
-    _add_custom_all_reduce(p)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="step ms against batch size")
     p.add_argument(
         "--profile",
         action="store_true",
         help="CUDA: where a step's GPU time goes (GEMM, attention, all-reduce, other kernels)",
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="V",
+        help="CUDA: decode graphs captured under each variant, timed in interleaved rounds "
+        "against the first: base, nogemv, skinny=PATH (a bench gemm --table-out table), "
+        "moegemv<N> (MoE steps of up to N tokens on the GEMV path), moetable=PATH",
+    )
+    p.add_argument("--rounds", type=int, default=7, help="--variants: interleaved rounds")
+    _add_tp(p)
+    _add_outputs(p, "step ms against batch size")
+
+
+def add_prefill_args(p) -> None:
+    p.add_argument("mode", choices=["cold", "hit"], help="cold: cache flushed; hit: cached prefix")
+    p.add_argument("tokens", type=int, help="cold: prompt tokens; hit: cached prefix tokens")
+    p.add_argument("concurrency", type=int, help="requests sent at once per wave")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument(
+        "--hit-new-tokens", type=int, default=1024, help="hit: new tokens after the prefix"
+    )
+    p.add_argument("--warmup-waves", type=int, default=2)
+    p.add_argument("--waves", type=int, default=5, help="measured waves")
+    p.add_argument("--seed", type=int, default=0)
+    _add_outputs(p, "TTFT p50/p90 bars")
+
+
+def add_serving_args(p) -> None:
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=None,
+        help="requests at each concurrency (default: 4 x concurrency; at least the concurrency)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="even rounds run in reverse order")
+    p.add_argument("--seed", type=int, default=0)
+    _add_outputs(p, "each metric against concurrency")
+
+
+def add_host_args(p) -> None:
+    p.add_argument(
+        "what",
+        choices=["decode", "prefill", "api"],
+        help="decode: a decode step's host stages per batch size; prefill: a cold prompt's; "
+        "api: the API process's CPU time per streamed token (a CPU server)",
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256], help="decode")
+    p.add_argument("--steps", type=int, default=24, help="decode: steps per run")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256], help="prefill: prompt tokens")
+    p.add_argument("--requests", type=int, default=None, help="prefill: 100; api: 128")
+    p.add_argument("--device", default="cpu", help="decode, prefill")
+    p.add_argument(
+        "--model-path", default=None, help="default: a two-layer Qwen3 layout, dummy weights"
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="api")
+    p.add_argument("--input-len", type=int, default=16, help="api")
+    p.add_argument("--output-len", type=int, default=64, help="api")
+    p.add_argument("--flags", default="", help="api: more serve flags for this tree's server")
+    p.add_argument("--ref", help="also a commit's tree (git archive), the arms interleaved")
+    p.add_argument("--ref-flags", default="", help="api: more serve flags for the ref's server")
+    p.add_argument("--rounds", type=int, default=3)
+    _add_outputs(p)
+
+
+def add_moe_args(p) -> None:
+    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 8192])
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FLAG=0|1",
+        help="override the table's variant flags for the whole run (e.g. sorted_y=1 tma=0)",
+    )
+    g = p.add_argument_group("tuning the grouped path (fused_moe's config table)")
+    g.add_argument("--sweep", action="store_true", help="search launch configs per M")
+    g.add_argument("--sweep-block-m", type=int, nargs="+", help="the sweep's BLOCK_M values")
+    g.add_argument(
+        "--sweep-table-flags",
+        action="store_true",
+        help="the sweep keeps the table's variant flags and searches the tiles only",
+    )
+    g.add_argument("--breakdown", action="store_true", help="time each kernel (profiler)")
+    g.add_argument(
+        "--ab",
+        metavar="FLAG | gate_up=BN,BK,WARPS,STAGES | down=...",
+        help="a variant flag off and on, or one GEMM's tile against the table's: both graph "
+        "replays alternating in one process",
+    )
+    g.add_argument("--rounds", type=int, default=5, help="--ab: alternating rounds")
+    g = p.add_argument_group("the GEMV path of a few tokens (fused_moe's GEMV table)")
+    g.add_argument(
+        "--gemv",
+        type=int,
+        default=0,
+        metavar="N",
+        help="steps of up to N tokens: the GEMV path against the grouped one, both graphs",
+    )
+    g.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="with --gemv: first search the GEMV path's block sizes at each such M",
+    )
+    g.add_argument(
+        "--gemv-kernels",
+        action="store_true",
+        help="only the GEMV path's two kernels, each alone, every config, per M in --tokens",
+    )
+    g.add_argument("--procs", type=int, default=None, help="--gemv-kernels: compile processes")
+    _add_outputs(p)
+
+
+def add_gemm_args(p) -> None:
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
+    p.add_argument(
+        "--tp", nargs="+", type=int, default=[1], help="also each rank's shapes at these TP sizes"
+    )
+    p.add_argument("--min-gain", type=float, default=0.03, help="keep configs this much faster")
+    p.add_argument(
+        "--gemv",
+        action="store_true",
+        help="the batch-1 GEMV kernel's configs per shape instead (the table's one-row entries)",
+    )
+    p.add_argument("--only", nargs="+", metavar="NAME", help="--gemv: only these projections")
+    p.add_argument("--procs", type=int, default=None, help="--gemv: compile processes")
+    p.add_argument(
+        "--table-out",
+        metavar="PATH",
+        help="also write the table as JSON (served by BREAKGRAPH_SKINNY=PATH, no edit)",
+    )
+    _add_outputs(p)
+
+
+def add_kernels_args(p) -> None:
+    p.add_argument("--sweep", action="store_true", help="also time other launch configs")
+    p.add_argument("--extend-tokens", type=int, default=8192)
+    p.add_argument("--decode-batch", type=int, default=32)
+    p.add_argument("--decode-context", type=int, default=8192)
+    p.add_argument("--prefix", type=int, default=32768, help="long-prefix case's prefix")
+    p.add_argument(
+        "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
+    )
+
+
+def add_allreduce_args(p) -> None:
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--kib", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096])
+    p.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
+    p.add_argument(
+        "--norm-rows",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the fused all-reduce + add + RMSNorm at these row counts (e.g. 1 8 64)",
+    )
+    p.add_argument("--hidden", type=int, default=4096, help="the fused norm's row width")
+
+
+def add_plot_args(p) -> None:
+    p.add_argument("kind", choices=["step", "decode", "prefill", "serving"], help="which bench")
+    p.add_argument("json_files", nargs="+", help="one or more runs' --json files")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
+
+
+# name -> (help, flags, the function that runs it)
+BENCHES = {
+    "step": (
+        "one prefill step in-process: graphs against eager, the floor and HF",
+        add_step_args,
+        "breakgraph.bench.step:run_step_bench",
+    ),
+    "decode": (
+        "one decode step per batch size in-process: graph against eager and the floor",
+        add_decode_args,
+        "breakgraph.bench.decode:run_decode_bench",
+    ),
+    "prefill": (
+        "TTFT of concurrent prefills against a running server: cold | hit",
+        add_prefill_args,
+        "breakgraph.bench.prefill:run_prefill_bench",
+    ),
+    "serving": (
+        "closed-loop serving tables per concurrency against a running server",
+        add_serving_args,
+        "breakgraph.bench.serving:run_serving_bench",
+    ),
+    "host": (
+        "host time outside the forward: a step's stages, the API process's CPU per token",
+        add_host_args,
+        "breakgraph.bench.host:run_host_bench",
+    ),
+    "moe": (
+        "CUDA: the fused MoE layer against dense GEMMs and the bandwidth floor; its tables",
+        add_moe_args,
+        "breakgraph.bench.moe:run_moe_bench",
+    ),
+    "gemm": (
+        "CUDA: decode's projections, cuBLAS against the skinny GEMM; its table",
+        add_gemm_args,
+        "breakgraph.bench.gemm:run_gemm_bench",
+    ),
+    "kernels": (
+        "CUDA: attention and fused kernels against torch references and the floor",
+        add_kernels_args,
+        "breakgraph.bench.kernels:run_kernels_bench",
+    ),
+    "allreduce": (
+        "CUDA, 2+ GPUs: NCCL against the one-shot all-reduce per message size",
+        add_allreduce_args,
+        "breakgraph.bench.allreduce:run_allreduce_bench",
+    ),
+    "plot": (
+        "redraw saved --json results, several runs in one figure",
+        add_plot_args,
+        "breakgraph.bench.plot:run_plot",
+    ),
+}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    module, _, func = BENCHES[args.bench][2].partition(":")
+    out = getattr(importlib.import_module(module), func)(args)
+    return out if isinstance(out, int) else 0
+
+
+def add_bench_parsers(bench: argparse.ArgumentParser, formatter_class) -> None:
+    """One subparser per entry of :data:`BENCHES` under ``breakgraph bench``."""
+    sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (text, add_args, _) in BENCHES.items():
+        p = sub.add_parser(name, help=text, description=text, formatter_class=formatter_class)
+        add_args(p)
+        p.set_defaults(func=run_bench)

@@ -12,6 +12,8 @@ Step times are medians with a device sync around each step: a step pays its host
 under TP the workers' latency, which rank 0's first all-reduce waits for). "back-to-back" is
 the graph step's mean over steps launched without a sync between them, as overlap scheduling
 runs them: what is left there is the GPU's own time, or a host slower than the GPU.
+``--variants`` compares decode graphs captured under different kernel tables instead
+(decode_variants.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from breakgraph.bench.step import count_launches, save_results, time_ms
+from breakgraph.bench.plot import require_plot
+from breakgraph.bench.timing import (
+    count_launches,
+    profile_calls,
+    resolve_device,
+    save_results,
+    time_ms,
+)
 
 
 @dataclass
@@ -53,20 +62,6 @@ def kernel_kind(name: str) -> str:
         if any(k in low for k in keys):
             return kind
     return "other"
-
-
-def profile_calls(fn, reps: int):
-    """The torch profiler's record (CUDA activity) of ``reps`` calls of ``fn`` after one
-    untimed call: graph replays included, the profiler sees the kernels inside a graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return prof
 
 
 def gpu_time_by_kind(fn, reps: int = 5) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -177,13 +172,12 @@ def decode_batch(eng, rows, slots, bs: int, context: int):
 
 
 def run_decode_bench(args) -> list[DecodePoint]:
-    if args.plot:  # fail before the run, not after it
-        from breakgraph.bench.plot import require_matplotlib
+    if args.variants:
+        from breakgraph.bench.decode_variants import run_variants
 
-        require_matplotlib()
-    device = (
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+        return run_variants(args)
+    require_plot(args.plot)
+    device = resolve_device(args.device)
     max_bs = max(args.batch_sizes)
     points = []
     bandwidth = None
@@ -207,7 +201,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
             batch = decode_batch(eng, rows, slots, bs, args.context)
             eager = lambda b=batch, r=runner: r.forward_eager(b)  # noqa: E731
             graph = lambda b=batch, r=runner: r.forward(b)  # noqa: E731
-            has_graph = runner.decode_graphs is not None
+            has_graph = not runner.dispatch(batch).eager  # the key serving replays
             pt = DecodePoint(
                 model,
                 bs,

@@ -1,24 +1,21 @@
-"""Decode's projections at M = 1..64 rows: cuBLAS against the skinny-GEMM kernel, same run.
-
-    python -m breakgraph.bench.gemm [--models qwen3-0.6b llama-3.1-8b] [--m 1 4 16 64] [--tp 1 2]
+"""``breakgraph bench gemm``: decode's projections at M = 1..64 rows, cuBLAS against the
+skinny-GEMM kernel, same run (``--gemv``: the batch-1 GEMV kernel's configs instead, gemv.py).
 
 For each weight shape of the models' projections (fused qkv, o, fused gate/up, down,
 lm_head, and a family's others; every family, read from the model built on the meta
-device), each M: cuBLAS (``F.linear``) and the best of
-a sweep of skinny-GEMM configs, both timed as CUDA-graph replays (as the decode graphs run
-them; medians), against the floor: the bytes read and written over the measured
-device-to-device copy bandwidth. For qkv and gate/up also the fusions the kernel offers, each
-against its two launches: the residual add + RMSNorm as the prologue, gate/up's SiLU as the
-epilogue (not wired into the models until they win here). Prints the table and the ``SKINNY_TABLE`` literal to paste
-into kernels/skinny_gemm.py (configs that beat cuBLAS by at least ``--min-gain``);
-``--table-out PATH`` also writes it as JSON, which ``BREAKGRAPH_SKINNY=PATH`` serves as is
-(another GPU's table without editing the code). The table's GEMV entries (batch 1) are
-carried over as they are: ``benchmarks/decode_ab.py`` chooses those inside the decode graph.
+device), each M: cuBLAS (``F.linear``) and the best of a sweep of skinny-GEMM configs, both
+timed as CUDA-graph replays (as the decode graphs run them; medians), against the floor: the
+bytes read and written over the measured device-to-device copy bandwidth. For qkv and gate/up
+also the fusions the kernel offers, each against its two launches: the residual add + RMSNorm
+as the prologue, gate/up's SiLU as the epilogue. Prints the table and the ``SKINNY_TABLE``
+literal to paste into kernels/skinny_gemm.py (configs that beat cuBLAS by at least
+``--min-gain``); ``--table-out PATH`` also writes it as JSON, which ``BREAKGRAPH_SKINNY=PATH``
+serves as is (another GPU's table without editing the code). The table's GEMV entries (batch
+1) are carried over as they are: ``--gemv`` measures those.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -195,8 +192,9 @@ def with_gemv_entries(
     shape: tuple[int, int], merged: list[tuple[int, sg.SkinnyConfig | None]]
 ) -> list[tuple[int, sg.SkinnyConfig | None]]:
     """``merged`` behind the current table's GEMV entries for ``shape`` (batch 1 on the GEMV
-    kernel: chosen inside the decode graph by benchmarks/decode_ab.py, not by this sweep's
-    projections timed alone, which read their weight from L2); the rows those cover dropped."""
+    kernel: chosen by ``bench gemm --gemv``, whose launches read their weights from DRAM as
+    in the decode graph, not by this sweep's, which read them from L2); the rows those cover
+    dropped."""
     gemv = [(m, c) for m, c in sg.SKINNY_TABLE.get(shape, ()) if c is not None and c.gemv]
     if not gemv:
         return merged
@@ -204,26 +202,13 @@ def with_gemv_entries(
     return gemv + [(m, c) for m, c in merged if m > covered]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
-    parser.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
-    parser.add_argument(
-        "--tp", nargs="+", type=int, default=[1], help="also each rank's shapes at these TP sizes"
-    )
-    parser.add_argument(
-        "--min-gain", type=float, default=0.03, help="keep configs this much faster"
-    )
-    parser.add_argument("--out", type=Path, help="also write the rows as JSON")
-    parser.add_argument(
-        "--table-out",
-        type=Path,
-        help="also write the table as JSON (serve with BREAKGRAPH_SKINNY=PATH, no edit)",
-    )
-    args = parser.parse_args(argv)
+def run_gemm_bench(args) -> list[dict]:
     if not torch.cuda.is_available():
-        print("breakgraph.bench.gemm needs a CUDA device; nothing to measure here.")
-        return
+        raise SystemExit("error: bench gemm needs a CUDA device")
+    if args.gemv:
+        from breakgraph.bench.gemv import run_gemv_sweep
+
+        return run_gemv_sweep(args)
     assert max(args.m) <= sg.MAX_M
     torch.manual_seed(0)
     bw = copy_bytes_per_us()
@@ -268,11 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     for (n, k), merged in table.items():
         print(f"    ({n}, {k}): {merged!r},  # {', '.join(shapes[(n, k)])}")
     print("}")
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.table_out:
-        args.table_out.write_text(json.dumps(sg.table_to_json(table), indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        Path(args.table_out).write_text(json.dumps(sg.table_to_json(table), indent=1))
+    return rows

@@ -5,10 +5,10 @@ sending to the first ``data:`` line; each later event's gap is split evenly over
 it carries (the server coalesces tokens that pile up), giving one inter-token latency per
 token after the first.
 
-On aiohttp (SGLang's ``bench_serving`` client too): its C HTTP parser leaves less client
-time in a TTFT than httpx (pure-Python h11 and anyio): a 32-token streamed request against a
-CPU server took 17.4 ms through aiohttp, 17.1 through a raw socket and 19.7 through httpx
-(``python benchmarks/client_overhead.py``).
+On aiohttp (SGLang's ``bench_serving`` client too; the ``bench`` extra): its C HTTP parser
+leaves less client time in a TTFT than httpx (pure-Python h11 and anyio): a 32-token
+streamed request against a CPU server took 17.4 ms through aiohttp, 17.1 through a raw
+socket and 19.7 through httpx.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 
-DEFAULT_URL = "http://127.0.0.1:30000"
+try:
+    import aiohttp
+except ImportError:  # the server benches' client: pip install 'breakgraph[bench]'
+    aiohttp = None
 # SGLang's prefill repro draws token ids from this range (clipped to the vocabulary)
 TOKEN_ID_RANGE = (1000, 120000)
 
@@ -88,6 +90,10 @@ class ServerClient:
     """An ``aiohttp.ClientSession`` on one server, with the calls the benches make."""
 
     def __init__(self, url: str, max_connections: int = 16, timeout_s: float = 600.0):
+        if aiohttp is None:
+            raise SystemExit(
+                "error: the server benches need aiohttp: pip install 'breakgraph[bench]'"
+            )
         self.url = url.rstrip("/")
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -170,8 +176,8 @@ class ServerClient:
                 if payload == b"[DONE]":
                     break
                 # orjson: at concurrency 64+ the client parses an event per request per step,
-                # each cumulative (all output ids so far); the stdlib's parser made the client,
-                # not the server, the bound (benchmarks/README.md, fourteenth session)
+                # each cumulative (all output ids so far); with the stdlib's parser the
+                # client, not the server, was the bound
                 event = orjson.loads(payload)
                 if "error" in event:
                     raise BenchError(f"/generate stream error: {event['error']}")

@@ -1,17 +1,16 @@
-"""Kernel benchmark: Triton kernels against references measured in the same run.
-
-    python -m breakgraph.bench.kernels [--sweep]
+"""``breakgraph bench kernels``: Triton kernels against references measured in the same run.
 
 Extend attention at 8K new tokens (Qwen3-0.6B shape) against torch's flash varlen
 attention (or SDPA's flash backend); extend attention of 256 and 1024 new tokens over a
 32K cached prefix (the split-KV path; before: the one-pass kernel) against the same
 references with bottom-right causal alignment; decode attention (batch 32 x 8K context)
-against the bandwidth floor, KV bytes / measured device-to-device copy bandwidth. Medians.
+against the bandwidth floor, KV bytes / measured device-to-device copy bandwidth, also in
+its long-context variant; the fused norm, activation and RoPE kernels against their torch
+twins. Medians.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 from dataclasses import replace
 
@@ -215,8 +214,7 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
     before = lambda: ext.extend_attention_triton(q, o_one, *args)  # noqa: E731
     after()
     before()
-    cfg = ext._extend_config(HEAD_DIM, DTYPE, q.device)
-    splits = ext.num_kv_splits(HEADS, 1, n, seq, cfg[0], ext._sm_count(q.device))
+    splits = ext.ExtendPlan(q, k_cache, replace(meta, max_seq_len=seq), HEAD_DIM**-0.5).splits
     print(f"{n} new over {prefix} prefix: {splits} splits; |split - one pass| max "
           f"{_max_diff(o, o_one):.2e}")  # fmt: skip
     k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
@@ -269,20 +267,17 @@ def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
     floor_ms = kv_bytes / copy_bandwidth_bytes_per_ms()
     shape = f"{batch} x {context} ctx, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     splits = dec.default_num_kv_splits(batch, KV_HEADS, q.device)
-    ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args, merge_in_split=True))
+    ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
     rows = [("decode attention", f"{shape}, {splits} splits", ms, "bandwidth floor", floor_ms)]
-    # the merge in the last split (one launch, above) against the merge kernel (two)
-    two = bench_ms(lambda: dec.decode_attention_triton(q, o, *args, merge_in_split=False))
-    rows.append(("  merge kernel (2 launches)", f"{shape}, {splits} splits", two, "1 launch", ms))
+    with dec.long_context():  # the variant batch-1 graphs replay over long contexts
+        long_ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
+    rows.append(("  long-context variant", shape, long_ms, "bandwidth floor", floor_ms))
     if sweep:
-        ws = dec.DecodeWorkspace()
-        for s in (4, 8, 16, 32):
-            for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3)):
-                fn = lambda s=s, b=block_n, w=warps, st=stages: dec._launch_decode(  # noqa: E731
-                    q, o, *args, s, ws, b, w, st
-                )
-                cfg = f"splits={s} BN={block_n} warps={warps} stages={stages}"
-                rows.append(("  decode sweep", cfg, bench_ms(fn), "bandwidth floor", floor_ms))
+        for s in (4, 8, 16, 32, 64):
+            fn = lambda s=s: dec.decode_attention_triton(q, o, *args, num_kv_splits=s)  # noqa: E731
+            rows.append(
+                ("  decode sweep", f"splits={s}", bench_ms(fn), "bandwidth floor", floor_ms)
+            )
     return rows
 
 
@@ -326,20 +321,9 @@ def bench_fused(n: int) -> list[tuple]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time other launch configs")
-    parser.add_argument("--extend-tokens", type=int, default=8192)
-    parser.add_argument("--decode-batch", type=int, default=32)
-    parser.add_argument("--decode-context", type=int, default=8192)
-    parser.add_argument("--prefix", type=int, default=32768, help="long-prefix case's prefix")
-    parser.add_argument(
-        "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
-    )
-    args = parser.parse_args(argv)
+def run_kernels_bench(args) -> None:
     if not torch.cuda.is_available():
-        print("breakgraph.bench.kernels needs a CUDA device; nothing to measure here.")
-        return
+        raise SystemExit("error: bench kernels needs a CUDA device")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     rows = []
@@ -365,7 +349,3 @@ def main(argv: list[str] | None = None) -> None:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *table, strict=True)]
     for line in [header, tuple("-" * w for w in widths), *table]:
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,12 @@
-"""``--plot FILE.png`` of the benches, drawn from their JSON results (matplotlib, imported lazily).
+"""``--plot FILE.png`` of the benches, drawn from their JSON results (matplotlib, imported
+lazily); ``breakgraph bench plot`` redraws saved results, several runs in one figure (say,
+graphs vs ``--cuda-graph-backend-prefill disabled``)::
 
-Also re-plots saved results, several runs in one figure (say, graphs vs
-``--cuda-graph-backend-prefill disabled``)::
-
-    python -m breakgraph.bench.plot prefill graphs.json eager.json -o prefill.png
+    breakgraph bench plot prefill graphs.json eager.json -o prefill.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections import defaultdict
@@ -21,12 +19,18 @@ def require_matplotlib():
         import matplotlib
     except ImportError:
         raise SystemExit(
-            "error: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[test]')"
+            "error: plotting needs matplotlib: pip install matplotlib (or 'breakgraph[bench]')"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def require_plot(path: str | None) -> None:
+    """Fail before a run, not after it, when its ``--plot`` cannot be drawn."""
+    if path:
+        require_matplotlib()
 
 
 def _save(fig, path: str) -> None:
@@ -163,21 +167,12 @@ def plot_prefill(results: list[dict], path: str, labels: list[str] | None = None
     _save(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="plot saved bench JSON results")
-    p.add_argument("bench", choices=["step", "decode", "prefill", "serving"])
-    p.add_argument("json_files", nargs="+")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
-    args = p.parse_args(argv)
+def run_plot(args) -> int:
     data = [json.loads(Path(f).read_text()) for f in args.json_files]
-    if args.bench in ("step", "decode"):
+    if args.kind in ("step", "decode"):
         points = [pt for d in data for pt in d]
-        (plot_step if args.bench == "step" else plot_decode)(points, args.output)
+        (plot_step if args.kind == "step" else plot_decode)(points, args.output)
     else:
         labels = [Path(f).stem for f in args.json_files] if len(data) > 1 else None
-        (plot_prefill if args.bench == "prefill" else plot_serving)(data, args.output, labels)
+        (plot_prefill if args.kind == "prefill" else plot_serving)(data, args.output, labels)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

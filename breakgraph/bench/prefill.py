@@ -144,11 +144,9 @@ async def run_prefill(
 
 def run_prefill_bench(args) -> PrefillResult:
     from breakgraph.bench.http_client import BenchError
+    from breakgraph.bench.plot import require_plot
 
-    if args.plot:
-        from breakgraph.bench.plot import require_matplotlib
-
-        require_matplotlib()
+    require_plot(args.plot)
     try:
         res = asyncio.run(
             run_prefill(
@@ -173,20 +171,3 @@ def run_prefill_bench(args) -> PrefillResult:
 
         plot_prefill([res.to_dict()], args.plot)
     return res
-
-
-def add_prefill_args(p) -> None:
-    from breakgraph.bench.http_client import DEFAULT_URL
-
-    p.add_argument("mode", choices=["cold", "hit"], help="cold: cache flushed; hit: cached prefix")
-    p.add_argument("tokens", type=int, help="cold: prompt tokens; hit: cached prefix tokens")
-    p.add_argument("concurrency", type=int, help="requests sent at once per wave")
-    p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument(
-        "--hit-new-tokens", type=int, default=1024, help="hit: new tokens after the prefix"
-    )
-    p.add_argument("--warmup-waves", type=int, default=2)
-    p.add_argument("--waves", type=int, default=5, help="measured waves")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="FILE")
-    p.add_argument("--plot", default=None, metavar="FILE.png")

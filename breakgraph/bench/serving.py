@@ -149,11 +149,9 @@ async def run_serving(
 
 def run_serving_bench(args) -> dict:
     from breakgraph.bench.http_client import BenchError
+    from breakgraph.bench.plot import require_plot
 
-    if args.plot:
-        from breakgraph.bench.plot import require_matplotlib
-
-        require_matplotlib()
+    require_plot(args.plot)
     print(
         f"serving: {args.url}, input {args.input_len} tok, output {args.output_len} tok, "
         f"concurrency {' '.join(map(str, args.concurrency))}, {args.rounds} rounds",
@@ -203,22 +201,3 @@ def run_serving_bench(args) -> dict:
 
         plot_serving([result], args.plot)
     return result
-
-
-def add_serving_args(p) -> None:
-    from breakgraph.bench.http_client import DEFAULT_URL
-
-    p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--input-len", type=int, default=8192)
-    p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument(
-        "--requests-per-level",
-        type=int,
-        default=None,
-        help="requests at each concurrency (default: 4 x concurrency; at least the concurrency)",
-    )
-    p.add_argument("--rounds", type=int, default=2, help="even rounds run in reverse order")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="FILE")
-    p.add_argument("--plot", default=None, metavar="FILE.png")

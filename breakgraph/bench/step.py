@@ -1,28 +1,37 @@
 """``breakgraph bench step``: one request's prefill step, N new tokens after a cached prefix
 of P, timed for several arms in one process on the same weights.
 
-Arms: breakgraph eager, breakgraph graphs (the prefill bank the engine picks: the whole
-graph for a lone request whose context fits a whole bucket, then also ``breakable``, the
-breakable bank on the same step), the floor (the same forward captured whole as one CUDA
-graph at that fixed shape), HF transformers eager (sdpa), and HF under
-``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
+Arms: breakgraph eager, breakgraph graphs (the key serving would replay, ``runner.dispatch``:
+the whole graph for a lone request whose context fits a whole bucket, then also
+``breakable``, the breakable bank's bucket on the same step), the floor (the same forward
+captured whole as one CUDA graph at that fixed shape; TP 1), HF transformers eager (sdpa),
+and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
 A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
 the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
 layers replayed on each request's last row only), each with its own floor.
 Prints ms per arm (median of reps, wall clock with a sync: host-bound arms pay their host
-time), ratios to the floor and to HF eager, and kernel launches per step (profiler).
+time), ratios to the floor and to HF eager, and kernel launches per step (profiler);
+``--profile`` adds where each graph arm's time goes beside the floor's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
+
+from breakgraph.bench.hf import HFArms
+from breakgraph.bench.plot import require_plot
+from breakgraph.bench.timing import (
+    count_launches,
+    profile_arm,
+    resolve_device,
+    save_results,
+    time_ms,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,52 +53,6 @@ class PointResult:
 
     def ms(self, arm: str) -> float | None:
         return next((a.ms for a in self.arms if a.arm == arm), None)
-
-
-def time_ms(
-    fn: Callable[[], object], reps: int, warmup: int = 3, back_to_back: bool = False
-) -> float:
-    """Median wall time of ``fn`` with a device sync before and after each call; with
-    ``back_to_back`` the mean over ``reps`` calls with no sync between them."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    if back_to_back:
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        return (time.perf_counter() - start) * 1e3 / reps
-    samples = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
-def count_launches(fn: Callable[[], object]) -> int | None:
-    """Kernels (and graph launches) one call issues, counted by the profiler."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = (
-        "cudaLaunchKernel",
-        "cuLaunchKernel",
-        "cudaGraphLaunch",
-        "cuLaunchKernelEx",
-        "cudaLaunchKernelExC",
-    )
-    return sum(1 for e in prof.events() if e.name in names)
 
 
 class StepBench:
@@ -147,84 +110,43 @@ class StepBench:
         )  # fmt: skip
 
 
-class HFArms:
-    """The HF transformers twin of the engine's model, on the same weights."""
+def whole_step_floor(runner, batch) -> Callable[[], torch.Tensor]:
+    """The step captured whole as one CUDA graph at its fixed shape, attention inline (the
+    floor a graph bank is measured against) -> its replay."""
+    from breakgraph.graph import BreakableGraph
 
-    def __init__(self, engine, compile_timeout_s: float):
-        import transformers
+    def fwd() -> torch.Tensor:
+        return runner.forward_eager(batch)
 
-        cfg = dict(engine.model_config.raw)
-        cfg.setdefault("torch_dtype", "bfloat16")
-        arch = engine.model_config.architecture
-        model_type = cfg.pop("model_type", None) or arch_model_type(arch)
-        config = transformers.AutoConfig.for_model(model_type, **cfg)
-        config._attn_implementation = "sdpa"
-        # built in the engine's dtype on the device: a float32 copy first would not fit
-        # beside the engine's weights for a large model (the 30B MoE's 61 GB in bf16)
-        with torch.device(engine.device):
-            self.model = getattr(transformers, arch)._from_config(config, dtype=engine.dtype)
-        self.model.eval()
-        experts = getattr(self.model.config, "_experts_implementation", None)
-        if experts is not None and getattr(self.model.config, "num_experts", None):
-            print(f"HF experts implementation: {experts}", flush=True)
-        self.device = engine.device
-        vocab = engine.vocab_size
-        self.id_range = (min(1000, vocab // 2), min(30000, vocab - 1))  # as StepBench's
-        self.compile_timeout_s = compile_timeout_s
-        self.compiled = None
-
-    def inputs(self, new_tokens: int, prefix_tokens: int):
-        from transformers import DynamicCache
-
-        g = torch.Generator().manual_seed(new_tokens)
-        ids = torch.randint(*self.id_range, (1, new_tokens), generator=g).to(self.device)
-        cache = None
-        if prefix_tokens:
-            cache = DynamicCache(config=self.model.config)
-            with torch.inference_mode():
-                pre = torch.randint(*self.id_range, (1, prefix_tokens), generator=g).to(self.device)
-                self.model(pre, past_key_values=cache, use_cache=True)
-        return ids, cache
-
-    def eager_fn(self, new_tokens: int, prefix_tokens: int):
-        ids, cache = self.inputs(new_tokens, prefix_tokens)
-
-        def run():
-            with torch.inference_mode():
-                out = self.model(
-                    ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1
-                )
-            if cache is not None:
-                cache.crop(-new_tokens)  # drop what this step appended
-            return out.logits
-
-        return run
-
-    def compiled_fn(self, new_tokens: int) -> tuple[Callable[[], object] | None, str]:
-        """torch.compile(reduce-overhead) at P=0; None with a reason if it does not compile in time."""
-        if self.compiled is None:
-            self.compiled = torch.compile(self.model, mode="reduce-overhead")
-        ids, _ = self.inputs(new_tokens, 0)
-
-        def run():
-            with torch.inference_mode():
-                return self.compiled(ids, use_cache=False, logits_to_keep=1).logits
-
-        t0 = time.perf_counter()
-        try:
-            for _ in range(3):  # compile, record, then replay
-                run()
-                if time.perf_counter() - t0 > self.compile_timeout_s:
-                    return None, f"did not compile within {self.compile_timeout_s:.0f} s"
-        except Exception as e:  # noqa: BLE001 - a compile failure is a result to report
-            return None, f"compile failed: {type(e).__name__}: {str(e)[:80]}"
-        return run, f"compiled in {time.perf_counter() - t0:.0f} s"
+    with torch.inference_mode():
+        fwd()  # warm: allocations and Triton compiles happen outside the capture
+        graph = BreakableGraph(split_at_breaks=False)
+        graph.capture(fwd)
+    return graph.replay
 
 
-def arch_model_type(arch: str) -> str:
-    return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        arch
+def engine_arms(runner, batch, tp_size: int) -> list[tuple[str, Callable | None, str]]:
+    """(arm, its call or None, note) of one engine: eager, the key serving replays, the
+    breakable bank beside a whole graph, and the floor (CUDA, TP 1)."""
+    from breakgraph.engine.graphs.key import PREFILL, PREFILL_WHOLE, StepKey
+
+    arms: list[tuple[str, Callable | None, str]] = [
+        ("breakgraph eager", lambda: runner.forward_eager(batch), "")
     ]
+    key = runner.dispatch(batch)
+    if key.eager:
+        arms.append(("breakgraph graphs", None, str(key)))
+    else:
+        arms.append(("breakgraph graphs", lambda: runner.forward(batch), str(key)))
+    if key.bank == PREFILL_WHOLE:  # the breakable bank on the same step
+        breakable = StepKey(PREFILL, key.size)
+        arms.append(("breakable", lambda: runner.forward(batch, breakable), str(breakable)))
+    if batch.input_ids.is_cuda:
+        if tp_size == 1:
+            arms.append(("floor", whole_step_floor(runner, batch), ""))
+        else:
+            arms.append(("floor", None, "not measured under TP"))
+    return arms
 
 
 def bench_point(
@@ -234,6 +156,8 @@ def bench_point(
     p: int,
     reps: int,
     do_compile: bool,
+    tp_size: int = 1,
+    profile: bool = False,
 ) -> PointResult:
     """``benches``: arm suffix -> engine ("" for a model without KV-shared layers)."""
     res = PointResult(next(iter(benches.values())).model_name, n, p)
@@ -245,29 +169,15 @@ def bench_point(
         res.arms.append(ArmResult(arm, time_ms(fn, reps), count_launches(fn), note))
 
     for suffix, sb in benches.items():
-        runner, batch = sb.engine.runner, sb.batch(n, p)
         tag = f" {suffix}" if suffix else ""
-        add("breakgraph eager" + tag, lambda r=runner, b=batch: r.forward_eager(b))
-        graphs = runner.prefill_graphs
-        bucket = graphs.bank.bucket_for(n) if graphs else None
-        if bucket:
-            whole = graphs.whole_bucket(batch)
-            add(
-                "breakgraph graphs" + tag,
-                lambda r=runner, b=batch: r.forward(b),
-                f"whole bucket {whole}" if whole else f"bucket {bucket}",
-            )
-            if whole and runner.tp is None:  # the breakable bank on the same step
-
-                @torch.inference_mode()
-                def breakable(g=graphs, b=batch):
-                    return g.run(b, whole=False)
-
-                add("breakable" + tag, breakable, f"bucket {bucket}")
-        else:
-            add("breakgraph graphs" + tag, None, "no bucket")
-        if sb.engine.device.type == "cuda":
-            add("floor" + tag, runner.capture_whole(batch))
+        arms = engine_arms(sb.engine.runner, sb.batch(n, p), tp_size)
+        for arm, fn, note in arms:
+            add(arm + tag, fn, note)
+        if profile and torch.cuda.is_available():
+            graphed = {
+                arm + tag: fn for arm, fn, _ in arms if fn is not None and "eager" not in arm
+            }
+            print(format_profile(graphed, "floor" + tag), flush=True)
     if hf is not None:
         try:
             add("HF eager", hf.eager_fn(n, p))
@@ -279,6 +189,27 @@ def bench_point(
         else:
             add("HF compile", None, "P > 0 not measured" if p else "skipped")
     return res
+
+
+def format_profile(calls: dict[str, Callable], floor_arm: str, top: int = 8) -> str:
+    """``--profile``: each graph arm's wall time, GPU span, busy time and delay to its first
+    kernel, then its kernels by time beside the floor's, so that a gap to the floor reads as
+    host time before the GPU starts, idle gaps inside, or extra kernels."""
+    prof = {arm: profile_arm(fn, 5) for arm, fn in calls.items()}
+    lines = [f"  {'profiled arm':<22} {'wall':>7} {'span':>7} {'busy':>7} {'delay':>7}  (ms)"]
+    for arm, r in prof.items():
+        cells = " ".join(f"{r[k]:7.3f}" for k in ("wall", "span", "busy", "delay"))
+        lines.append(f"  {arm:<22} {cells}")
+    floor = dict(prof[floor_arm]["kernels"]) if floor_arm in prof else {}
+    for arm, r in prof.items():
+        if arm == floor_arm:
+            continue
+        lines.append(f"  {arm}: kernels by time (µs per call; the floor's beside)")
+        for k, us in r["kernels"][:top]:
+            lines.append(f"    {us:9.1f} {floor.get(k, 0.0):9.1f}  {k[:90]}")
+        extra = [(k, us) for k, us in r["kernels"] if k not in floor]
+        lines += [f"    {us:9.1f}   not in floor  {k[:90]}" for k, us in extra[:top]]
+    return "\n".join(lines)
 
 
 def format_table(points: list[PointResult]) -> str:
@@ -298,13 +229,8 @@ def format_table(points: list[PointResult]) -> str:
 
 
 def run_step_bench(args) -> list[PointResult]:
-    if args.plot:  # fail before the run, not after it
-        from breakgraph.bench.plot import require_matplotlib
-
-        require_matplotlib()
-    device = (
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    require_plot(args.plot)
+    device = resolve_device(args.device)
     points: list[PointResult] = []
     for model in args.models:
         shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
@@ -326,7 +252,9 @@ def run_step_bench(args) -> list[PointResult]:
         for p in args.prefix_tokens:
             for n in args.new_tokens:
                 do_compile = not args.no_compile and device == "cuda"
-                pt = bench_point(benches, hf, n, p, args.reps, do_compile)
+                pt = bench_point(
+                    benches, hf, n, p, args.reps, do_compile, args.tp_size, args.profile
+                )
                 points.append(pt)
                 print(format_table([pt]), flush=True)
         for b in benches.values():
@@ -336,15 +264,3 @@ def run_step_bench(args) -> list[PointResult]:
             torch.cuda.empty_cache()
     save_results(points, args.json, args.plot, "plot_step")
     return points
-
-
-def save_results(points: list, json_path: str | None, plot_path: str | None, plot_fn: str) -> None:
-    """Write a bench's points as JSON and draw them with ``bench.plot.<plot_fn>``."""
-    rows = [asdict(p) for p in points]
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
-    if plot_path:
-        from breakgraph.bench import plot
-
-        getattr(plot, plot_fn)(rows, plot_path)

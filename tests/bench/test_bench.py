@@ -1,6 +1,7 @@
 """The benches as a user runs them, on the CPU: ``bench prefill cold|hit`` and ``bench serving``
 through the CLI against a real server subprocess (a tiny random model, token ids only), their
-JSON and PNG outputs, ``bench step --plot``, and the client's stream accounting."""
+JSON and PNG outputs, ``bench step --plot``, ``bench plot``, ``bench host``, and the client's
+stream accounting."""
 
 from __future__ import annotations
 
@@ -195,9 +196,8 @@ def test_step_plot(tmp_path):
 
 
 def test_plots_from_saved_results(tmp_path):
-    """decode (no GPU: no graph arm) and step with a floor arm, from JSON as the benches save it."""
-    from breakgraph.bench.plot import main
-
+    """``bench plot``: decode (no GPU: no graph arm) and step with a floor arm, from JSON as
+    the benches save it."""
     step = [
         {"model": "m", "new_tokens": n, "prefix_tokens": p, "arms": [
             {"arm": "breakgraph graphs", "ms": 1.0 + n / 256, "launches": 40, "note": ""},
@@ -213,10 +213,9 @@ def test_plots_from_saved_results(tmp_path):
     ]  # fmt: skip
     for name, data in (("step", step), ("decode", decode)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
-        assert (
-            main([name, str(tmp_path / f"{name}.json"), "-o", str(tmp_path / f"{name}.png")]) == 0
-        )
-        assert_png(tmp_path / f"{name}.png")
+        png = tmp_path / f"{name}.png"
+        cli("bench", "plot", name, str(tmp_path / f"{name}.json"), "-o", str(png))
+        assert_png(png)
 
 
 def test_plot_without_matplotlib(monkeypatch):
@@ -421,7 +420,7 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     """Every single-GPU shape of every built-in model takes the GEMV kernel at one row (no
     norm prologue: the tensor-core kernel's only) and not at two, and so does one rank's
     every shape of the tensor-parallel models at 2, 4 and 8 ranks; the exceptions are named
-    (benchmarks/gemv_sweep.py measures them)."""
+    (``bench gemm --gemv`` measures them)."""
     from breakgraph.bench import gemm
     from breakgraph.kernels import skinny_gemm as sg
     from breakgraph.models.sources import CONFIG_DIR
@@ -450,7 +449,7 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
 
 
 def test_skinny_table_file_round_trips(tmp_path):
-    """``bench.gemm --table-out`` writes what ``BREAKGRAPH_SKINNY=PATH`` loads: another GPU's
+    """``bench gemm --table-out`` writes what ``BREAKGRAPH_SKINNY=PATH`` loads: another GPU's
     table served without editing the code, entries and their None (cuBLAS) kept."""
     import json
 
@@ -465,15 +464,15 @@ def test_skinny_table_file_round_trips(tmp_path):
     assert sg.load_table(str(path)) == table
 
 
-def test_skinny_modes(monkeypatch):
+def test_skinny_modes(monkeypatch, knobs):
     """BREAKGRAPH_SKINNY=all: every shape of at most MAX_M rows on a generic config (about
     two programs per SM); =off: none, whatever the table says."""
     from breakgraph.kernels import skinny_gemm as sg
 
     monkeypatch.setitem(sg.SKINNY_TABLE, (4096, 1024), [(64, sg.SkinnyConfig(16, 128, 2))])
-    monkeypatch.setattr(sg, "_MODE", "off")
+    knobs(SKINNY="off")
     assert sg.table_config(1, 4096, 1024) is None
-    monkeypatch.setattr(sg, "_MODE", "all")
+    knobs(SKINNY="all")
     cfg = sg.table_config(1, 1024, 3072)
     assert cfg == sg.generic_config(1024, 3072) and cfg.split_k > 1
     assert -(-1024 // cfg.block_n) * cfg.split_k >= 132
@@ -481,94 +480,52 @@ def test_skinny_modes(monkeypatch):
     assert sg.generic_config(151936, 1024).split_k == 1  # the LM head fills the GPU alone
 
 
-def test_host_path_bench_runs_and_the_packed_paths_win():
-    """``benchmarks/host_path.py`` (issue 14's host stages, each against its former
-    implementation in the same run) still runs against the current code, and the stages
-    whose margin is an order of magnitude (the ids' codec and range check) come out ahead."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "benchmarks/host_path.py", "--reps", "1"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    rows = re.findall(rf"^(\d+ x \d+) +(.+?) +{NUM} +{NUM} +{NUM}x$", out.stdout, re.M)
-    stages = {stage for _, stage, *_ in rows}
-    for stage in ("API validation (/generate body)", "GenerateReq decode (engine process)",
-                  "engine range check (decoded ids)", "extend batch build (ids, rows, positions)"):  # fmt: skip
-        assert stage in stages, out.stdout
-    for case, stage, before, after, _ in rows:
-        if stage.startswith(("GenerateReq decode", "engine range check")):
-            assert float(after) < float(before), (case, stage, before, after)
+def test_host_bench_decode_stages_add_up_and_amortize(tmp_path):
+    """``bench host decode``: each host stage of a decode step is a positive time within the
+    step's host total, and the per-request host cost falls as the batch grows (the step's
+    fixed costs are paid once per step)."""
+    cli("bench", "host", "decode", "--batch", "1", "16", "--steps", "8", "--rounds", "1",
+        "--json", str(tmp_path / "host.json"), timeout_s=300)  # fmt: skip
+    got = json.loads((tmp_path / "host.json").read_text())
+    assert set(got) == {"batch 1", "batch 16"} and set(got["batch 1"]) == {"this"}
+    for label, arms in got.items():
+        m = arms["this"]
+        stages = [m[k] for k in ("schedule", "launch", "process_outputs")]
+        assert min(stages) > 0 and sum(stages) < m["host"], (label, m)
+    assert got["batch 16"]["this"]["host"] / 16 < got["batch 1"]["this"]["host"], got
 
 
-def _decode_host(*args: str) -> str:
-    """``benchmarks/decode_host.py ARGS --rounds 1``'s output (it must succeed)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "benchmarks/decode_host.py", *args, "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    return out.stdout
-
-
-def test_decode_host_bench_runs_and_plain_tokens_pack_smaller():
-    """``benchmarks/decode_host.py`` (a decode step's host stages, and its outputs' wire
-    path against the former one in the same process) still runs; the plain tokens'
-    message packs faster than a map per request, into under a third of the bytes."""
-    stdout = _decode_host("--batch", "64", "--steps", "8")
-    assert re.search(r"^batch +64 this +µs/step: schedule", stdout, re.M), stdout
-    engine = re.search(rf"wire engine: former +{NUM} µs +this +{NUM} µs.*bytes (\d+) -> (\d+)",
-                       stdout)  # fmt: skip
-    assert engine is not None, stdout
-    former, this, old_bytes, new_bytes = map(float, engine.groups())
-    assert this < former and new_bytes < old_bytes / 3, stdout
-
-
-def test_decode_host_bench_times_a_cold_prefill():
-    """``decode_host.py --prefill N``: a cold prompt's host stages around its forward, each
-    a positive time within the step's host total."""
-    stdout = _decode_host("--prefill", "64", "--requests", "8")
+def test_host_bench_times_a_cold_prefill():
+    """``bench host prefill``: a cold prompt's host stages around its forward, each a positive
+    time within the step's host total."""
+    out = cli("bench", "host", "prefill", "--tokens", "64", "--requests", "8", "--rounds", "1",
+              timeout_s=300)  # fmt: skip
     cells = " +".join(f"{k} +{NUM}" for k in ("schedule", "launch", "cache", "process_outputs"))
-    got = re.search(rf"^prefill +64 this +µs/step: {cells} +host +{NUM}", stdout, re.M)
-    assert got is not None, stdout
+    got = re.search(rf"^prefill +64 this +µs/step: {cells} +host +{NUM}", out, re.M)
+    assert got is not None, out
     stages, host = list(map(float, got.groups()[:-1])), float(got.group(5))
-    assert min(stages) > 0 and sum(stages) < host, stdout
+    assert min(stages) > 0 and sum(stages) < host, out
 
 
-def test_api_cost_bench_runs(tmp_path):
-    """``benchmarks/api_cost.py`` starts a server on a tiny dummy model, streams closed-loop
-    requests and reads the API process's CPU time per token from /proc. /proc counts clock
-    ticks (10 ms): 1,024 output tokens keep the API's CPU time many ticks long (64 read 0
-    ticks now and then)."""
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        from decode_host import TINY
-    finally:
-        sys.path.pop(0)
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    out = subprocess.run(
-        [sys.executable, "benchmarks/api_cost.py", "--model-path", str(tmp_path),
-         "--concurrency", "4", "--requests", "32", "--output-len", "32", "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    got = re.search(rf"concurrency 4: API {NUM} µs CPU per output token", out.stdout)
-    assert got is not None and float(got.group(1)) > 0, out.stdout
+def test_host_bench_api_cpu_per_token():
+    """``bench host api`` starts a CPU server on a tiny dummy model, streams closed-loop
+    requests and reads both processes' CPU time per output token from /proc. /proc counts
+    clock ticks (10 ms): 1,024 output tokens keep the API's CPU time many ticks long."""
+    out = cli("bench", "host", "api", "--concurrency", "4", "--requests", "32",
+              "--output-len", "32", "--rounds", "1", timeout_s=300)  # fmt: skip
+    got = re.search(rf"concurrency 4: API {NUM} µs CPU per output token .*engine {NUM} µs", out)
+    assert got is not None and float(got.group(1)) > 0 and float(got.group(2)) > 0, out
 
 
-def test_decode_ab_reads_a_moe_gemv_table_from_either_json(tmp_path, monkeypatch):
-    """``decode_ab.py``'s ``moetable=PATH``: the table's rows as JSON, or
-    ``moe_gemv_kernels.py``'s output (a model's best configs per kernel and step size)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from decode_ab import _moe_gemv_table
-
+def test_decode_variants_read_a_moe_gemv_table_from_either_json(tmp_path):
+    """``bench decode --variants moetable=PATH``: the table's rows as JSON, or ``bench moe
+    --gemv-kernels --json``'s output (a model's best configs per kernel and step size)."""
+    from breakgraph.bench.decode_variants import moe_gemv_table
     from breakgraph.kernels.fused_moe import MoEGemvConfig
 
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps([[1, [4, 1024, 2], [4, 1024, 4]], [4, [1, 512, 1], [2, 256, 1]]]))
-    assert _moe_gemv_table(str(rows), "any") == (
+    assert moe_gemv_table(str(rows), "any") == (
         (1, MoEGemvConfig((4, 1024, 2), (4, 1024, 4))),
         (4, MoEGemvConfig((1, 512, 1), (2, 256, 1))),
     )
@@ -582,7 +539,7 @@ def test_decode_ab_reads_a_moe_gemv_table_from_either_json(tmp_path, monkeypatch
         timed("a", 2, "gate_up", 25.0, [1, 512, 1]), timed("a", 2, "down", 17.0, [2, 256, 1]),
         timed("b", 1, "gate_up", 1.0, [8, 128, 8]), timed("b", 1, "down", 1.0, [8, 128, 8]),
     ]))  # fmt: skip
-    assert _moe_gemv_table(str(kernels), "a") == (
+    assert moe_gemv_table(str(kernels), "a") == (
         (1, MoEGemvConfig((1, 1024, 1), (1, 256, 1))),
         (2, MoEGemvConfig((1, 512, 1), (2, 256, 1))),
     )
