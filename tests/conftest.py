@@ -3,13 +3,23 @@ the device left idle after each test. Helpers live in ``tests/support``."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 
 import pytest
 import torch
 
+from breakgraph.common import envs
 from tests.support.hf import FAMILIES, make_hf_model
+
+
+@pytest.fixture
+def knobs():
+    """``knobs(MOE_GEMV=8, PDL="1")`` sets environment knobs (breakgraph/common/envs.py) for
+    the rest of the test, child processes included; each is restored at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(envs.override(**values))
 
 
 @pytest.fixture(autouse=True)

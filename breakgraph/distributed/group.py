@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from breakgraph.common import envs
+
 logger = logging.getLogger(__name__)
-
-# a collective that waits longer than this raises instead of hanging (gloo honours it; NCCL
-# through its watchdog, set to abort the communicator: see init_tp_group). Generous: a rank's
-# first step may JIT-compile kernels while the others wait. A dead peer is noticed at once
-# (gloo: the closed connection; NCCL: rank 0's watchdog on the workers' processes).
-DEFAULT_TIMEOUT_S = float(os.environ.get("BREAKGRAPH_TP_TIMEOUT_S", 300))
-
 
 # The largest all-reduce the one-shot path takes (on unless --disable-custom-all-reduce).
 # Measured on two H200s (`python -m breakgraph.bench.allreduce`, both paths replayed from CUDA
@@ -40,8 +35,6 @@ ONE_SHOT_MAX_BYTES = 4 << 20
 # Llama-3.1-8B makes 64). On two H200s (`python -m breakgraph.bench.allreduce`, 2026-12-01),
 # µs per op fused / copy in front: 6.57 / 7.56 at 8 KB, 6.98 / 7.94 at 64 KB, 11.19 / 10.96 at
 # 512 KB, 35.3 / 32.9 at 4 MB (the copy engine stages a large message faster than the kernel).
-# BREAKGRAPH_AR_COPY=0: always the copy in front (for measuring one against the other).
-AR_FUSED_COPY = os.environ.get("BREAKGRAPH_AR_COPY", "1") != "0"
 FUSED_COPY_MAX_BYTES = 256 << 10
 
 
@@ -50,7 +43,7 @@ def reduce_in_norms() -> bool:
     sums to the norm after them, which all-reduces them (``TPGroup.all_reduce_add_rms_norm``;
     on CUDA one kernel, set up with the one-shot path). Off by default: that kernel has not
     yet run on two GPUs."""
-    return os.environ.get("BREAKGRAPH_AR_NORM", "0") == "1"
+    return envs.AR_NORM.get()
 
 
 class OneShotAllReduce:
@@ -67,7 +60,7 @@ class OneShotAllReduce:
         self,
         device: torch.device,
         max_bytes: int = ONE_SHOT_MAX_BYTES,
-        fused_copy: bool = AR_FUSED_COPY,
+        fused_copy: bool = True,
     ):
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -248,12 +241,18 @@ def init_tp_group(
     size: int,
     init_method: str,
     device: torch.device | str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     custom_all_reduce: bool = False,
 ) -> TPGroup:
     """Join the group of ``size`` ranks at ``init_method`` (tcp://host:port or file://path);
     ``custom_all_reduce``: small all-reduces take ``OneShotAllReduce`` (CUDA; every rank must
-    ask alike)."""
+    ask alike).
+
+    A collective that waits longer than ``timeout_s`` (default ``BREAKGRAPH_TP_TIMEOUT_S``,
+    300) raises instead of hanging (gloo honours it; NCCL through its watchdog, set below to
+    abort the communicator). Generous: a rank's first step may JIT-compile kernels while the
+    others wait. A dead peer is noticed at once (gloo: the closed connection; NCCL: rank 0's
+    watchdog on the workers' processes)."""
     device = torch.device(device)
     if size == 1:
         return TPGroup(0, 1, device)
@@ -276,7 +275,9 @@ def init_tp_group(
         init_method=init_method,
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(
+            seconds=envs.TP_TIMEOUT_S.get() if timeout_s is None else timeout_s
+        ),
         **kw,
     )
     logger.info("TP rank %d/%d joined (%s on %s)", rank, size, backend, device)

@@ -37,7 +37,7 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> None
 def small_row_classes(most: int = 4) -> set[int]:
     """The row bounds of up to ``most`` rows in the kernels' per-M config tables (the skinny
     GEMM's, the MoE GEMV path's): a prompt of each size compiles each class's variant."""
-    bounds = {m for entries in skinny_gemm.SKINNY_TABLE.values() for m, _ in entries}
+    bounds = {m for entries in skinny_gemm.active_table().values() for m, _ in entries}
     bounds |= {m for m, _ in fused_moe.GEMV_TABLE}
     return {m for m in bounds if m <= most}
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from breakgraph.common import envs
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,8 @@ def _allocate_in_pool(device: torch.device, pool):
 
 
 def debug_mode() -> bool:
-    return os.environ.get("BREAKGRAPH_GRAPH_DEBUG") == "1"
+    """``BREAKGRAPH_GRAPH_DEBUG=1``: replays run piece by piece, each checked (common/envs.py)."""
+    return envs.GRAPH_DEBUG.get()
 
 
 class BreakableGraph:

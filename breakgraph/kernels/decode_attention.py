@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from breakgraph.kernels import pdl
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.extend_attention import _attend_loaded, extend_attention_torch
-from breakgraph.kernels.workspace import Workspace, last_to_arrive
+from breakgraph.kernels.workspace import Workspace
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -42,10 +41,9 @@ def decode_attention_torch(
 
 
 class DecodeWorkspace(Workspace):
-    """fp32 scratch for the split-KV partials (outputs and log-sum-exp) and the int32 arrival
-    counters of the merge in the last split, grown lazily (kernels/workspace.py: an outgrown
-    buffer stays alive for the graphs captured with it). Grow it to the largest batch before
-    capture."""
+    """fp32 scratch for the split-KV partials (outputs and log-sum-exp), grown lazily
+    (kernels/workspace.py: an outgrown buffer stays alive for the graphs captured with it).
+    Grow it to the largest batch before capture."""
 
     def get(
         self, batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
@@ -60,26 +58,15 @@ class DecodeWorkspace(Workspace):
 
 _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
 
-# The merge in the last split (one launch per layer) is correct on the H200 (the GPU suite ran
-# every engine test on it) but slower there than the merge kernel: each kv head's last split
-# merges all partials alone, where the merge kernel spreads that over the GPU. It won only at
-# batch 1 over 1K (fifth session) until the merge kernel loaded its splits at once; since,
-# it is 1.04-1.13x slower at every batch (benchmarks/README.md, eleventh session). So the two
-# launches stay the default; BREAKGRAPH_DECODE_MERGE=split opts in.
-MERGE_IN_SPLIT = os.environ.get("BREAKGRAPH_DECODE_MERGE", "kernel") == "split"
-
-# One pass (one split: the output written directly, no partials, no merge launch) once a
-# step has at least this many (request, kv head) programs, enough to fill the GPU without
-# splitting; 0 never. Measured on the H200 (Qwen3-0.6B, 1K context, decode_ab.py's onepass
-# variants): batch 8 1.005x, batch 32 0.93x, batch 64 1.03x; and a graph serves every
-# context length, where one pass over 8K keys is the slow case. So off by default:
-# BREAKGRAPH_DECODE_ONE_PASS=N opts in (benchmarks/README.md, twelfth session).
-ONE_PASS_PROGRAMS = int(os.environ.get("BREAKGRAPH_DECODE_ONE_PASS", "0"))
+# Two launches: the split kernel, then the merge kernel (one program per head, every split
+# loaded at once). Merging in each kv head's last split to finish (one launch) measured
+# 1.04-1.13x slower at every batch on an H200, and one pass (no split) where the batch alone
+# fills the GPU 0.93-1.03x, one pass over long contexts being the slow case: both removed.
 
 
 # A step over a long context at batch 1 runs more, smaller programs: keys in blocks of 64 over
 # 128 splits (the decode graphs capture this variant once more for batch 1 and replay it when
-# the step's longest sequence has LONG_CONTEXT_MIN_TOKENS keys or more: engine/cuda_graphs.py).
+# the step's longest sequence has LONG_CONTEXT_MIN_TOKENS keys or more: engine/graphs/dispatch.py).
 # On an H200 (benchmarks/decode_ab.py --variants base bn64+splits128, 7 interleaved rounds;
 # benchmarks/README.md, seventeenth session), batch 1, Llama-3.1-8B / Qwen3-0.6B: 1K 1.022x /
 # 1.014x (a loss), 2K 0.990x / 0.999x, 4K 0.975x / 0.944x, 8K 0.969x / 0.947-0.966x (two
@@ -108,10 +95,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough splits for ~16 programs per SM (many waves: a small tail), or one where the
-    batch alone fills the GPU (:data:`ONE_PASS_PROGRAMS`); host sizes only."""
-    if ONE_PASS_PROGRAMS and batch * num_kv_heads >= ONE_PASS_PROGRAMS:
-        return 1
+    """Enough splits for ~16 programs per SM (many waves: a small tail); host sizes only."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(16 * sms, max(1, batch * num_kv_heads))
     return min(64, max(2, triton.next_power_of_2(want)))
@@ -134,8 +118,6 @@ def _decode_split_kernel(
     seq_lens,
     part_o,
     part_lse,
-    o,  # MERGE only: the output [B, H, D], written by each group's last split to finish
-    counters,  # MERGE only: [B * kv_heads] int32 arrivals, zero between launches
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     group,  # query heads per kv head
     stride_q_b,
@@ -144,8 +126,6 @@ def _decode_split_kernel(
     stride_k_h,
     stride_v_s,
     stride_v_h,
-    stride_o_b,
-    stride_o_h,
     stride_req,
     window,  # sliding window W (with SLIDING): only the last W keys are attended
     HEAD_DIM: tl.constexpr,
@@ -155,14 +135,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
-    MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # MERGE: NUM_SPLITS to a power of two
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
-
-    With MERGE, stage 2 happens here: each program counts itself in once its partials are
-    stored, and the group's last to arrive merges every split's partials into ``o``.
 
     The lengths and the request's table index are read before PDL's wait: no predecessor
     writes them (the kernel before writes q and the newest key and value). Loading the
@@ -217,36 +192,10 @@ def _decode_split_kernel(
                 q_tile, acc, m_i, l_i, tl.trans(k), v, mask_n[None, :], qk_scale, DOT_PRECISION
             )
 
-        if NUM_SPLITS == 1:  # one pass: the output itself, no partials to merge
-            _store_heads(
-                o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, acc / l_i[:, None]
-            )
-        else:
-            rows = rows0 + split
-            o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-            tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
-    elif NUM_SPLITS == 1:  # no keys: zeros, as the merge gives
-        zeros = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        _store_heads(o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, zeros)
-    if MERGE and NUM_SPLITS > 1:  # an empty split arrives too
-        if last_to_arrive(counters + b * tl.num_programs(1) + kv_head, NUM_SPLITS):
-            row0 = (b.to(tl.int64) * tl.num_programs(1) + kv_head) * group * NUM_SPLITS
-            o_row = o + b.to(tl.int64) * stride_o_b + offs_d
-            for h in range(group):
-                out = _merge_head(
-                    part_o, part_lse, row0 + h * NUM_SPLITS, seq_len - start, offs_d, mask_d,
-                    HEAD_DIM, BLOCK_N, NUM_SPLITS, BLOCK_S,
-                )  # fmt: skip
-                head_ptrs = o_row + (kv_head * group + h) * stride_o_h
-                tl.store(head_ptrs, out.to(o.dtype.element_ty), mask=mask_d)
-
-
-@_jit
-def _store_heads(o, b, heads, offs_d, mask_h, mask_d, stride_o_b, stride_o_h, out):
-    """``out`` [BLOCK_H, BLOCK_D] (fp32) as request b's rows of ``heads`` in ``o``."""
-    o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        rows = rows0 + split
+        o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
 @_jit
@@ -313,12 +262,10 @@ def decode_attention_triton(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     sliding_window: int | None = None,
-    merge_in_split: bool | None = None,
 ) -> None:
     """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), the partials
-    merged by a second launch (one program per head), or with ``merge_in_split`` in the same
-    launch by each kv head's last split to finish (default: :data:`MERGE_IN_SPLIT`). Inside
-    :func:`long_context`, smaller key blocks over more splits (unless ``num_kv_splits``).
+    merged by a second launch (one program per head). Inside :func:`long_context`, smaller key
+    blocks over more splits (unless ``num_kv_splits``).
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the
@@ -330,15 +277,13 @@ def decode_attention_triton(
         block_n, num_kv_splits = LONG_CONTEXT_BLOCK_N, num_kv_splits or LONG_CONTEXT_SPLITS
     _launch_decode(
         q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace,
-        block_n=block_n, num_warps=4, num_stages=2,
-        sliding_window=sliding_window,
-        merge_in_split=MERGE_IN_SPLIT if merge_in_split is None else merge_in_split,
+        block_n=block_n, num_warps=4, num_stages=2, sliding_window=sliding_window,
     )  # fmt: skip
 
 
 def _launch_decode(
     q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace, block_n, num_warps,
-    num_stages, sliding_window=None, merge_in_split=True,
+    num_stages, sliding_window=None,
 ) -> None:  # fmt: skip
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -350,11 +295,7 @@ def _launch_decode(
     group = num_heads // num_kv_heads
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
     ws = workspace if workspace is not None else _DEFAULT_WORKSPACE
-    merge_in_split = merge_in_split and splits > 1
-    part_o, part_lse = o, o  # one pass: written to o directly
-    if splits > 1:
-        part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
-    counters = ws.counters(batch * num_kv_heads, q.device) if merge_in_split else part_lse
+    part_o, part_lse = ws.get(batch, num_heads, splits, head_dim, q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_s = triton.next_power_of_2(splits)  # the merge loads every split at once
     _decode_split_kernel[(batch, num_kv_heads, splits)](
@@ -366,8 +307,6 @@ def _launch_decode(
         meta.seq_lens,
         part_o,
         part_lse,
-        o,
-        counters,
         sm_scale * _LOG2E,
         group,
         q.stride(0),
@@ -376,8 +315,6 @@ def _launch_decode(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
-        o.stride(0),
-        o.stride(1),
         meta.req_to_token.stride(0),
         sliding_window or 0,
         HEAD_DIM=head_dim,
@@ -387,14 +324,10 @@ def _launch_decode(
         NUM_SPLITS=splits,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
-        MERGE=merge_in_split,
-        BLOCK_S=block_s,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch(q.device),
     )
-    if merge_in_split or splits == 1:
-        return
     _decode_reduce_kernel[(batch, num_heads)](
         part_o,
         part_lse,

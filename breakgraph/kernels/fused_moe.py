@@ -27,20 +27,20 @@ A row's result does not depend on which rows share its block, so the counts' ato
 (which rows land where within an expert) change nothing in the output; ``atomic_sum``'s
 adds, in the output's dtype, round in the order they land.
 
-Steps of up to ``GEMV_MAX_TOKENS`` tokens (``BREAKGRAPH_MOE_GEMV``, default 4; 0 turns it
-off) take :func:`fused_experts_gemv_triton` instead: two launches, no alignment.
+Steps of up to ``BREAKGRAPH_MOE_GEMV`` tokens (default 4; 0 turns it off) take
+:func:`fused_experts_gemv_triton` instead: two launches, no alignment.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 
+from breakgraph.common import envs
 from breakgraph.kernels import pdl
 from breakgraph.kernels.extend_attention import _num_sms
 from breakgraph.kernels.fused import silu_and_mul_triton
@@ -195,8 +195,8 @@ class MoEConfig(NamedTuple):
 # M = 128 0.328 vs 0.331 / 0.408 vs 0.412, 256 0.333 vs 0.337 / 0.415 vs 0.420, 1024 0.388 vs
 # 0.400 / 0.492 vs 0.497, 2048 0.481 vs 0.510 / 0.631 vs 0.660, 4096 0.783 vs 0.799 / 1.042
 # vs 1.038; at 8192 slower (1.440 vs 1.404 / 1.877 vs 1.848), at M = 8 and 64 even. One
-# atomic_add per element (BREAKGRAPH_MOE_RED_V8=0) was even up to M = 1024, slower at 2048
-# (0.495) and 4096 (0.799), about even at 8192 (1.407).
+# atomic_add per element instead of atomic_sum's 16-byte reductions was even up to M = 1024,
+# slower at 2048 (0.495) and 4096 (0.799), about even at 8192 (1.407).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
@@ -209,16 +209,14 @@ _CONFIGS = (
                          half_tail=True)),
 )  # fmt: skip
 
-# BREAKGRAPH_MOE_ATOMIC_SUM=0: no config adds with atomics (each token's top-k rows are then
-# summed in a fixed order, so a prefill's output is the same bits from run to run)
-ATOMIC_SUM = os.environ.get("BREAKGRAPH_MOE_ATOMIC_SUM", "1") == "1"
-
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """The launch config of a step of ``num_tokens`` tokens (host values only)."""
+    """The launch config of a step of ``num_tokens`` tokens (host values only). Under
+    ``BREAKGRAPH_MOE_ATOMIC_SUM=0`` no config adds with atomics: each token's top-k rows are
+    then summed in a fixed order, so a prefill's output is the same bits from run to run."""
     mean_rows = num_tokens * top_k / num_experts
     cfg = next(cfg for bound, cfg in _CONFIGS if mean_rows <= bound)
-    return cfg if ATOMIC_SUM else cfg._replace(atomic_sum=False)
+    return cfg if envs.MOE_ATOMIC_SUM.get() else cfg._replace(atomic_sum=False)
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -333,19 +331,6 @@ def moe_route_triton(
 # ---------------------------------------------------------------------------- Triton: alignment
 
 
-# The grouped path's kernels (count, place, the GEMMs, the top-k sum) can take part in
-# programmatic dependent launch inside small decode graphs, as the route and GEMV kernels do;
-# off (BREAKGRAPH_MOE_GROUPED_PDL=1 turns it on): an H200 measured the decode step at batch
-# 3-4 with it 0.98-1.02x without (benchmarks/decode_ab.py --variants base moepdl); the
-# counts' zeroing (a torch fill) still breaks the chain once per layer.
-GROUPED_PDL = os.environ.get("BREAKGRAPH_MOE_GROUPED_PDL", "0") == "1"
-
-
-def _grouped_pdl(device: torch.device) -> dict:
-    """:func:`pdl.launch`'s arguments for a grouped-path kernel, if ``GROUPED_PDL``."""
-    return pdl.launch(device) if GROUPED_PDL else {}
-
-
 @_jit()
 def _padded_ends(counts, BLOCK_M: tl.constexpr):
     """Each expert's region of the sorted list: its rows padded to BLOCK_M, (start, end)."""
@@ -397,10 +382,8 @@ def _moe_align_one_kernel(
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     INVERSE: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """The whole alignment of up to BLOCK rows in one program: counts, offsets, places."""
-    pdl.enter(PDL)
     for p0 in range(0, max_padded, BLOCK):  # padding slots name the sentinel row num_rows
         p = p0 + tl.arange(0, BLOCK)
         tl.store(sorted_ids + p, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=p < max_padded)
@@ -429,13 +412,11 @@ def _moe_count_kernel(
     max_padded,
     BLOCK: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """Each row's rank within its expert: its rank within this program's block (a sort),
     after the rows of its expert in the blocks whose atomics came first. One atomic per
     expert per block, not one per row queued on the counters' few L2 lines: at 65K rows
     on an H200 the alignment went from 34.5 to 17.7 µs (h200-2026-12-03/moe/ab2.log)."""
-    pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # padding slots of the sorted list name the sentinel row num_rows (the GEMMs mask it)
     tl.store(sorted_ids + offs, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=offs < max_padded)
@@ -465,11 +446,9 @@ def _moe_place_kernel(
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     INVERSE: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """Every program recomputes the experts' offsets from the counts (a scan over E),
     places its rows at ``start[expert] + rank`` and writes its share of blocks' experts."""
-    pdl.enter(PDL)
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     start, end = _padded_ends(tl.load(counts + e, mask=e < num_experts, other=0), BLOCK_M)
@@ -515,7 +494,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
             flat, sorted_ids, expert_ids, num_post_padded, inv, num_rows, num_experts,
             num_blocks, padded, BLOCK_M=block_m, BLOCK_E=block_e,
             BLOCK=max(256, triton.next_power_of_2(num_rows)), BLOCK_B=block_b, INVERSE=inverse,
-            num_warps=4, **_grouped_pdl(device),
+            num_warps=4,
         )  # fmt: skip
     else:  # >= 8 programs of 256-1024 rows (one program's sort of 2048 rows took 25 µs)
         block = min(1024, max(256, triton.next_power_of_2(triton.cdiv(num_rows, 8))))
@@ -523,13 +502,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, inverse: b
         ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
         _moe_count_kernel[(triton.cdiv(padded, block),)](  # padded >= num_rows
             flat, counts, ranks, sorted_ids, num_rows, padded, BLOCK=block, BLOCK_E=block_e,
-            num_warps=4, **_grouped_pdl(device),
+            num_warps=4,
         )  # fmt: skip
         grid = max(triton.cdiv(num_rows, block), triton.cdiv(num_blocks, block_b))
         _moe_place_kernel[(grid,)](
             flat, counts, ranks, sorted_ids, expert_ids, num_post_padded, inv, num_rows,
             num_experts, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=block,
-            BLOCK_B=block_b, INVERSE=inverse, num_warps=4, **_grouped_pdl(device),
+            BLOCK_B=block_b, INVERSE=inverse, num_warps=4,
         )  # fmt: skip
     if inverse:
         return sorted_ids, expert_ids, num_post_padded, inv
@@ -715,7 +694,6 @@ def _moe_gemm_kernel(
     HALF_TAIL: tl.constexpr = False,  # a block half padding runs a [BLOCK_M / 2, BLOCK_N] tile
     C_ATOMIC: tl.constexpr = False,  # c: [tokens, n_out], each row added into its token's row
     RED_V8: tl.constexpr = False,  # C_ATOMIC by 16-byte vector reductions (sm_90, bf16 c)
-    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
@@ -733,7 +711,6 @@ def _moe_gemm_kernel(
     most BLOCK_M / 2 padding rows per expert cost tensor-core time. Such a block's second
     half of c is not written (C_SORTED); the next GEMM, on the same sorted ids, takes the
     same branch and does not read it."""
-    pdl.enter(PDL)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     if PERSISTENT:
         live_m = tl.load(num_post_padded) // BLOCK_M
@@ -780,19 +757,15 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
 
 
-# atomic_sum's reductions: one per 8 columns (``red...v8``), or (BREAKGRAPH_MOE_RED_V8=0, and
-# where c does not allow it) Triton's atomic_add, one per element
-RED_V8 = os.environ.get("BREAKGRAPH_MOE_RED_V8", "1") == "1"
-
-
 @functools.cache
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _red_v8_ok(c: torch.Tensor, block_n: int) -> bool:
-    """Whether the 16-byte reductions can add into ``c``: bfloat16 on an sm_90+ GPU, rows
-    of whole 16-byte groups, 16-byte aligned."""
+    """Whether atomic_sum's 16-byte reductions (one per 8 columns, ``red...v8``) can add
+    into ``c``: bfloat16 on an sm_90+ GPU, rows of whole 16-byte groups, 16-byte aligned.
+    Elsewhere Triton's atomic_add, one per element."""
     return (
         c.is_cuda
         and c.dtype == torch.bfloat16
@@ -827,7 +800,7 @@ def _launch_gemm(
         if flags["A_SORTED"]:
             a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
     if flags.get("C_ATOMIC"):  # 16-byte vector reductions where c allows them
-        flags["RED_V8"] = RED_V8 and _red_v8_ok(c, block_n)
+        flags["RED_V8"] = _red_v8_ok(c, block_n)
     a_half = a_arg
     if half_tail and tma and flags["A_SORTED"]:
         a_half = TensorDescriptor.from_tensor(a, [block_m // 2, block_k])
@@ -862,29 +835,26 @@ def _launch_gemm(
         num_warps=warps,
         num_stages=stages,
         **flags,
-        **_grouped_pdl(a.device),
     )
 
 
 # ---------------------------------------------------------------------------- Triton: GEMV path
 #
-# A decode step of a few tokens gives each of its M * K (token, expert) rows a weight matrix
-# of its own: the grouped GEMM pads each row to a BLOCK_M tile on the tensor cores behind an
+# A decode step of a few tokens gives each of its M * K (token, expert) rows a weight matrix of
+# its own: the grouped GEMM pads each row to a BLOCK_M tile on the tensor cores behind an
 # alignment (count, place) and a top-k sum, five launches for a few rows (at M = 1 on an H200,
-# qwen3-30b-a3b's shapes: 0.051-0.053 ms against the 0.018 ms its experts' bytes take to
-# read). Here two launches and no alignment: gate/up as one GEMV per (row, column block) on
-# the CUDA cores, then down as one per (token, column block) that sums the token's K rows in
-# fp32 itself (each rounded, scaled by its weight and rounded again, as the grouped path's
-# down GEMM stores it). Steps of up to GEMV_MAX_TOKENS tokens take it (BREAKGRAPH_MOE_GEMV=N;
-# 0 turns it off). Measured on an H200 (benchmarks/decode_ab.py, same process), the decode
-# step on it against the grouped path: batch 1 0.862x (qwen3-30b-a3b) and 0.925x
-# (gemma-4-26b-a4b), batch 2 0.900x / 0.956x (--variants moegemv0 base), batch 3 0.954x /
-# 0.946x and batch 4 0.946x / 0.947x (--variants base moegemv4, its kernels under PDL); at 8
-# tokens the layer alone is 0.99-1.04x the grouped one, so 4 is the default. The route and
-# GEMV kernels take part in programmatic dependent launch (kernels/pdl.py) inside small
-# decode graphs; the grouped path's kernels do only under BREAKGRAPH_MOE_GROUPED_PDL=1, which
-# measured 0.98-1.02x at batch 3-4 (--variants base moepdl), so it stays off.
-GEMV_MAX_TOKENS = int(os.environ.get("BREAKGRAPH_MOE_GEMV", "4"))
+# qwen3-30b-a3b's shapes: 0.051-0.053 ms against the 0.018 ms its experts' bytes take to read).
+# Here two launches and no alignment: gate/up as one GEMV per (row, column block) on the CUDA
+# cores, then down as one per (token, column block) that sums the token's K rows in fp32 itself
+# (each rounded, scaled by its weight and rounded again, as the grouped path's down GEMM stores
+# it). Steps of up to BREAKGRAPH_MOE_GEMV tokens take it (0 turns it off). Measured on an H200
+# (benchmarks/decode_ab.py, same process), the decode step on it against the grouped path:
+# batch 1 0.862x (qwen3-30b-a3b) and 0.925x (gemma-4-26b-a4b), batch 2 0.900x / 0.956x
+# (--variants moegemv0 base), batch 3 0.954x / 0.946x and batch 4 0.946x / 0.947x (--variants
+# base moegemv4, its kernels under PDL); at 8 tokens the layer alone is 0.99-1.04x the grouped
+# one, so 4 is the default. The route and GEMV kernels take part in programmatic dependent
+# launch (kernels/pdl.py) inside small decode graphs; the grouped path's kernels under it
+# measured 0.98-1.02x at batch 3-4, so they launch plainly.
 
 
 class MoEGemvConfig(NamedTuple):
@@ -905,7 +875,7 @@ class MoEGemvConfig(NamedTuple):
 # Each row is the config best for both models together (each one's own best is <= 7% faster).
 # The decode step at batch 8 on the path with each model's own bests measured 0.978x /
 # 0.990x the grouped path's (benchmarks/decode_ab.py --variants base moegemv8
-# moegemv8+moetable=...), too close to move GEMV_MAX_TOKENS past 4.
+# moegemv8+moetable=...), too close to move BREAKGRAPH_MOE_GEMV's default past 4.
 GEMV_TABLE: tuple[tuple[int, MoEGemvConfig], ...] = (
     (1, MoEGemvConfig(gate_up=(1, 1024, 1), down=(1, 256, 1))),
     (2, MoEGemvConfig(gate_up=(1, 512, 1), down=(2, 256, 1))),
@@ -1090,11 +1060,9 @@ def _moe_sum_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     SORTED: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """out[token] = the sum of its TOP_K rows: rows token * TOP_K + k, or (SORTED) the rows
     at those rows' sorted positions."""
-    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -1125,7 +1093,7 @@ def fused_experts_triton(
     top_k = topk_ids.shape[1]
     assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
     x = x.contiguous()  # before out: the sum kernel writes rows of contiguous hidden
-    if 0 < m <= GEMV_MAX_TOKENS and gate_up.stride(2) == 1 and down.stride(2) == 1:
+    if 0 < m <= envs.MOE_GEMV.get() and gate_up.stride(2) == 1 and down.stride(2) == 1:
         return fused_experts_gemv_triton(x, gate_up, down, topk_weights, topk_ids, activation)
     out = torch.empty_like(x)
     if m == 0:
@@ -1172,6 +1140,6 @@ def fused_experts_triton(
     inverse = align[3] if sorted_y else align[0]  # (unread without sorted_y)
     _moe_sum_kernel[(m, triton.cdiv(hidden, block))](
         y, inverse, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        SORTED=sorted_y, num_warps=4, **_grouped_pdl(x.device),
+        SORTED=sorted_y, num_warps=4,
     )  # fmt: skip
     return out

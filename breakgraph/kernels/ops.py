@@ -3,12 +3,11 @@ the torch twin. Set ``BREAKGRAPH_DISABLE_TRITON=1`` to force the twins (debuggin
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 
 import torch
 
+from breakgraph.common import envs
 from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
@@ -47,10 +46,9 @@ __all__ = [
 ]
 
 
-@functools.cache
 def triton_available() -> bool:
     """Triton imported (the kernel modules import it guarded) and not disabled."""
-    return _kv_store.triton is not None and os.environ.get("BREAKGRAPH_DISABLE_TRITON") != "1"
+    return _kv_store.triton is not None and not envs.DISABLE_TRITON.get()
 
 
 def _use_triton(x: torch.Tensor) -> bool:

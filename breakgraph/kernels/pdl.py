@@ -23,11 +23,11 @@ their weight lines and decode attention for its keys made Llama-3.1-8B's batch-1
 slower (4.55 -> 5.56 ms) and Qwen3-0.6B's no faster; the early lines compete with the
 predecessor's own reads.
 
-When (``BREAKGRAPH_PDL``): ``auto`` (default) inside the decode graphs of at most
-``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none. An H200
-(benchmarks/README.md, sixth session: ``bench decode --profile`` with and without) measured
-batch 1 faster with it (qwen3-0.6b 1.294 -> 1.197 ms at 1K context, 1.646 -> 1.534 at 8K;
-llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070), qwen3-0.6b batch 2 and 4 too (1.445 -> 1.370,
+When (``BREAKGRAPH_PDL``, read at each launch): ``auto`` (default) inside the decode graphs of
+at most ``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none.
+An H200 (benchmarks/README.md, sixth session: ``bench decode --profile`` with and without)
+measured batch 1 faster with it (qwen3-0.6b 1.294 -> 1.197 ms at 1K context, 1.646 -> 1.534 at
+8K; llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070), qwen3-0.6b batch 2 and 4 too (1.445 -> 1.370,
 1.557 -> 1.457), batch 8 slower (1.768 -> 1.827, 5.291 -> 5.370); 32 and 64 within 2%.
 """
 
@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
+
+from breakgraph.common import envs
 
 try:
     import triton
@@ -45,9 +46,6 @@ try:
 except ImportError:  # the CPU-only install: no kernel calls enter()
     triton = None
 
-MODE = os.environ.get("BREAKGRAPH_PDL", "auto")
-if MODE not in ("auto", "0", "1"):
-    raise ValueError(f"BREAKGRAPH_PDL={MODE!r}: expected auto, 0 or 1")
 AUTO_MAX_BATCH = 4  # decode graphs of at most this many rows use it under "auto"
 _in_scope = False  # set by scope(): launches now are a small decode graph's
 
@@ -70,7 +68,8 @@ def scope(batch_size: int):
 
 def enabled() -> bool:
     """Whether a launch now takes PDL (before the device check)."""
-    return MODE == "1" or (MODE == "auto" and _in_scope)
+    mode = envs.PDL.get()
+    return mode == "1" or (mode == "auto" and _in_scope)
 
 
 def launch(device: torch.device) -> dict:

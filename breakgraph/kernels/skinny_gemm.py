@@ -4,8 +4,8 @@ At decode's M = 1..64 a projection reads its weight once and does little else: i
 the weight bytes over the memory bandwidth plus the launch's ramp and tail. This kernel tiles
 N (``BLOCK_N`` weight rows per program) and splits K (``SPLIT_K`` programs per N tile), so a
 1024-wide output still puts enough loads in flight on every SM. A split's fp32 partial goes
-to a workspace; the N tile's last split to finish sums them (arrival counters, as decode
-attention merges its splits), adds the bias and stores y in x's dtype: one launch.
+to a workspace; the N tile's last split to finish sums them (arrival counters:
+kernels/workspace.py), adds the bias and stores y in x's dtype: one launch.
 
 Which shapes take it is measured, not guessed: :data:`SKINNY_TABLE` maps a weight shape
 ``(N, K)`` to ``(max_m, config)`` classes that beat cuBLAS on the H200, as printed by
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from breakgraph.common import envs
 from breakgraph.kernels import fused, pdl
 from breakgraph.kernels.fused import act_and_mul
 from breakgraph.kernels.workspace import Workspace, last_to_arrive
@@ -241,21 +241,28 @@ def load_table(path: str) -> dict[tuple[int, int], list[tuple[int, SkinnyConfig 
     }
 
 
-# BREAKGRAPH_SKINNY=all sends every projection of at most MAX_M rows to the kernel with a
-# generic config (to measure a whole step before the table is filled); =off: none at all;
-# =PATH.json: the table that file holds (measured on this GPU by bench.gemm --table-out)
-# in place of SKINNY_TABLE
-_MODE = os.environ.get("BREAKGRAPH_SKINNY", "table")
-if _MODE not in ("table", "all", "off"):
-    SKINNY_TABLE = load_table(_MODE)
-    _MODE = "table"
+# BREAKGRAPH_SKINNY (common/envs.py, read at each lookup) picks the table: "table" (the default)
+# SKINNY_TABLE, a PATH.json the table that file holds (measured on this GPU by bench.gemm
+# --table-out), "all" every projection of at most MAX_M rows on a generic config (to measure a
+# whole step before the table is filled), "off" none at all
+_table_file = functools.cache(load_table)  # a file is read once per path
+
+
+def active_table() -> dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]]:
+    """The table lookups use now: SKINNY_TABLE, or the file ``BREAKGRAPH_SKINNY`` names
+    (empty under "all" and "off")."""
+    mode = envs.SKINNY.get()
+    if mode == "table":
+        return SKINNY_TABLE
+    return {} if mode in ("all", "off") else _table_file(mode)
 
 
 def table_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     """The measured config for ``m`` rows of an (n, k) weight, or None (cuBLAS)."""
-    if _MODE != "table":
-        return generic_config(n, k) if _MODE == "all" and m <= MAX_M else None
-    for max_m, cfg in SKINNY_TABLE.get((n, k), ()):
+    mode = envs.SKINNY.get()
+    if mode in ("all", "off"):
+        return generic_config(n, k) if mode == "all" and m <= MAX_M else None
+    for max_m, cfg in active_table().get((n, k), ()):
         if m <= max_m:
             return cfg
     return None  # more rows than any entry, or a shape never measured

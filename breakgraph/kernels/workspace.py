@@ -7,8 +7,8 @@ freed: growing allocates a new one for the launches to come and keeps the old on
 is a prefix of a later one (what the graph banks' address guards compare).
 
 Kernels that split a reduction over programs and let the last to finish combine the parts
-(decode attention's merge, the skinny GEMM's split K) count arrivals in ``counters`` with
-:func:`last_to_arrive`, which leaves each counter at zero for the next launch."""
+(the skinny GEMM's split K) count arrivals in ``counters`` with :func:`last_to_arrive`, which
+leaves each counter at zero for the next launch."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from breakgraph.common import envs
 from breakgraph.kernels import fused_moe as fm
 
 
@@ -119,7 +120,7 @@ def half_tail(gate_up, down) -> int:
 def gemv(x, gate_up, down, w, ids, ref) -> int:
     """The GEMV path of a few tokens (two launches, no alignment): each activation, the
     default config and one with ragged tiles, and the dispatch of
-    ``fused_experts_triton`` under ``GEMV_MAX_TOKENS``."""
+    ``fused_experts_triton`` up to ``BREAKGRAPH_MOE_GEMV`` tokens."""
     failed = 0
     # gate/up's columns and down's K ragged against the intermediate size (48), down's
     # columns past the hidden size (64)
@@ -135,14 +136,11 @@ def gemv(x, gate_up, down, w, ids, ref) -> int:
                 print(
                     f"{'ok' if ok else 'FAIL'} moe gemv m={m} {act} cfg={cfg}: max diff {diff:.1e}"
                 )
-    saved, fm.GEMV_MAX_TOKENS = fm.GEMV_MAX_TOKENS, 4
-    try:
+    with envs.MOE_GEMV.override(4):
         diff = (fm.fused_experts_triton(x[:4], gate_up, down, w[:4], ids[:4]) - ref[:4]).abs().max()
-        ok = diff.item() <= 1e-4
-        failed += not ok
-        print(f"{'ok' if ok else 'FAIL'} moe gemv dispatch: max diff {diff.item():.1e}")
-    finally:
-        fm.GEMV_MAX_TOKENS = saved
+    ok = diff.item() <= 1e-4
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} moe gemv dispatch: max diff {diff.item():.1e}")
     return failed
 
 

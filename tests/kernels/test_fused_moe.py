@@ -35,10 +35,10 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _grouped_path(monkeypatch):
+def _grouped_path(knobs):
     """The grouped path at every M (steps of up to 4 tokens take the GEMV path by default); the
     GEMV tests turn theirs on themselves."""
-    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 0)
+    knobs(MOE_GEMV=0)
 
 
 def _dims(hidden: int, inter: int) -> tuple[int, int]:
@@ -282,11 +282,11 @@ def test_fused_experts_no_tokens():
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", fm.ACTIVATIONS)
-def test_gemv_experts_of_a_few_tokens_match_twin(m, dtype, activation, monkeypatch):
+def test_gemv_experts_of_a_few_tokens_match_twin(m, dtype, activation, knobs):
     """The GEMV path (two launches, no alignment) on Qwen3-30B-A3B's expert shapes, through
-    ``fused_experts_triton``'s dispatch (``GEMV_MAX_TOKENS``); and a skewed step, every
+    ``fused_experts_triton``'s dispatch (``BREAKGRAPH_MOE_GEMV``); and a skewed step, every
     token to the same experts."""
-    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
+    knobs(MOE_GEMV=8)
     hidden, inter = _dims(2048, 768)
     x, gate_up, down, logits = make_experts(m, 128, hidden, inter, dtype)
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 8), activation)
@@ -303,12 +303,12 @@ gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @kernel_test
 @gpu_only
 @pytest.mark.parametrize("atomic", [False, True], ids=["sum-kernel", "atomic-sum"])
-def test_moe_replays_in_a_cuda_graph_with_new_routing(atomic, monkeypatch):
+def test_moe_replays_in_a_cuda_graph_with_new_routing(atomic, knobs):
     """Captured once at 256 tokens; replays with other logits (other counts per expert, a
     skewed step) equal eager runs: nothing is sized or decided on the host. Bit for bit with
     the sum kernel (``BREAKGRAPH_MOE_ATOMIC_SUM=0``); with the table's ``atomic_sum`` (on at
     this M) each token's rows add in the order they land, so within a few bf16 roundings."""
-    monkeypatch.setattr(fm, "ATOMIC_SUM", atomic)
+    knobs(MOE_ATOMIC_SUM=atomic)
     assert fm.moe_config(256, 6, 64).atomic_sum == atomic
     m, e, k = 256, 64, 6
     x, gate_up, down, logits = make_experts(m, e, 1024, 384, torch.bfloat16)
@@ -340,9 +340,9 @@ def test_moe_replays_in_a_cuda_graph_with_new_routing(atomic, monkeypatch):
 
 @kernel_test
 @gpu_only
-def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(monkeypatch):
+def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(knobs):
     """The GEMV path captured at 4 tokens replays other routings as eager runs compute them."""
-    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8)
+    knobs(MOE_GEMV=8)
     x, gate_up, down, logits = make_experts(4, 128, 2048, 768, torch.bfloat16)
     static_x, static_logits = x.clone(), logits.clone()
 
@@ -364,16 +364,15 @@ def test_gemv_experts_replay_in_a_cuda_graph_with_new_routing(monkeypatch):
 @kernel_test
 @gpu_only
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
-def test_experts_under_pdl_equal_plain_launches(path, monkeypatch):
-    """The route kernel and the GEMV path's kernels (or, with ``GROUPED_PDL``, the grouped
-    path's) launched dependent on their predecessors (kernels/pdl.py), captured in a graph
-    as a small decode graph captures them: bitwise the plain launches' output."""
+def test_experts_under_pdl_equal_plain_launches(path, knobs):
+    """The route kernel and the GEMV path's kernels (the grouped path's launch plainly after
+    the route kernel) launched dependent on their predecessors (kernels/pdl.py), captured in
+    a graph as a small decode graph captures them: bitwise the plain launches' output."""
     from breakgraph.kernels import pdl
 
     if not pdl._capable(torch.cuda.current_device()):
         pytest.skip("programmatic dependent launch needs compute capability 9+")
-    monkeypatch.setattr(fm, "GEMV_MAX_TOKENS", 8 if path == "gemv" else 0)
-    monkeypatch.setattr(fm, "GROUPED_PDL", path == "grouped")
+    knobs(MOE_GEMV=8 if path == "gemv" else 0)
     x, gate_up, down, logits = make_experts(2 if path == "gemv" else 4, 128, 2048, 768,
                                             torch.bfloat16)  # fmt: skip
 
@@ -382,7 +381,7 @@ def test_experts_under_pdl_equal_plain_launches(path, monkeypatch):
 
     outs = {}
     for mode in ("0", "1"):
-        monkeypatch.setattr(pdl, "MODE", mode)
+        knobs(PDL=mode)
         assert bool(pdl.launch(x.device)) == (mode == "1")
         step()  # compile outside the capture
         torch.cuda.synchronize()

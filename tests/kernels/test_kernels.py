@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from breakgraph.common import envs
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
@@ -312,19 +313,13 @@ def test_num_kv_splits_host_heuristic():
 DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
 
 
-def test_decode_one_pass_only_where_asked(monkeypatch):
-    """BREAKGRAPH_DECODE_ONE_PASS=N: one split (the output written directly, no merge
-    launch) once batch x kv heads reaches N; 0 (the default) never."""
+def test_decode_split_count_host_heuristic(monkeypatch):
+    """About 16 programs per SM at every batch, between 2 and 64 splits (host sizes only)."""
     pytest.importorskip("triton")
     monkeypatch.setattr(dec, "_num_sms", lambda index: 132)  # an H200's
     cuda = torch.device("cuda", 0)  # only its index is read
-    monkeypatch.setattr(dec, "ONE_PASS_PROGRAMS", 0)
-    split = {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64)}
-    assert split == {1: 64, 16: 32, 32: 16, 64: 8}
-    monkeypatch.setattr(dec, "ONE_PASS_PROGRAMS", 256)
-    assert {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64)} == {
-        1: 64, 16: 32, 32: 1, 64: 1,
-    }  # fmt: skip
+    split = {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64, 512)}
+    assert split == {1: 64, 16: 32, 32: 16, 64: 8, 512: 2}
 
 
 @gpu
@@ -343,12 +338,9 @@ def test_decode_attention_matches_twin(group, head_dim, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("merge_in_split", [True, False])
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
-def test_decode_attention_any_split_count(num_kv_splits, merge_in_split):
-    """One split, a count that divides nothing, and more splits than short sequences fill;
-    the merge by each kv head's last split (one launch) as the merge kernel (two), and its
-    arrival counters back at zero after the launch."""
+def test_decode_attention_any_split_count(num_kv_splits):
+    """One split, a count that divides nothing, and more splits than short sequences fill."""
     kc, vc, meta, _ = paged_batch(
         [(s - 1, 1) for s in DECODE_SEQ_LENS], 2, 128, torch.bfloat16, "cuda"
     )
@@ -357,20 +349,15 @@ def test_decode_attention_any_split_count(num_kv_splits, merge_in_split):
     ws = dec.DecodeWorkspace()
     dec.decode_attention_torch(q, o_ref, kc, vc, meta, 128**-0.5)
     dec.decode_attention_triton(
-        q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits, workspace=ws,
-        merge_in_split=merge_in_split,
-    )  # fmt: skip
+        q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits, workspace=ws
+    )
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
-    if merge_in_split:
-        assert not ws.counters(len(DECODE_SEQ_LENS) * 2, q.device).any()
 
 
 @gpu
 @pytest.mark.parametrize("sliding_window", [None, 100])
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 64])
-def test_decode_attention_under_pdl_equals_plain_launches(
-    monkeypatch, num_kv_splits, sliding_window
-):
+def test_decode_attention_under_pdl_equals_plain_launches(num_kv_splits, sliding_window):
     """Under PDL each split reads its length and request index before the wait: bitwise
     the plain launch's output, one or many key blocks per split, with a sliding window."""
     from breakgraph.kernels import pdl
@@ -383,12 +370,12 @@ def test_decode_attention_under_pdl_equals_plain_launches(
     q = torch.randn(len(DECODE_SEQ_LENS), 4, 128, device="cuda").to(torch.bfloat16)
     outs = []
     for mode in ("0", "1"):
-        monkeypatch.setattr(pdl, "MODE", mode)
         o = torch.zeros_like(q)
-        dec.decode_attention_triton(
-            q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits,
-            sliding_window=sliding_window,
-        )  # fmt: skip
+        with envs.PDL.override(mode):
+            dec.decode_attention_triton(
+                q, o, kc, vc, meta, 128**-0.5, num_kv_splits=num_kv_splits,
+                sliding_window=sliding_window,
+            )  # fmt: skip
         outs.append(o)
     assert torch.equal(outs[0], outs[1])
     o_ref = torch.zeros_like(q)
@@ -407,11 +394,10 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     o = torch.zeros_like(q)
     workspace = dec.DecodeWorkspace()
     args = (kc, vc, meta, head_dim**-0.5)
-    merge = {"workspace": workspace, "merge_in_split": True}  # the one-launch path, captured
-    dec.decode_attention_triton(q, o, *args, **merge)  # compile and grow outside
+    dec.decode_attention_triton(q, o, *args, workspace=workspace)  # compile and grow outside
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dec.decode_attention_triton(q, o, *args, **merge)
+        dec.decode_attention_triton(q, o, *args, workspace=workspace)
     for lens in ([1, 4999, 300, 64], [5000, 2, 1025, 4096]):
         meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q, dtype=torch.float32))
@@ -419,7 +405,6 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
         o_ref = torch.zeros_like(q)
         dec.decode_attention_torch(q, o_ref, *args)
         torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
-        assert not workspace.counters(4 * 2, q.device).any()  # every arrival counted back
 
 
 @gpu

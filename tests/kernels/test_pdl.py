@@ -10,34 +10,34 @@ import inspect
 import pytest
 import torch
 
+from breakgraph.common import envs
 from breakgraph.kernels import pdl
 
 triton = pytest.importorskip("triton")
 
 
-def test_launch_arguments_only_when_enabled_on_cuda(monkeypatch):
-    monkeypatch.setattr(pdl, "MODE", "0")
-    with pdl.scope(1):
+def test_launch_arguments_only_when_enabled_on_cuda():
+    with envs.PDL.override("0"), pdl.scope(1):
         assert pdl.launch(torch.device("cuda", 0)) == {}
-    monkeypatch.setattr(pdl, "MODE", "1")
-    assert pdl.launch(torch.device("cpu")) == {}
+    with envs.PDL.override("1"):
+        assert pdl.launch(torch.device("cpu")) == {}
 
 
-def test_auto_only_inside_small_decode_graphs(monkeypatch):
+def test_auto_only_inside_small_decode_graphs():
     """``auto``: on inside scope() of a batch up to AUTO_MAX_BATCH, off outside it and for
-    larger batches; scopes nest and restore."""
-    monkeypatch.setattr(pdl, "MODE", "auto")
-    assert not pdl.enabled()
-    with pdl.scope(1):
+    larger batches; scopes nest and restore. The mode is read at each launch."""
+    with envs.PDL.override("auto"):
+        assert not pdl.enabled()
+        with pdl.scope(1):
+            assert pdl.enabled()
+            with pdl.scope(pdl.AUTO_MAX_BATCH + 1):
+                assert not pdl.enabled()
+            assert pdl.enabled()
+        with pdl.scope(pdl.AUTO_MAX_BATCH):
+            assert pdl.enabled()
+        assert not pdl.enabled()
+    with envs.PDL.override("1"):
         assert pdl.enabled()
-        with pdl.scope(pdl.AUTO_MAX_BATCH + 1):
-            assert not pdl.enabled()
-        assert pdl.enabled()
-    with pdl.scope(pdl.AUTO_MAX_BATCH):
-        assert pdl.enabled()
-    assert not pdl.enabled()
-    monkeypatch.setattr(pdl, "MODE", "1")
-    assert pdl.enabled()
 
 
 def _kernel_ptx(kernel, consts: dict, types: dict[str, str]) -> list[str]:
