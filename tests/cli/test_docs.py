@@ -66,3 +66,12 @@ def test_structure_lists_every_module_once(tmp_path):
         "- `sub/`: (no docstring)",
         "  - `sub/a.py`: Holds a, e.g. `x`.",
     ]
+
+
+def test_readme_model_table_names_every_architecture_and_builtin_config():
+    from breakgraph.models.registry import MODEL_REGISTRY
+
+    readme = (docgen.PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    table = "\n".join(line for line in readme.splitlines() if line.startswith("| `"))
+    missing = [n for n in [*MODEL_REGISTRY, *BUILTIN_MODELS] if f"`{n}`" not in table]
+    assert not missing, f"README.md's model table lacks {missing}"
