@@ -1,10 +1,8 @@
-"""API-side handle on the engine process: spawn it, wait for ready, route its outputs.
+"""API-side handle on the engine process: spawn it, wait for ready, send it requests and
+calls, and hand its step messages to the in-flight requests (server/inflight.py).
 
-Each in-flight request has an asyncio queue; the engine socket's reader (a callback of the
-event loop) decodes the engine's step messages and puts each output on its request's queue
-(an exception instead ends the request: rejected by the engine, or the engine died).
-Request metrics are kept here, so they are exact whether or not the HTTP client is still
-listening.
+The engine socket's reader (a callback of the event loop) decodes each message from the
+engine: a step's outputs go to their requests' queues, a call's answer to its future.
 """
 
 from __future__ import annotations
@@ -16,46 +14,16 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from breakgraph.common.messages import (
-    AbortReq,
-    FlushCacheReply,
-    FlushCacheReq,
-    FromEngine,
-    GenerateReq,
-    ModelInfo,
-    Ready,
-    Shutdown,
-    StartupError,
-    StatsReply,
-    StatsReq,
-    StepResult,
-    ToEngine,
-    TokenDelta,
-    decode,
-    encode,
-)
+from breakgraph.common import messages
 from breakgraph.common.sampling_params import MAX_SAMPLES, SamplingParams
 from breakgraph.engine.args import EngineArgs
+from breakgraph.server.errors import EngineError, RequestRejected
+from breakgraph.server.inflight import InFlight, InFlightRequests, request_log
 from breakgraph.server.ipc import EngineConnection, IpcPaths, accept_engine
 from breakgraph.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-request_log = logging.getLogger("breakgraph.requests")  # --log-requests: INFO whatever the level
-
-
-class EngineError(Exception):
-    """The engine cannot serve the request; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 503):
-        super().__init__(message)
-        self.status = status
-
-
-class RequestRejected(EngineError):
-    def __init__(self, message: str):
-        super().__init__(message, status=400)
 
 
 def _engine_main(engine_args: EngineArgs, paths: IpcPaths, log_level: str) -> None:
@@ -63,33 +31,6 @@ def _engine_main(engine_args: EngineArgs, paths: IpcPaths, log_level: str) -> No
     from breakgraph.server.engine_process import run_engine_process
 
     run_engine_process(engine_args, paths, log_level)
-
-
-@dataclass
-class _InFlight:
-    queue: asyncio.Queue
-    submitted_at: float  # perf_counter: when the request was received by the API process
-    received_at: float  # wall clock (time.time), the timeline's stamps
-    sent_at: float
-    last_token_at: float | None = None
-    aborting: bool = False  # an abort was sent: not asked (nor counted) again
-    # the counts of its latest delta, which its plain tokens' deltas carry on
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def counted(self, out: TokenDelta) -> TokenDelta:
-        """A delta from the engine: its counts hold until the next."""
-        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
-        self.completion_tokens = out.completion_tokens
-        return out
-
-    def plain(self, rid: str, token: int) -> TokenDelta:
-        """The delta of a plain token (``StepResult.token_rids``): one token, counted."""
-        self.completion_tokens += 1
-        return TokenDelta(rid, [token], prompt_tokens=self.prompt_tokens,
-                          completion_tokens=self.completion_tokens,
-                          cached_tokens=self.cached_tokens)  # fmt: skip
 
 
 class EngineClient:
@@ -101,12 +42,12 @@ class EngineClient:
         self.log_requests = log_requests  # one INFO line per request received and finished
         self.draining = False  # shutting down: no new requests
         self.metrics = ServerMetrics()
-        self.info: ModelInfo | None = None
+        self.requests = InFlightRequests(self.metrics, log_requests)
+        self.info: messages.ModelInfo | None = None
         self.process: multiprocessing.Process | None = None
         self.dead = False  # the engine process exited without being asked to
         self.on_death: Callable[[], None] | None = None
         self._closing = False
-        self._inflight: dict[str, _InFlight] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._paths: IpcPaths | None = None
@@ -114,7 +55,7 @@ class EngineClient:
         self._ready: asyncio.Future | None = None  # Ready's model info, or why it failed
 
     # ---- lifecycle ----
-    async def start(self) -> ModelInfo:
+    async def start(self) -> messages.ModelInfo:
         """Spawn the engine process and wait until its model is loaded."""
         self._paths = paths = IpcPaths.create()
         listener = paths.listen()
@@ -142,7 +83,7 @@ class EngineClient:
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         return self.info
 
-    async def _wait_ready(self) -> ModelInfo:
+    async def _wait_ready(self) -> messages.ModelInfo:
         while not self._ready.done():
             await asyncio.wait([self._ready], timeout=0.2)
             if not self._ready.done() and not self.process.is_alive():
@@ -167,7 +108,7 @@ class EngineClient:
                 asyncio.get_running_loop().remove_reader(proc.sentinel)
             if proc.is_alive() and self.info is not None:
                 with contextlib.suppress(EngineError):
-                    self._send(Shutdown())
+                    self._send(messages.Shutdown())
                     self._conn.flush(timeout_s=1.0)  # the loop will not run to write it
                 proc.join(timeout_s)
             if proc.is_alive():
@@ -212,16 +153,13 @@ class EngineClient:
 
     def end_all(self, message: str) -> int:
         """End every in-flight request now: abort it in the engine and answer its waiter 503."""
-        rids = list(self._inflight)
+        rids = self.requests.rids()
         for rid in rids:
             with contextlib.suppress(EngineError):
                 self.abort(rid)
         error = EngineError(message)
         for rid in rids:
-            entry = self._inflight.pop(rid, None)
-            if entry is not None:
-                self.metrics.requests.labels("abort").inc()
-                entry.queue.put_nowait(error)
+            self.requests.end(rid, error)
         return len(rids)
 
     # ---- requests ----
@@ -244,18 +182,18 @@ class EngineClient:
             raise EngineError("the engine is not running")
         if self.draining:
             raise EngineError("the server is shutting down")
-        if rid in self._inflight:
+        if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
         try:  # encode before registering: a request that cannot be sent leaves nothing behind
-            data = encode(
-                GenerateReq(
+            data = messages.encode(
+                messages.GenerateReq(
                     rid, input_ids, sampling, return_logprob, logprob_start_len, top_logprobs_num
                 )
             )
         except (ValueError, TypeError, OverflowError) as e:
             raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
         now_perf, now = time.perf_counter(), time.time()
-        entry = _InFlight(
+        entry = InFlight(
             asyncio.Queue(),
             now_perf if received_perf is None else received_perf,
             now if received_at is None else received_at,
@@ -264,7 +202,7 @@ class EngineClient:
         # sent_at (``now``) is stamped before the send: the engine may read the message
         # before this coroutine runs again, and the IPC stage must not come out negative
         self._send_bytes(data)
-        self._inflight[rid] = entry
+        self.requests.add(rid, entry)
         if self.log_requests:
             request_log.info(
                 "received %s: %d prompt tokens, max_new_tokens=%d temperature=%g",
@@ -277,51 +215,51 @@ class EngineClient:
 
     def sent_at(self, rid: str) -> float | None:
         """Wall-clock time the request's message was handed to the engine socket."""
-        entry = self._inflight.get(rid)
+        entry = self.requests.get(rid)
         return None if entry is None else entry.sent_at
 
     def abort(self, rid: str) -> bool:
         """Ask the engine to abort a request; it answers with a finished output. False if
         the request is not in flight or its abort was asked already."""
-        entry = self._inflight.get(rid)
+        entry = self.requests.get(rid)
         if entry is None or entry.aborting or not self.alive:
             return False
         entry.aborting = True
-        self._send(AbortReq(rid))
+        self._send(messages.AbortReq(rid))
         return True
 
     def abort_samples(self, rid: str) -> int:
         """Abort ``rid``, or if no request has that id, the samples of an ``n`` > 1 request
         sent with it (``rid-0`` .. ``rid-63``); returns how many were asked to abort now (a
         sample whose abort was asked before is not counted again)."""
-        if rid in self._inflight:
+        if rid in self.requests:
             return int(self.abort(rid))
         samples = (f"{rid}-{j}" for j in range(MAX_SAMPLES))
-        return sum(self.abort(r) for r in samples if r in self._inflight)
+        return sum(self.abort(r) for r in samples if r in self.requests)
 
     def abort_all(self) -> int:
-        rids = list(self._inflight)
+        rids = self.requests.rids()
         for rid in rids:
             self.abort(rid)
         return len(rids)
 
     @property
     def num_inflight(self) -> int:
-        return len(self._inflight)
+        return len(self.requests)
 
     async def stats(self, timeout_s: float = 30.0) -> dict[str, int | float]:
         """The engine's live load and KV usage (``Engine.stats()``), answered between two steps."""
-        reply: StatsReply = await self._call(StatsReq, timeout_s)
+        reply: messages.StatsReply = await self._call(messages.StatsReq, timeout_s)
         return reply.stats
 
     async def flush_cache(self, timeout_s: float = 30.0) -> bool:
         """Drop the prefix cache; False while requests are in flight."""
-        reply: FlushCacheReply = await self._call(FlushCacheReq, timeout_s)
+        reply: messages.FlushCacheReply = await self._call(messages.FlushCacheReq, timeout_s)
         return reply.flushed
 
     async def _call(
-        self, request: type[StatsReq | FlushCacheReq], timeout_s: float
-    ) -> StatsReply | FlushCacheReply:
+        self, request: type[messages.StatsReq | messages.FlushCacheReq], timeout_s: float
+    ) -> messages.StatsReply | messages.FlushCacheReply:
         if not self.alive:
             raise EngineError("the engine is not running")
         call_id = next(self._call_ids)
@@ -336,8 +274,8 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
 
-    def _send(self, msg: ToEngine) -> None:
-        self._send_bytes(encode(msg))
+    def _send(self, msg: messages.ToEngine) -> None:
+        self._send_bytes(messages.encode(msg))
 
     def _send_bytes(self, data: bytes) -> None:
         try:
@@ -348,11 +286,11 @@ class EngineClient:
     # ---- receiving ----
     def _on_message(self, data: bytes) -> None:
         try:
-            msg = decode(data)
+            msg = messages.decode(data)
             if not self._ready.done():  # starting: the first message says how it went
-                if isinstance(msg, Ready):
+                if isinstance(msg, messages.Ready):
                     self._ready.set_result(msg.info)
-                elif isinstance(msg, StartupError):
+                elif isinstance(msg, messages.StartupError):
                     error = RuntimeError(f"the engine failed to start: {msg.message}")
                     self._ready.set_exception(error)
                 return
@@ -365,87 +303,19 @@ class EngineClient:
         a death), or it is exiting after a shutdown."""
         logger.debug("the engine process closed its socket")
 
-    def _dispatch(self, msg: FromEngine) -> None:
+    def _dispatch(self, msg: messages.FromEngine) -> None:
         match msg:
-            case StepResult():
-                self._on_step(msg)
-            case StatsReply() | FlushCacheReply():
+            case messages.StepResult():
+                self.requests.route(msg)
+            case messages.StatsReply() | messages.FlushCacheReply():
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             case _:
                 logger.error("unexpected engine message %s", type(msg).__name__)
 
-    def _on_step(self, msg: StepResult) -> None:
-        """Hand each output to its request's queue, then observe the step's metrics in a
-        callback of their own: the requests' tasks, woken by the queues, are scheduled first,
-        so a token reaches its client before the histograms are updated."""
-        now = time.perf_counter()
-        for err in msg.errors:
-            entry = self._inflight.pop(err.rid, None)
-            if entry is not None:
-                entry.queue.put_nowait(RequestRejected(err.message))
-        routed = []
-        inflight = self._inflight
-        # plain tokens first: a request's delta in the same message comes after its token
-        for rid, token in msg.plain_tokens():
-            entry = inflight.get(rid)
-            if entry is not None:
-                out = entry.plain(rid, token)
-                entry.queue.put_nowait(out)
-                routed.append((entry, out))
-        for out in msg.outputs:
-            entry = inflight.get(out.rid)
-            if entry is None:
-                continue
-            if out.finished:
-                del inflight[out.rid]
-            entry.queue.put_nowait(entry.counted(out))
-            routed.append((entry, out))
-        asyncio.get_running_loop().call_soon(self._observe_step, msg, routed, now)
-
-    def _observe_step(self, msg: StepResult, routed: list, now: float) -> None:
-        m = self.metrics
-        if msg.step_ms is not None:
-            m.observe_step(msg.step_ms, msg.forward_ms, msg.gpu_ms, msg.gpu_step_ms)
-        for _ in msg.errors:
-            m.requests.labels("error").inc()
-        for entry, out in routed:
-            self._observe_output(entry, out, now)
-
-    def _observe_output(self, entry: _InFlight, out: TokenDelta, now: float) -> None:
-        m, n = self.metrics, len(out.token_ids)
-        if out.timeline is not None:  # once, with its first output (tokens or not)
-            m.observe_timeline(entry.received_at, entry.sent_at, out.timeline)
-            m.prompt_tokens.inc(out.prompt_tokens)
-            m.cached_tokens.inc(out.cached_tokens)
-        if n:
-            m.generation_tokens.inc(n)
-            if entry.last_token_at is None:
-                m.ttft.observe(now - entry.submitted_at)
-            else:
-                gap = (now - entry.last_token_at) / n
-                for _ in range(n):
-                    m.itl.observe(gap)
-            entry.last_token_at = now
-        if out.finished:
-            m.e2e.observe(now - entry.submitted_at)
-            m.requests.labels((out.finish_reason or {}).get("type", "unknown")).inc()
-            if self.log_requests:
-                request_log.info(
-                    "finished %s: %d prompt (%d cached) + %d completion tokens, %s, %.3f s",
-                    out.rid,
-                    out.prompt_tokens,
-                    out.cached_tokens,
-                    out.completion_tokens,
-                    out.finish_reason,
-                    now - entry.submitted_at,
-                )
-
     def _fail_all(self, error: EngineError) -> None:
-        for entry in self._inflight.values():
-            entry.queue.put_nowait(error)
-        self._inflight.clear()
+        self.requests.fail_all(error)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(error)

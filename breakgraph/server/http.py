@@ -19,9 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import breakgraph
 from breakgraph.common import gc_watch
 from breakgraph.common.sampling_params import SamplingParams
-from breakgraph.server.api_error import APIError
 from breakgraph.server.asgi import HotRoutes
-from breakgraph.server.client import EngineError
+from breakgraph.server.errors import APIError, EngineError
 from breakgraph.server.generation import (
     GenerationRequest,
     GenerationState,

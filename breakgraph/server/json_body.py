@@ -19,7 +19,7 @@ import orjson
 from fastapi import Request
 
 from breakgraph.common.codec import IdArray, IdList
-from breakgraph.server.api_error import APIError
+from breakgraph.server.errors import APIError
 
 try:  # simdjson hands a prompt's ids over as one int64 buffer (no Python int per id)
     import simdjson

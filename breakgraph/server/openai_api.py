@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from breakgraph.common.messages import ModelInfo
-from breakgraph.server.api_error import APIError
+from breakgraph.server.errors import APIError
 from breakgraph.server.generation import (
     GenerationRequest,
     GenerationState,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from breakgraph.server.api_error import APIError
+from breakgraph.server.errors import APIError
 from breakgraph.server.protocol import (
     MAX_CHOICES,
     TOKENIZED,

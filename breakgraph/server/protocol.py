@@ -18,7 +18,7 @@ from breakgraph.common.codec import IdArray, packed_id_list
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.common.sampling_params import SamplingParams, check_logprob_args
-from breakgraph.server.api_error import APIError
+from breakgraph.server.errors import APIError
 from breakgraph.server.json_body import IntList, int_values
 from breakgraph.tokenizer import Tokenizer
 

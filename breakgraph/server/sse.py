@@ -17,8 +17,7 @@ import orjson
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from breakgraph.server.api_error import APIError
-from breakgraph.server.client import EngineError
+from breakgraph.server.errors import APIError, EngineError
 
 logger = logging.getLogger(__name__)
 

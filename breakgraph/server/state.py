@@ -9,8 +9,8 @@ from fastapi import Request
 
 from breakgraph.common.messages import ModelInfo
 from breakgraph.engine.args import DEFAULT_MAX_REQUEST_BYTES
-from breakgraph.server.api_error import APIError
 from breakgraph.server.client import EngineClient
+from breakgraph.server.errors import APIError
 from breakgraph.tokenizer import Tokenizer
 
 

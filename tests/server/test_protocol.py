@@ -13,7 +13,7 @@ import pytest
 from breakgraph.common import codec, messages
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import SamplingParams
-from breakgraph.server.api_error import APIError
+from breakgraph.server.errors import APIError
 from breakgraph.server.json_body import IntList, parse_json
 from breakgraph.server.protocol import GenerateReqInput, check_input_ids, parse_model, prompts_of
 

@@ -507,7 +507,8 @@ def test_plain_tokens_keep_each_requests_order(tiny_model_dir):
     too, and the API routes the plain tokens first: each request's queue gets its outputs in
     the engine's order, with the counts of its latest delta carried onto plain tokens."""
     from breakgraph.common.messages import TokenDelta
-    from breakgraph.server.client import EngineClient, _InFlight
+    from breakgraph.server.inflight import InFlight, InFlightRequests
+    from breakgraph.server.metrics import ServerMetrics
 
     engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
     engine_end, api_end = socket.socketpair()
@@ -531,12 +532,12 @@ def test_plain_tokens_keep_each_requests_order(tiny_model_dir):
         assert [(o.rid, o.token_ids) for o in msg.outputs] == [("a", [1]), ("a", [2]), ("b", [7])]
 
         async def route() -> dict[str, list]:
-            client = EngineClient(EngineArgs(model_path=str(tiny_model_dir)))
+            requests = InFlightRequests(ServerMetrics())
             for rid in ("a", "b"):
-                client._inflight[rid] = _InFlight(asyncio.Queue(), 0.0, 0.0, 0.0)
-            queues = {rid: e.queue for rid, e in client._inflight.items()}
-            client._inflight["b"].counted(msg.outputs[2])  # counts as of b's first delta
-            client._on_step(msg)
+                requests.add(rid, InFlight(asyncio.Queue(), 0.0, 0.0, 0.0))
+            queues = {rid: requests.get(rid).queue for rid in requests.rids()}
+            requests.get("b").counted(msg.outputs[2])  # counts as of b's first delta
+            requests.route(msg)
             await asyncio.sleep(0)
             return {rid: [q.get_nowait() for _ in range(q.qsize())] for rid, q in queues.items()}
 

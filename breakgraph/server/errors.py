@@ -1,4 +1,5 @@
-"""The error the API answers with, as JSON: every route's 4xx and 5xx have its one shape."""
+"""The errors a request can end with: one the API found (APIError, answered as JSON in one
+shape for every route's 4xx and 5xx) and one from the engine's side (EngineError)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ class APIError(Exception):
                 "code": self.status,
             }
         }
+
+
+class EngineError(Exception):
+    """The engine cannot serve the request; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+class RequestRejected(EngineError):
+    def __init__(self, message: str):
+        super().__init__(message, status=400)
