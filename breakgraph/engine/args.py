@@ -278,7 +278,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
         help="with decode graphs: requests with penalties, logit_bias or min_new_tokens "
         "running at once, applied inside the graphs (about 10 bytes x vocabulary each on the "
         "device; more such requests wait in the queue, first come first served); 0: applied "
-        "after the graph instead, without that bound (always so under --tp-size > 1)",
+        "after the graph instead, without that bound",
     )
     g.add_argument(
         "--cuda-graph-backend-prefill",
