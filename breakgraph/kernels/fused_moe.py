@@ -163,7 +163,7 @@ class MoEConfig(NamedTuple):
 # hand-picked table: 7% at M = 8, 3% at M = 64, 4% at M = 8192. Two rows keep the former
 # config: M = 1024 (the sweep's best was within noise) and M = 256 (its best gate/up tile,
 # BLOCK_N = BLOCK_K = 128, failed the float32 GPU tests; 3% in bf16). A sweep times bf16
-# only, so a new row must pass tests/test_fused_moe.py in both dtypes before it lands.
+# only, so a new row must pass tests/kernels/test_fused_moe.py in both dtypes before it lands.
 # Gemma 4's MoE shapes are not swept; its 704 intermediate columns leave the 128-column
 # gate/up tile's last one half idle, yet a 64-column tile measured 1.05-1.10x slower at
 # M = 2048-8192 (benchmarks/moe_flag_ab.py --tile, h200-2026-12-03b/moe/). sorted_h (the
