@@ -1,6 +1,7 @@
-"""The generated docs: docs/flags.md from the CLI's argparse parsers and docs/structure.md from
-each module's docstring; ``python -m breakgraph.docgen`` writes both, ``--check`` only says
-whether they are current (tests/cli/test_docs.py runs it)."""
+"""The generated docs: docs/flags.md from the CLI's parsers, docs/structure.md from docstrings.
+
+``python -m breakgraph.docgen`` writes both; ``--check`` writes nothing and exits 1 when either
+is stale (tests/cli/test_docs.py fails then)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent
 DOCS = PACKAGE.parent / "docs"
 COMMAND = "python -m breakgraph.docgen"
 SUBCOMMANDS = ("generate", "serve")
-# bottom to top: a module imports from its own layer or below (docs/design.md, "Layers")
+# bottom to top: a module imports from its own layer or below (docs/design.md, "Layers";
+# tests/test_layering.py checks the imports)
 LAYERS = [
     "common",
     "tokenizer.py",
@@ -32,6 +34,7 @@ LAYERS = [
     "server",
     "bench",
     "cli.py",
+    "__main__.py",
     "docgen.py",
 ]
 

@@ -1,6 +1,7 @@
-"""Engine and server flags: SGLang's names, one dataclass (``EngineArgs``), and the argparse
-groups ``breakgraph generate`` and ``serve`` show them in (``docs/flags.md`` is generated from
-these: ``python -m breakgraph.docgen``)."""
+"""Engine and server flags: SGLang's names, one dataclass (``EngineArgs``), their argparse groups.
+
+``breakgraph generate`` and ``serve`` show the flags in these groups, with their defaults;
+``python -m breakgraph.docgen`` writes docs/flags.md from the same parsers."""
 
 from __future__ import annotations
 
