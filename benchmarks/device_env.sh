@@ -43,8 +43,8 @@ save_tcache() {  # Triton's cache back in $OUT as tcache.tgz.NN parts of 15 MB, 
   # TCACHE_MAX bytes: within the 8 files that come back and, with .whl, the 64 MiB that
   # travel. Only each kernel's cubin and metadata travel: a hit loads nothing else (Triton's
   # own TRITON_STORE_BINARY_ONLY mode), and the IR text (ttir, ttgir, llir, ptx, source) is
-  # 4/5 of the cache: 324 MB -> 66 MB on disk, 43 -> 15 MB compressed (the one carried
-  # since 2026-12-01). Entries this run did not use are dropped first (prune_tcache).
+  # 4/5 of the cache: 324 MB -> 66 MB on disk, 43 -> 15 MB compressed. Entries this run did
+  # not use are dropped first (prune_tcache).
   prune_tcache
   (cd "$TRITON_CACHE_DIR" \
     && find . -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \

@@ -47,13 +47,13 @@ def test_fused_moe_launch_variants():
 @pytest.mark.parametrize(("skinny", "most"), [("off", 26), ("all", 20)])
 def test_decode_step_kernel_count_does_not_grow(skinny, most):
     """Kernels one Qwen3 decode step launches on the Triton path (tiny model, 2 layers; the
-    interpreter counts them, ``benchmarks/decode_kernels_cpu.py``): 26 on cuBLAS, 20 with every
+    interpreter counts them, ``decode_kernel_count.py``): 26 on cuBLAS, 20 with every
     projection on the skinny GEMM (the norms and gate/up's SiLU fused into it). A change that
     adds launches to the decode graph fails here first."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "BREAKGRAPH_SKINNY": skinny}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, "benchmarks/decode_kernels_cpu.py", "qwen3"], capture_output=True,
+        [sys.executable, "-m", "tests.kernels.decode_kernel_count", "qwen3"], capture_output=True,
         text=True, timeout=600, env=env, cwd=ROOT,
     )  # fmt: skip
     found = re.search(r"qwen3 +2 layers: (\d+) kernels per decode step", out.stdout)

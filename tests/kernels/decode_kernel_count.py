@@ -3,9 +3,9 @@ run under Triton's interpreter (each launch counted) and the torch ops that are 
 are counted from the profiler (views, metadata and composite ops left out). Tiny random
 models of the test suite; the count per layer carries over to the full-size configs.
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/decode_kernels_cpu.py [family ...]
+    TRITON_INTERPRET=1 python -m tests.kernels.decode_kernel_count [family ...]
 
-(needs triton 3.6 and numpy < 2.3, as tests/test_triton_interpret.py).
+(needs triton 3.6 and numpy < 2.3, as test_triton_interpret.py, which holds the count).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def count_decode_kernels(family: str) -> tuple[int, int, int, Counter]:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.kernels import ops
-    from tests.interpret_models import stand_in_h200_host_helpers, tiny_checkpoint
+    from tests.kernels.interpret_models import stand_in_h200_host_helpers, tiny_checkpoint
 
     stand_in_h200_host_helpers()
     ops._use_triton = lambda x: True
