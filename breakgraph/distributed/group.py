@@ -24,7 +24,7 @@ from breakgraph.common import envs
 logger = logging.getLogger(__name__)
 
 # The largest all-reduce the one-shot path takes (on unless --disable-custom-all-reduce).
-# Measured on two H200s (`python -m breakgraph.bench.allreduce`, both paths replayed from CUDA
+# Measured on two H200s (`breakgraph bench allreduce`, both paths replayed from CUDA
 # graphs): one-shot takes 0.63x NCCL's time at 8-64 KB, 0.68x at 512 KB, 0.72x at 1 MB, 0.83x
 # at 4 MB; larger messages (long prefills) go to NCCL, whose ring bandwidth wins as the size
 # grows and ranks add (not measured past 4 MB).
@@ -32,7 +32,7 @@ ONE_SHOT_MAX_BYTES = 4 << 20
 # The one-shot kernel that stages its input into the symmetric buffer itself (torch >= 2.8's
 # ``one_shot_all_reduce_copy_out``) instead of a copy in front of it, for messages up to
 # FUSED_COPY_MAX_BYTES: one launch per all-reduce instead of two (a TP2 decode step of
-# Llama-3.1-8B makes 64). On two H200s (`python -m breakgraph.bench.allreduce`, 2026-12-01),
+# Llama-3.1-8B makes 64). On two H200s (`breakgraph bench allreduce`, 2026-12-01),
 # µs per op fused / copy in front: 6.57 / 7.56 at 8 KB, 6.98 / 7.94 at 64 KB, 11.19 / 10.96 at
 # 512 KB, 35.3 / 32.9 at 4 MB (the copy engine stages a large message faster than the kernel).
 FUSED_COPY_MAX_BYTES = 256 << 10

@@ -67,10 +67,10 @@ _DEFAULT_WORKSPACE = DecodeWorkspace(graph_held=True)
 # A step over a long context at batch 1 runs more, smaller programs: keys in blocks of 64 over
 # 128 splits (the decode graphs capture this variant once more for batch 1 and replay it when
 # the step's longest sequence has LONG_CONTEXT_MIN_TOKENS keys or more: engine/graphs/dispatch.py).
-# On an H200 (benchmarks/decode_ab.py --variants base bn64+splits128, 7 interleaved rounds;
-# benchmarks/README.md, seventeenth session), batch 1, Llama-3.1-8B / Qwen3-0.6B: 1K 1.022x /
-# 1.014x (a loss), 2K 0.990x / 0.999x, 4K 0.975x / 0.944x, 8K 0.969x / 0.947-0.966x (two
-# runs), 16K 0.984x / 0.991x; at batch 2 and more it gained little or lost (0.99-1.03x).
+# On an H200 (the two captures timed in 7 interleaved rounds in one process), batch 1,
+# Llama-3.1-8B / Qwen3-0.6B: 1K 1.022x / 1.014x (a loss), 2K 0.990x / 0.999x, 4K 0.975x /
+# 0.944x, 8K 0.969x / 0.947-0.966x (two runs), 16K 0.984x / 0.991x; at batch 2 and more it
+# gained little or lost (0.99-1.03x).
 LONG_CONTEXT_BLOCK_N = 64
 LONG_CONTEXT_SPLITS = 128
 LONG_CONTEXT_MIN_TOKENS = 4096

@@ -158,45 +158,42 @@ class MoEConfig(NamedTuple):
 # bound is not exceeded). Measured on the H200 (2026-12-01) with qwen3-30b-a3b's expert
 # shapes (E 128, top-8, hidden 2048, intermediate 768), each config timed by do_bench of the
 # eager layer (paced by the GPU from M = 32 on; M <= 8 is launch-bound either way), by
-#   python -m breakgraph.bench.moe --model qwen3-30b-a3b --tokens 1 8 32 64 256 1024 8192 --sweep
-# which prints these rows (benchmarks/h200-2026-12-01b/moe.log). Gains over the former
+#   breakgraph bench moe --models qwen3-30b-a3b --tokens 1 8 32 64 256 1024 8192 --sweep
+# which prints these rows. Gains over the former
 # hand-picked table: 7% at M = 8, 3% at M = 64, 4% at M = 8192. Two rows keep the former
 # config: M = 1024 (the sweep's best was within noise) and M = 256 (its best gate/up tile,
 # BLOCK_N = BLOCK_K = 128, failed the float32 GPU tests; 3% in bf16). A sweep times bf16
 # only, so a new row must pass tests/kernels/test_fused_moe.py in both dtypes before it lands.
 # Gemma 4's MoE shapes are not swept; its 704 intermediate columns leave the 128-column
 # gate/up tile's last one half idle, yet a 64-column tile measured 1.05-1.10x slower at
-# M = 2048-8192 (benchmarks/moe_flag_ab.py --tile, h200-2026-12-03b/moe/). sorted_h (the
+# M = 2048-8192 (bench moe --ab gate_up=64,64,8,4). sorted_h (the
 # intermediate rows in sorted order) from M = 8192: 1.411 vs 1.550 ms per layer there
-# (gate/up 0.838 vs 0.915 ms, down 0.465 vs 0.524), equal at M <= 1024 (``bench.moe
-# --breakdown``, h200-2026-12-01c/moe/moe.log).
+# (gate/up 0.838 vs 0.915 ms, down 0.465 vs 0.524), equal at M <= 1024 (``bench moe
+# --breakdown``).
 # tma (weight tiles, and the down GEMM's sorted rows, through TMA descriptors) from M = 256:
 # at M = 8192 the sweep with it (``--sweep --sweep-block-m 128 --sweep-table-flags``) found
 # 1.301 ms against the table's 1.587 before it (gate/up 0.832 vs 0.919 ms and down 0.433 vs
-# 0.490 with the former tiles); at M = 1024, the same tiles, graph 0.390 vs 0.403 ms
-# (h200-2026-12-01f/moe/; benchmarks/README.md, twelfth session). Not in the table, measured
-# at M = 8192 (h200-2026-12-01g/moe/): sorted_y (the down GEMM's rows sorted, the sum
+# 0.490 with the former tiles); at M = 1024, the same tiles, graph 0.390 vs 0.403 ms. Not in
+# the table, measured at M = 8192: sorted_y (the down GEMM's rows sorted, the sum
 # gathering them) equal (down 0.417 vs 0.422 ms, sum 0.074 vs 0.072); BLOCK_M 64 with TMA
 # (``--sweep --sweep-block-m 64 --sweep-table-flags``) 1.430 ms at best against the table's
 # 1.415; storing the sorted h tiles through TMA slowed gate/up 0.748 -> 0.922 ms (removed).
 # half_tail (a block whose second half is padding runs a 64-row tile) in the 128-row row:
 # the layer's graph replay 0.964-0.975x without it at M = 2048, 4096, 8192 on both MoE
-# models (qwen3-30b-a3b 8192: 1.434 vs 1.474 ms against dense 0.974), same process
-# (h200-2026-12-02i/final/), by
-#   python benchmarks/moe_flag_ab.py --flag half_tail --tokens 2048 4096 8192
-# not in the 64-row row: equal at M = 1024 (bench.moe --set half_tail=1, .../half/ab.log).
-# The down GEMM on 8 warps (the sweep's best with it, 2% in its eager times) was even in
-# graph replay (.../final/ab_down8.log), so the down tile stays.
+# models (qwen3-30b-a3b 8192: 1.434 vs 1.474 ms against dense 0.974), same process, by
+#   breakgraph bench moe --models qwen3-30b-a3b gemma-4-26b-a4b --ab half_tail \
+#       --tokens 2048 4096 8192
+# not in the 64-row row: equal at M = 1024. The down GEMM on 8 warps (the sweep's best with
+# it, 2% in its eager times) was even in graph replay, so the down tile stays.
 # atomic_sum (the down GEMM adds each row into its token's output row; no sum kernel) over 4
 # and up to 256 mean rows (M = 65 to 4096 at top-8 of 128; the 256 bound splits the 128-row
 # tiles' row): the layer's graph replay with it against the sum kernel, qwen3-30b-a3b /
-# gemma-4-26b-a4b, ms, same process (h200-2026-12-03/moe/ab2.log), by
-#   python benchmarks/moe_align_ab.py --old .dev/fused_moe_old.py   (the former module)
-# M = 128 0.328 vs 0.331 / 0.408 vs 0.412, 256 0.333 vs 0.337 / 0.415 vs 0.420, 1024 0.388 vs
-# 0.400 / 0.492 vs 0.497, 2048 0.481 vs 0.510 / 0.631 vs 0.660, 4096 0.783 vs 0.799 / 1.042
-# vs 1.038; at 8192 slower (1.440 vs 1.404 / 1.877 vs 1.848), at M = 8 and 64 even. One
-# atomic_add per element instead of atomic_sum's 16-byte reductions was even up to M = 1024,
-# slower at 2048 (0.495) and 4096 (0.799), about even at 8192 (1.407).
+# gemma-4-26b-a4b, ms, same process (bench moe --ab atomic_sum): M = 128 0.328 vs 0.331 / 0.408 vs
+# 0.412, 256 0.333 vs 0.337 / 0.415 vs 0.420, 1024 0.388 vs 0.400 / 0.492 vs 0.497, 2048 0.481 vs
+# 0.510 / 0.631 vs 0.660, 4096 0.783 vs 0.799 / 1.042 vs 1.038; at 8192 slower (1.440 vs 1.404 /
+# 1.877 vs 1.848), at M = 8 and 64 even. One atomic_add per element instead of atomic_sum's 16-byte
+# reductions was even up to M = 1024, slower at 2048 (0.495) and 4096 (0.799), about even at 8192
+# (1.407).
 _CONFIGS = (
     (0.5, MoEConfig(16, 1, (32, 128, 4, 4), (64, 64, 4, 3))),  # decode: under a row per expert
     (2.0, MoEConfig(16, 1, (32, 128, 4, 4), (64, 128, 4, 4))),
@@ -416,7 +413,7 @@ def _moe_count_kernel(
     """Each row's rank within its expert: its rank within this program's block (a sort),
     after the rows of its expert in the blocks whose atomics came first. One atomic per
     expert per block, not one per row queued on the counters' few L2 lines: at 65K rows
-    on an H200 the alignment went from 34.5 to 17.7 µs (h200-2026-12-03/moe/ab2.log)."""
+    on an H200 the alignment went from 34.5 to 17.7 µs."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # padding slots of the sorted list name the sentinel row num_rows (the GEMMs mask it)
     tl.store(sorted_ids + offs, tl.full((BLOCK,), 0, tl.int32) + num_rows, mask=offs < max_padded)
@@ -848,7 +845,7 @@ def _launch_gemm(
 # cores, then down as one per (token, column block) that sums the token's K rows in fp32 itself
 # (each rounded, scaled by its weight and rounded again, as the grouped path's down GEMM stores
 # it). Steps of up to BREAKGRAPH_MOE_GEMV tokens take it (0 turns it off). Measured on an H200
-# (benchmarks/decode_ab.py, same process), the decode step on it against the grouped path:
+# (bench decode --variants, one process), the decode step on it against the grouped path:
 # batch 1 0.862x (qwen3-30b-a3b) and 0.925x (gemma-4-26b-a4b), batch 2 0.900x / 0.956x
 # (--variants moegemv0 base), batch 3 0.954x / 0.946x and batch 4 0.946x / 0.947x (--variants
 # base moegemv4, its kernels under PDL); at 8 tokens the layer alone is 0.99-1.04x the grouped
@@ -866,15 +863,15 @@ class MoEGemvConfig(NamedTuple):
 
 # (up to M tokens, config), each kernel timed alone as a graph of launches on distinct experts
 # (an H200, 2026-12-02, µs per launch, qwen3-30b-a3b / gemma-4-26b-a4b against the former
-# table's (4, 1024, 2-4) / (8, 1024, 2) rows; benchmarks/README.md):
-#   python benchmarks/moe_gemv_kernels.py --models qwen3-30b-a3b gemma-4-26b-a4b --tokens 1 2 4 8
+# table's (4, 1024, 2-4) / (8, 1024, 2) rows):
+#   breakgraph bench moe --models qwen3-30b-a3b gemma-4-26b-a4b --tokens 1 2 4 8 --gemv-kernels
 # M = 1: gate/up 14.35 / 18.02 (was 14.44 / 19.98), down 10.43 / 11.92 (11.83 / 13.46);
 # M = 2: gate/up 25.74 / 32.43 (26.08 / 34.09), down 17.70 / 20.50 (18.22 / 21.08);
 # M = 4: gate/up 48.30 / 61.23 (48.40 / 61.78), down 30.90 / 36.31 (36.16 / 38.38);
 # M = 8: gate/up 93.60 / 117.22 (kept), down 53.84 / 69.23 (80.98 / 105.89).
 # Each row is the config best for both models together (each one's own best is <= 7% faster).
 # The decode step at batch 8 on the path with each model's own bests measured 0.978x /
-# 0.990x the grouped path's (benchmarks/decode_ab.py --variants base moegemv8
+# 0.990x the grouped path's (bench decode --variants base moegemv8
 # moegemv8+moetable=...), too close to move BREAKGRAPH_MOE_GEMV's default past 4.
 GEMV_TABLE: tuple[tuple[int, MoEGemvConfig], ...] = (
     (1, MoEGemvConfig(gate_up=(1, 1024, 1), down=(1, 256, 1))),

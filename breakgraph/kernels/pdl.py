@@ -18,14 +18,14 @@ the CPU, the interpreter and older GPUs run exactly the plain kernels. Kernels w
 A kernel may read before its wait what no predecessor writes: when it runs at all, its
 predecessor has passed its own wait, so every kernel before that one is complete (decode
 attention so reads its lengths and request index). Prefetching more before the wait was
-measured and dropped (benchmarks/README.md, eleventh session): the GEMMs asking L2 for
+measured and dropped: the GEMMs asking L2 for
 their weight lines and decode attention for its keys made Llama-3.1-8B's batch-1 step 1.22x
 slower (4.55 -> 5.56 ms) and Qwen3-0.6B's no faster; the early lines compete with the
 predecessor's own reads.
 
 When (``BREAKGRAPH_PDL``, read at each launch): ``auto`` (default) inside the decode graphs of
 at most ``AUTO_MAX_BATCH`` rows, captured under :func:`scope`; ``1`` every launch; ``0`` none.
-An H200 (benchmarks/README.md, sixth session: ``bench decode --profile`` with and without)
+An H200 (``bench decode --profile`` with ``BREAKGRAPH_PDL`` 0 and 1)
 measured batch 1 faster with it (qwen3-0.6b 1.294 -> 1.197 ms at 1K context, 1.646 -> 1.534 at
 8K; llama-3.1-8b 4.914 -> 4.674, 5.203 -> 5.070), qwen3-0.6b batch 2 and 4 too (1.445 -> 1.370,
 1.557 -> 1.457), batch 8 slower (1.768 -> 1.827, 5.291 -> 5.370); 32 and 64 within 2%.

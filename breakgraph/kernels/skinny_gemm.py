@@ -9,7 +9,7 @@ kernels/workspace.py), adds the bias and stores y in x's dtype: one launch.
 
 Which shapes take it is measured, not guessed: :data:`SKINNY_TABLE` maps a weight shape
 ``(N, K)`` to ``(max_m, config)`` classes that beat cuBLAS on the H200, as printed by
-``python -m breakgraph.bench.gemm`` (which regenerates it). A shape not in the table stays on
+``breakgraph bench gemm`` (which regenerates it). A shape not in the table stays on
 cuBLAS (``F.linear``); the torch twin is ``F.linear`` itself.
 """
 
@@ -48,7 +48,7 @@ class SkinnyConfig(NamedTuple):
 
 # (N, K) -> [(max_m, config or None), ...] ascending max_m: rows m <= max_m (and above the
 # previous entry's) take the config, None meaning cuBLAS. Measured on one H200 (torch 2.11,
-# CUDA 13, Triton 3.6; 2026-11-30) by ``python -m breakgraph.bench.gemm`` (M = 1, 4, 16, 64;
+# CUDA 13, Triton 3.6; 2026-11-30) by ``breakgraph bench gemm`` (M = 1, 4, 16, 64;
 # kept where the kernel beats cuBLAS by >= 3%, both timed as CUDA-graph replays), which
 # regenerates it; ``fuse_norm`` where the RMSNorm as the prologue beat the norm kernel in front
 # (it never did for qkv / gate_up: each program re-reads the rows). A shape not here stays on
@@ -57,15 +57,15 @@ class SkinnyConfig(NamedTuple):
 # M = 1 takes the GEMV kernel, with each shape's best config of a sweep (BLOCK_N weight rows
 # per program, BLOCK_K, warps, stages: ``_v``) timed as one CUDA graph of launches on
 # distinct weight copies (DRAM reads, one launch after another, as in the decode graph):
-# ``python benchmarks/gemv_sweep.py --models ...`` regenerates them (2026-12-02, one H200;
-# benchmarks/h200-2026-12-02d/gemv/; gate/up timed with its SiLU epilogue, Gemma's GELU runs
-# the same config), kept where they beat cuBLAS by >= 3%. Against the one
+# ``breakgraph bench gemm --gemv --models ...`` regenerates them (2026-12-02, one H200;
+# gate/up timed with its SiLU epilogue, Gemma's GELU runs the same config), kept where they
+# beat cuBLAS by >= 3%. Against the one
 # config every shape had before (BLOCK_N 2, BLOCK_K 2048, 2 warps, chosen in the Qwen3-0.6B
 # decode graph), the batch-1 decode graph step took 0.94-0.95x on Qwen3-0.6B and Llama-3.1-8B
 # (1K and 8K context); the families that were on cuBLAS at M = 1 before, 0.90x (Qwen3-8B)
-# and 0.73x (Gemma 4 E2B) (``GEMV_SWEEP=PATH python benchmarks/decode_ab.py --variants base
-# swept``). GEMV at 2+ rows lost (``decode_ab.py --variants base gemv2k2048w2@8``, eleventh
-# session), so M >= 2 keeps the tensor-core kernel's classes or cuBLAS.
+# and 0.73x (Gemma 4 E2B) (``bench decode --variants base skinny=PATH``, PATH the sweep's
+# ``--table-out``). GEMV at 2 to 8 rows lost in the decode graph, so M >= 2 keeps the
+# tensor-core kernel's classes or cuBLAS.
 _C = SkinnyConfig
 
 
@@ -160,7 +160,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (576, 1536): [(1, _v(2, 2048, 4, 1))],  # smollm2-135m:down
     # smollm2-135m:lm_head (49152, 576): cuBLAS at M = 1 (17.71 against 18.81 us)
     # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
-    # `python -m breakgraph.bench.gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS);
+    # `breakgraph bench gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS);
     # M = 1 on the GEMV kernel since (below)
     (3072, 4096): [
         (1, _v(1, 4096, 4, 3)),  # 10.46 -> 8.41 us
@@ -180,7 +180,7 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
         (64, _C(64, 128, 1)),
     ],
     # one rank's batch-1 projections at TP 2, 4 and 8 (a rank's projection runs alone on its
-    # GPU, so one H200 measures any size's): `python benchmarks/gemv_sweep.py --models
+    # GPU, so one H200 measures any size's): `breakgraph bench gemm --gemv --models
     # llama-3.1-8b qwen3-30b-a3b qwen3-8b --tp 2 4 8` (2026-12-02, one H200; 1.1-2.7x
     # faster than cuBLAS; the shapes above and the single-GPU ones keep their entries)
     (4096, 2048): [(1, _v(2, 1024, 2, 3))],  # llama-3.1-8b/tp2:o
@@ -222,7 +222,7 @@ def skinny_gemm_torch(
 
 
 def table_to_json(table: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]]) -> list:
-    """A table as JSON rows (what ``bench.gemm --table-out`` writes for another GPU)."""
+    """A table as JSON rows (what ``bench gemm --table-out`` writes for another GPU)."""
     return [
         {"n": n, "k": k, "entries": [[m, None if c is None else c._asdict()] for m, c in entries]}
         for (n, k), entries in table.items()
@@ -230,7 +230,7 @@ def table_to_json(table: dict[tuple[int, int], list[tuple[int, SkinnyConfig | No
 
 
 def load_table(path: str) -> dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]]:
-    """A table written by ``python -m breakgraph.bench.gemm --table-out PATH``."""
+    """A table written by ``breakgraph bench gemm --table-out PATH``."""
     with open(path) as f:
         rows = json.load(f)
     return {
@@ -242,7 +242,7 @@ def load_table(path: str) -> dict[tuple[int, int], list[tuple[int, SkinnyConfig 
 
 
 # BREAKGRAPH_SKINNY (common/envs.py, read at each lookup) picks the table: "table" (the default)
-# SKINNY_TABLE, a PATH.json the table that file holds (measured on this GPU by bench.gemm
+# SKINNY_TABLE, a PATH.json the table that file holds (measured on this GPU by bench gemm
 # --table-out), "all" every projection of at most MAX_M rows on a generic config (to measure a
 # whole step before the table is filled), "off" none at all
 _table_file = functools.cache(load_table)  # a file is read once per path

@@ -3,7 +3,8 @@ abort-safe response (its body generator is always closed, which aborts unfinishe
 and the JSON response of a whole generation. Both are written by orjson: a stream writes one
 event per request per engine step, cumulative (SGLang's ``output_ids`` and ``text`` so far),
 and the standard library's encoder of those was about a quarter of the API process's busy
-time at concurrency 64 (``benchmarks/api_cost.py``, py-spy)."""
+time at concurrency 64 (py-spy; ``breakgraph bench host api`` measures the API's CPU per
+token)."""
 
 from __future__ import annotations
 
