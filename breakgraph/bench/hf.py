@@ -13,7 +13,12 @@ class HFArms:
     """The HF transformers twin of the engine's model: its config, random weights."""
 
     def __init__(self, engine, compile_timeout_s: float):
-        import transformers
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError(
+                "the HF arms need transformers: pip install 'breakgraph[bench]'"
+            ) from None
 
         cfg = dict(engine.model_config.raw)
         cfg.setdefault("torch_dtype", "bfloat16")

@@ -163,3 +163,17 @@ def test_busy_time_merges_overlapping_kernels():
 
     assert busy_us([(0, 10, "a"), (5, 12, "b"), (20, 25, "c"), (21, 22, "d")]) == 17
     assert busy_us([]) == 0
+
+
+def test_missing_bench_dependencies_say_how_to_install_them(monkeypatch):
+    """The ``bench`` extra's packages load only when a bench needs them, and a missing one
+    names the extra instead of failing with a bare import error."""
+    from breakgraph.bench import http_client
+    from breakgraph.bench.hf import HFArms
+
+    monkeypatch.setattr(http_client, "aiohttp", None)
+    with pytest.raises(SystemExit, match=r"need aiohttp: pip install 'breakgraph\[bench\]'"):
+        http_client.ServerClient("http://127.0.0.1:1")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"need transformers: pip install 'breakgraph\[bench\]'"):
+        HFArms(None, compile_timeout_s=1)
