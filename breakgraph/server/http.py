@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,12 +25,12 @@ from breakgraph.server.generation import (
     GenerationState,
     merge_streams,
     run_to_completion,
-    stamp_received,
     stream_generation,
 )
-from breakgraph.server.json_body import off_loop_if_large, parse_json, read_body
-from breakgraph.server.openai_api import chat_completions, completions
+from breakgraph.server.json_body import parse_json, read_body
 from breakgraph.server.openai_api import router as openai_router
+from breakgraph.server.openai_chat import chat_completions
+from breakgraph.server.openai_completions import completions
 from breakgraph.server.protocol import (
     GenerateReqInput,
     batch_fields,
@@ -45,7 +44,7 @@ from breakgraph.server.protocol import (
     unsupported,
 )
 from breakgraph.server.sse import DONE, GenerationResponse, event_stream, sse
-from breakgraph.server.state import ServerState, server_state
+from breakgraph.server.state import ServerState, read_generation, server_state
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +136,7 @@ class _Sent:
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    received_at, received_perf = time.time(), time.perf_counter()
-    s = server_state(request)
-    raw = await read_body(request, s.max_request_bytes)
-    req, gen_reqs, is_batch = await off_loop_if_large(raw, _prepare_generate, raw, s)
-    stamp_received(gen_reqs, received_at, received_perf)
+    s, req, gen_reqs, is_batch = await read_generation(request, _prepare_generate)
     for r in gen_reqs:
         r.return_timeline = req.return_timeline
     s.require_alive()
