@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from breakgraph.bench.gemm import replay_us
+from breakgraph.bench.timing import replay_us
 
 
 def _time_us(fn, ops: int) -> float:

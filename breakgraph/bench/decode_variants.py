@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from breakgraph.bench.decode import decode_batch, decode_engine
+from breakgraph.bench.decode_setup import decode_batch, decode_engine
 from breakgraph.bench.timing import time_ms
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from breakgraph.bench.shapes import projection_shapes
 from breakgraph.kernels import ops
 from breakgraph.kernels import skinny_gemm as sg
-from breakgraph.models.sources import CONFIG_DIR
 
 CONFIGS = [
     sg.SkinnyConfig(block_n, block_k, split_k)
@@ -39,75 +39,11 @@ def configs_for(k: int) -> list[sg.SkinnyConfig]:
     return [c for c in CONFIGS if k // c.split_k >= c.block_k]
 
 
-def projection_shapes(model: str, tp: int = 1) -> list[tuple[str, tuple[int, int]]]:
-    """The distinct (name, (N, K)) of a built-in model's projections on one rank of ``tp``
-    (fused qkv, o, fused gate/up, down, lm_head, and a family's others: Gemma 4's per-layer
-    ones, its router), read from the model built on the meta device: every family, every
-    layer type."""
-    from breakgraph.distributed import TPGroup
-    from breakgraph.layers.linear import (
-        ColumnParallelLinear,
-        ParallelLMHead,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
-    from breakgraph.models.config import ModelConfig
-    from breakgraph.models.loader import build_model
-    from breakgraph.models.qwen3_moe import Qwen3MoeTopKRouter
-
-    config = ModelConfig.from_file(CONFIG_DIR / f"{model}.json")
-    meta = torch.device("meta")
-    built = build_model(config, torch.bfloat16, meta, TPGroup(0, tp, meta) if tp > 1 else None)
-    kinds = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, ReplicatedLinear)
-    out: list[tuple[str, tuple[int, int]]] = []
-    for path, module in built.named_modules():
-        if not isinstance(module, (*kinds, ParallelLMHead, Qwen3MoeTopKRouter)):
-            continue
-        parts = path.split(".")
-        name = parts[-1].removesuffix("_proj") or parts[-2]
-        if parts[-1] == "proj":  # a module's only projection: named by its module
-            name = parts[-2]
-        if isinstance(module, Qwen3MoeTopKRouter):  # HF's router keeps its weight itself
-            name = "router"
-        entry = (name, tuple(module.weight.shape))
-        if entry not in out:
-            out.append(entry)
-    return out
-
-
 def graph_us(fn) -> float:
     """Median µs of one call, timed as CUDA-graph replays (fn already compiled)."""
     import triton.testing
 
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-
-
-def replay_us(fns: list, reps: int = 20) -> float:
-    """µs per call: the callables of ``fns`` captured in turn in one CUDA graph (each distinct
-    one called once before, outside the capture), the median of ``reps`` replays. Not
-    ``graph_us``: Triton's do_bench_cudagraph sizes its repetitions from its own estimate,
-    where the ranks of a collective must all replay alike; and a list of launches on distinct
-    weights reads them from DRAM one after another, as a decode graph does."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in dict.fromkeys(fns):  # lazy inits, workspaces, compiles
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bytes_per_us(nbytes: int = 1 << 30) -> float:

@@ -25,8 +25,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from breakgraph.bench.gemm import projection_shapes, replay_us
 from breakgraph.bench.kernels import copy_bandwidth_bytes_per_ms
+from breakgraph.bench.shapes import projection_shapes
+from breakgraph.bench.timing import replay_us
 from breakgraph.kernels import ops
 from breakgraph.kernels import skinny_gemm as sg
 

@@ -13,8 +13,8 @@ the launch, which a TTFT waits for (the step's read-back wait excluded). ``--dev
 
 Each arm is a subprocess importing breakgraph from a tree: this one, and with ``--ref
 COMMIT`` that commit's (``git archive``), interleaved over ``--rounds`` (every other round in
-reverse order); the ratio is this tree's median over the reference's. This file runs inside
-those subprocesses by path, so it imports breakgraph only inside its functions.
+reverse order); the ratio is this tree's median over the reference's. Their measurements
+run inside those subprocesses by path (host_engine.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -41,133 +40,6 @@ TINY = {
 }  # fmt: skip
 STAGES = ("schedule", "launch", "process_outputs", "host")
 PREFILL_STAGES = ("schedule", "launch", "cache", "process_outputs", "host")
-
-
-def timed_steps(sch):
-    """``(spent, timed)``: ``timed(obj, name, key)`` makes ``obj.name``'s calls add their
-    seconds to ``spent[key]``; the scheduler's forward, schedule, launch and process_outputs
-    are timed so under their own names."""
-    spent: dict[str, float] = defaultdict(float)
-
-    def timed(obj, name: str, key: str) -> None:
-        inner = getattr(obj, name)
-
-        def call(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        setattr(obj, name, call)
-
-    for name in ("forward", "schedule", "launch", "process_outputs"):
-        timed(sch, name, name)
-    return spent, timed
-
-
-def measure_decode(model: str, batch: int, steps: int, device: str) -> dict[str, float]:
-    """Median µs per decode step of each host stage (runs inside an arm's process)."""
-    import torch
-
-    from breakgraph.engine.args import EngineArgs
-    from breakgraph.engine.engine import Engine
-    from breakgraph.engine.request import SamplingParams
-
-    if device == "cpu":
-        torch.set_num_threads(1)
-    args = EngineArgs(model_path=model, load_format="dummy", device=device,
-                      dtype="float32" if device == "cpu" else "auto",
-                      max_total_tokens=batch * 256 + 4096,
-                      max_running_requests=max(batch, 8))  # fmt: skip
-    engine = Engine(args)
-    sch = engine.scheduler
-    spent, _ = timed_steps(sch)
-    g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    low = min(3, engine.vocab_size // 2)
-    for _ in range(batch):
-        engine.add_request(
-            torch.randint(low, min(1000, engine.vocab_size), (64,), generator=g).tolist(), sp
-        )
-    rows: dict[str, list[float]] = defaultdict(list)
-    decodes = 0
-    while engine.has_work:
-        spent.clear()
-        t = time.perf_counter()
-        engine.step()
-        total = time.perf_counter() - t
-        if sch.last_step_tokens != batch or sch.prefill.waiting:
-            continue  # prefill steps
-        decodes += 1
-        if decodes <= 3:
-            continue  # the first decodes (buffers grow)
-        rows["schedule"].append(spent["schedule"])
-        rows["launch"].append(spent["launch"] - spent["forward"])
-        rows["process_outputs"].append(spent["process_outputs"])
-        rows["host"].append(total - spent["forward"])
-    engine.shutdown()
-    return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
-
-
-def measure_prefill(model: str, tokens: int, requests: int, device: str) -> dict[str, float]:
-    """Median µs per cold prompt of ``tokens`` tokens, one request at a time, of the schedule
-    stage, the launch outside the forward's own host time, the radix insert after the launch
-    and the read-back's host time (its wait for the device excluded); ``host``: the steps
-    until its token is out, outside the forward and that wait (an arm's process)."""
-    import torch
-
-    from breakgraph.engine.args import EngineArgs
-    from breakgraph.engine.engine import Engine
-    from breakgraph.engine.request import SamplingParams
-
-    if device == "cpu":
-        torch.set_num_threads(1)
-    args = EngineArgs(model_path=model, load_format="dummy", device=device,
-                      dtype="float32" if device == "cpu" else "auto",
-                      max_total_tokens=tokens * 4 + 4096, chunked_prefill_size=max(tokens, 256),
-                      context_length=max(tokens + 64, 4096))  # fmt: skip
-    engine = Engine(args)
-    engine.release_finished(defer=True)  # as the server's loop: after the outputs are sent
-    sch = engine.scheduler
-    spent, timed = timed_steps(sch)
-    timed(sch.prefill, "cache_computed", "cache")
-    if device != "cpu":  # the read-back's wait outside the stage: the step's end first
-        inner = sch.process_outputs
-
-        def synced(*a, **kw):
-            t = time.perf_counter()
-            torch.cuda.synchronize()
-            spent["sync"] += time.perf_counter() - t
-            return inner(*a, **kw)
-
-        sch.process_outputs = synced
-    g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    low = min(1000, engine.vocab_size // 2)
-    rows: dict[str, list[float]] = defaultdict(list)
-    for i in range(requests + 5):
-        engine.flush_cache()  # as bench prefill flushes before each wave: nothing to evict
-        engine.add_request(
-            torch.randint(low, engine.vocab_size - 1, (tokens,), generator=g).tolist(), sp
-        )
-        spent.clear()
-        t = time.perf_counter()
-        outs = engine.step()
-        while not outs:  # overlap scheduling: the next step reads this one back
-            outs = engine.step()
-        total = time.perf_counter() - t
-        assert len(outs) == 1 and outs[0].finished, "one cold prompt, one token"
-        engine.release_finished()
-        if i < 5:
-            continue  # compiles, buffers
-        rows["schedule"].append(spent["schedule"])
-        rows["launch"].append(spent["launch"] - spent["forward"])
-        rows["cache"].append(spent["cache"])
-        rows["process_outputs"].append(spent["process_outputs"])
-        rows["host"].append(total - spent["forward"] - spent["sync"])
-    engine.shutdown()
-    return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
 
 
 def trees(ref: str | None, tmp: Path) -> dict[str, Path]:
@@ -190,9 +62,12 @@ def in_turn(arms: dict[str, Path], rnd: int) -> list[tuple[str, Path]]:
     return order[::-1] if rnd % 2 else order
 
 
+ENGINE_SIDE = Path(__file__).with_name("host_engine.py")
+
+
 def run_arm(tree: Path, fn: str, fn_args: tuple) -> dict[str, float]:
-    """This file's ``fn(*fn_args)`` in a process importing breakgraph from ``tree``."""
-    code = (f"import json, runpy; m = runpy.run_path({__file__!r}); "
+    """host_engine.py's ``fn(*fn_args)`` in a process importing breakgraph from ``tree``."""
+    code = (f"import json, runpy; m = runpy.run_path({str(ENGINE_SIDE)!r}); "
             f"print(json.dumps(m[{fn!r}](*{fn_args!r})))")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True,
@@ -204,8 +79,6 @@ def run_arm(tree: Path, fn: str, fn_args: tuple) -> dict[str, float]:
 
 def run_host_bench(args) -> dict:
     if args.what == "api":
-        from breakgraph.bench.host_api import run_api
-
         return run_api(args)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,3 +116,35 @@ def run_host_bench(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+def run_api(args) -> dict:
+    """``bench host api``: the API process's CPU per output token, per arm (host_api.py)."""
+    from breakgraph.bench.host_api import measure as api_cpu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model_path
+        if model is None:
+            model = str(Path(tmp, "model"))
+            Path(model).mkdir()
+            Path(model, "config.json").write_text(json.dumps(TINY))
+        arms = trees(args.ref, Path(tmp))
+        got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+        for rnd in range(args.rounds):
+            for name, tree in in_turn(arms, rnd):
+                flags = args.flags if name == "this" else args.ref_flags
+                got[name].append(api_cpu(tree, args, model, flags))
+                print(name, json.dumps({k: round(v, 2) for k, v in got[name][-1].items()}),
+                      flush=True)  # fmt: skip
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}
+    for name, m in med.items():
+        print(f"{name:5s} concurrency {args.concurrency}: API {m['api_us_per_token']:.1f} µs "
+              f"CPU per output token (busy {m['api_share']:.0%}), engine "
+              f"{m['engine_us_per_token']:.1f} µs, {m['output_tok_s']:.0f} tok/s")  # fmt: skip
+    if args.ref:
+        ratio = med["this"]["api_us_per_token"] / med["ref"]["api_us_per_token"]
+        print(f"API CPU per output token, this/ref: {ratio:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(med, f, indent=1)
+    return med

@@ -20,15 +20,11 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
-
-from breakgraph.bench.host import TINY, in_turn, trees
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -101,32 +97,3 @@ def measure(tree: Path, args, model: str, flags: str = "") -> dict[str, float]:
     finally:
         proc.terminate()
         proc.wait(60)
-
-
-def run_api(args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.model_path
-        if model is None:
-            model = str(Path(tmp, "model"))
-            Path(model).mkdir()
-            Path(model, "config.json").write_text(json.dumps(TINY))
-        arms = trees(args.ref, Path(tmp))
-        got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
-        for rnd in range(args.rounds):
-            for name, tree in in_turn(arms, rnd):
-                flags = args.flags if name == "this" else args.ref_flags
-                got[name].append(measure(tree, args, model, flags))
-                print(name, json.dumps({k: round(v, 2) for k, v in got[name][-1].items()}),
-                      flush=True)  # fmt: skip
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}
-    for name, m in med.items():
-        print(f"{name:5s} concurrency {args.concurrency}: API {m['api_us_per_token']:.1f} µs "
-              f"CPU per output token (busy {m['api_share']:.0%}), engine "
-              f"{m['engine_us_per_token']:.1f} µs, {m['output_tok_s']:.0f} tok/s")  # fmt: skip
-    if args.ref:
-        ratio = med["this"]["api_us_per_token"] / med["ref"]["api_us_per_token"]
-        print(f"API CPU per output token, this/ref: {ratio:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(med, f, indent=1)
-    return med

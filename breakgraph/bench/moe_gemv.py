@@ -20,10 +20,10 @@ import json
 
 import torch
 
-from breakgraph.bench.gemm import replay_us
 from breakgraph.bench.gemv import compile_all
 from breakgraph.bench.kernels import bench_ms, copy_bandwidth_bytes_per_ms
-from breakgraph.bench.moe import Layer, expert_shapes, graphed
+from breakgraph.bench.moe_layer import Layer, expert_shapes, graphed
+from breakgraph.bench.timing import replay_us
 from breakgraph.common import envs
 from breakgraph.kernels import fused_moe as fm
 

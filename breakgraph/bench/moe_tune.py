@@ -10,7 +10,7 @@ import statistics
 import torch
 
 from breakgraph.bench.kernels import bench_ms
-from breakgraph.bench.moe import (
+from breakgraph.bench.moe_layer import (
     VARIANT_FLAGS,
     Layer,
     dense_reference,

@@ -133,6 +133,33 @@ def profile_arm(fn: Callable[[], object], calls: int) -> dict:
     }
 
 
+def replay_us(fns: list, reps: int = 20) -> float:
+    """µs per call: the callables of ``fns`` captured in turn in one CUDA graph (each distinct
+    one called once before, outside the capture), the median of ``reps`` replays. Not
+    ``graph_us``: Triton's do_bench_cudagraph sizes its repetitions from its own estimate,
+    where the ranks of a collective must all replay alike; and a list of launches on distinct
+    weights reads them from DRAM one after another, as a decode graph does."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in dict.fromkeys(fns):  # lazy inits, workspaces, compiles
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
 def save_results(points: list, json_path: str | None, plot_path: str | None, plot_fn: str) -> None:
     """Write a bench's points (dataclasses) as JSON and draw them with ``bench.plot.<plot_fn>``."""
     rows = [asdict(p) for p in points]

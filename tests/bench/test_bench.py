@@ -385,17 +385,18 @@ def test_gemm_bench_shapes_and_table_entries(monkeypatch):
     """The projections of a Llama-style config, and measured choices merged into the table
     the skinny-GEMM dispatch reads (None: cuBLAS)."""
     from breakgraph.bench import gemm
+    from breakgraph.bench.shapes import projection_shapes
     from breakgraph.kernels import skinny_gemm as sg
 
-    assert dict(gemm.projection_shapes("qwen3-0.6b")) == {
+    assert dict(projection_shapes("qwen3-0.6b")) == {
         "qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
         "lm_head": (151936, 1024),
     }  # fmt: skip
-    assert dict(gemm.projection_shapes("llama-3.1-8b", tp=2)) == {  # one rank's shard
+    assert dict(projection_shapes("llama-3.1-8b", tp=2)) == {  # one rank's shard
         "qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
         "lm_head": (64128, 4096),
     }  # fmt: skip
-    gemma = gemm.projection_shapes("gemma-4-e2b")  # layer types of two widths, its own ones
+    gemma = projection_shapes("gemma-4-e2b")  # layer types of two widths, its own ones
     assert len({nk for name, nk in gemma if name == "gate_up"}) == 2
     assert {"per_layer_input_gate", "lm_head"} <= {name for name, _ in gemma}
     a, b = sg.SkinnyConfig(16, 128, 4), sg.SkinnyConfig(64, 256, 1)
@@ -421,7 +422,7 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     norm prologue: the tensor-core kernel's only) and not at two, and so does one rank's
     every shape of the tensor-parallel models at 2, 4 and 8 ranks; the exceptions are named
     (``bench gemm --gemv`` measures them)."""
-    from breakgraph.bench import gemm
+    from breakgraph.bench.shapes import projection_shapes
     from breakgraph.kernels import skinny_gemm as sg
     from breakgraph.models.sources import CONFIG_DIR
 
@@ -430,7 +431,7 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     models = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if p.stem != "qwen3-moe-tiny")
     assert "gemma-4-26b-a4b" in models and "qwen3-8b" in models
     for model in models:
-        for name, (n, k) in gemm.projection_shapes(model):
+        for name, (n, k) in projection_shapes(model):
             one, two = sg.table_config(1, n, k), sg.table_config(2, n, k)
             if (model, name) in cublas:
                 assert one is None
@@ -440,7 +441,7 @@ def test_shipped_table_sends_batch_1_to_the_gemv_kernel():
     # one rank's shapes of the tensor-parallel models (#17, #18), swept on one H200 too
     for model in ("llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b"):
         for tp in (2, 4, 8):
-            for name, (n, k) in gemm.projection_shapes(model, tp):
+            for name, (n, k) in projection_shapes(model, tp):
                 one = sg.table_config(1, n, k)
                 if (model, name) in cublas:
                     assert one is None
