@@ -14,11 +14,12 @@ import pytest
 
 from breakgraph.bench.args import BENCHES
 
-CUDA_ONLY = {
-    "moe": ["--tokens", "1"],
-    "gemm": ["--m", "1"],
-    "kernels": [],
-    "allreduce": [],
+CUDA_ONLY = {  # a bench or option that needs CUDA -> the arguments of a short run of it
+    "moe": ["moe", "--tokens", "1"],
+    "gemm": ["gemm", "--m", "1"],
+    "kernels": ["kernels"],
+    "allreduce": ["allreduce"],
+    "decode --variants": ["decode", "--variants", "base", "nogemv", "--batch-sizes", "1"],
 }
 
 
@@ -58,9 +59,9 @@ def test_every_bench_is_a_subcommand():
 )
 @pytest.mark.parametrize("bench", sorted(CUDA_ONLY))
 def test_cuda_only_benches_say_so_on_the_cpu(bench):
-    """A CUDA-only bench on a machine without one exits non-zero with one line saying why,
-    not a traceback."""
-    out = run_cli("bench", bench, *CUDA_ONLY[bench])
+    """A CUDA-only bench or option on a machine without one exits non-zero with one line
+    saying why, not a traceback."""
+    out = run_cli("bench", *CUDA_ONLY[bench])
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: bench {bench} needs"), out.stderr
     assert "Traceback" not in out.stderr
