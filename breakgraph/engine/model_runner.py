@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from breakgraph.engine.graphs.base import decode_batch_sizes
+from breakgraph.engine.graphs.base import GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.decode import DecodeGraphs
 from breakgraph.engine.graphs.dispatch import PROMPT_LOGPROBS, StepDispatcher
 from breakgraph.engine.graphs.key import DECODE_PENALIZED, EAGER, StepKey
@@ -68,21 +68,20 @@ class ModelRunner:
         """Capture decode graphs (if decode_max_bs) and prefill graphs (if buckets), one pool;
         for a model with bounded prefill, the tail bank up to ``tail_max_rows`` requests; the
         prefill buckets up to ``whole_max_tokens`` also whole, for lone requests."""
-        pool = torch.cuda.graph_pool_handle()
+        target = GraphTarget(
+            self.model, self.kv_pool, self.req_to_token, pad_req_idx,
+            torch.cuda.graph_pool_handle(),
+        )  # fmt: skip
         start = time.perf_counter()
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(
-                self.model, self.kv_pool, self.req_to_token, pad_req_idx, prefill_buckets, pool,
-                max_pad_factor=max_pad_factor, tail_sizes=decode_batch_sizes(tail_max_rows),
-                whole_max_tokens=whole_max_tokens,
+                target, prefill_buckets, max_pad_factor=max_pad_factor,
+                tail_sizes=decode_batch_sizes(tail_max_rows), whole_max_tokens=whole_max_tokens,
             )  # fmt: skip
             self.prefill_graphs.capture()
         if decode_max_bs:
             fixed = self.penalties if self.penalties is not None and self.penalties.fixed else None
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_pool, self.req_to_token, pad_req_idx, decode_max_bs, pool,
-                penalties=fixed,
-            )  # fmt: skip
+            self.decode_graphs = DecodeGraphs(target, decode_max_bs, penalties=fixed)
             self.decode_graphs.capture()
         self.dispatcher = StepDispatcher(self.decode_graphs, self.prefill_graphs)
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)

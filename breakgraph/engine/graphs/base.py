@@ -12,6 +12,8 @@ padding value stays defined (slot 0 never receives NaN/Inf from uninitialized me
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -37,13 +39,27 @@ def prefill_token_buckets(max_tokens: int, step: int = 256) -> list[int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class GraphTarget:
+    """What every bank of a rank captures against: the model, its KV pool and request table,
+    the padding request's table row, the one memory pool, the address guard's setting."""
+
+    model: nn.Module
+    kv_pool: object
+    req_to_token: torch.Tensor
+    pad_req_idx: int
+    pool: object  # torch.cuda.graph_pool_handle()
+    check_addresses: bool | None = None  # None: BREAKGRAPH_GRAPH_GUARD
+
+
 class GraphsBase:
-    def __init__(self, model: nn.Module, kv_pool, req_to_token: torch.Tensor, pad_req_idx: int):
-        self.model = model
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        self.pad_req_idx = pad_req_idx
-        self.device = req_to_token.device
+    def __init__(self, target: GraphTarget):
+        self.target = target
+        self.model = target.model
+        self.kv_pool = target.kv_pool
+        self.req_to_token = target.req_to_token
+        self.pad_req_idx = target.pad_req_idx
+        self.device = target.req_to_token.device
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
@@ -52,8 +68,6 @@ class GraphsBase:
         self,
         inputs: list[StaticInput],
         sizes: list[int],
-        pool,
-        check_addresses,
         *,
         name: str,
         split_at_breaks: bool = True,
@@ -67,10 +81,10 @@ class GraphsBase:
             inputs,
             sizes,
             self.device,
-            pool=pool,
+            pool=self.target.pool,
             split_at_breaks=split_at_breaks,
             guard_tensors=self._guard_tensors,
-            check_addresses=check_addresses,
+            check_addresses=self.target.check_addresses,
             capture_context=capture_context,
             compile_counter=self._compile_counter(),
             name=name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from breakgraph.engine.graphs.base import GraphsBase, decode_batch_sizes
+from breakgraph.engine.graphs.base import GraphsBase, GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, StepKey
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
 from breakgraph.graph import GraphBank, StaticInput
@@ -22,18 +22,9 @@ class DecodeGraphs(GraphsBase):
     over a long context replays a third capture, with decode attention's long-context
     variant (``long_bank``)."""
 
-    def __init__(
-        self,
-        model,
-        kv_pool,
-        req_to_token,
-        pad_req_idx,
-        max_bs: int,
-        pool,
-        check_addresses=None,
-        penalties=None,
-    ):
-        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+    def __init__(self, target: GraphTarget, max_bs: int, penalties=None):
+        super().__init__(target)
+        pad_req_idx = target.pad_req_idx
         self.penalties = penalties
         inputs = [
             StaticInput("input_ids", torch.int64),
@@ -43,17 +34,13 @@ class DecodeGraphs(GraphsBase):
             StaticInput("seq_lens", torch.int32, pad_value=1),
         ]
         sizes = decode_batch_sizes(max_bs)
-        self.bank = self._bank(
-            inputs, sizes, pool, check_addresses, name="decode graphs", split_at_breaks=False
-        )
+        self.bank = self._bank(inputs, sizes, name="decode graphs", split_at_breaks=False)
         self.penalized_bank = None
         if penalties is not None:
             assert penalties.fixed, "graphs read the pool by address: it must not grow"
             self.penalized_bank = self._bank(
                 [*inputs, StaticInput("penalty_rows", torch.int64, pad_value=0)],
                 sizes,
-                pool,
-                check_addresses,
                 name="decode graphs with penalties",
                 split_at_breaks=False,
                 fn=self._forward_penalized,
@@ -61,7 +48,7 @@ class DecodeGraphs(GraphsBase):
         # batch 1 over a long context: decode attention's long-context variant, captured once
         # more (kernels/decode_attention.py) and replayed by the step's longest sequence
         self.long_bank = self._bank(
-            inputs, sizes[:1], pool, check_addresses, name="decode graphs, long context",
+            inputs, sizes[:1], name="decode graphs, long context",
             split_at_breaks=False, capture_context=lambda size: decode_attention.long_context(),
         )  # fmt: skip
         self.banks = {DECODE: self.bank, DECODE_LONG: self.long_bank}

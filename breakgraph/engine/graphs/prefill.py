@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from breakgraph.engine.graphs.base import GraphsBase
+from breakgraph.engine.graphs.base import GraphsBase, GraphTarget
 from breakgraph.engine.graphs.key import PREFILL, PREFILL_WHOLE, StepKey
 from breakgraph.engine.graphs.tail import TailGraphs
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
@@ -31,14 +31,9 @@ class PrefillGraphs(GraphsBase):
 
     def __init__(
         self,
-        model,
-        kv_pool,
-        req_to_token,
-        pad_req_idx,
+        target: GraphTarget,
         buckets: list[int],
-        pool,
         max_pad_factor: float = 2.0,
-        check_addresses=None,
         tail_sizes: list[int] | None = None,
         whole_max_tokens: int = 0,
     ):
@@ -47,21 +42,17 @@ class PrefillGraphs(GraphsBase):
         ``bounded_prefill``. ``whole_max_tokens``: the buckets up to it are captured whole
         too, for lone requests (none for a model with bounded prefill: its tail is a bank of
         its own)."""
-        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+        super().__init__(target)
         self.max_pad_factor = max_pad_factor
-        bounded = bool(getattr(model, "bounded_prefill", False))
-        self.tail = None
-        if bounded and tail_sizes:
-            self.tail = TailGraphs(
-                model, kv_pool, req_to_token, pad_req_idx, tail_sizes, pool, check_addresses
-            )
+        bounded = bool(getattr(target.model, "bounded_prefill", False))
+        self.tail = TailGraphs(target, tail_sizes) if bounded and tail_sizes else None
         inputs = [
             StaticInput("input_ids", torch.int64),
             StaticInput("positions", torch.int64),
             StaticInput("out_cache_loc", torch.int64),  # the captured KV store's slots
         ]
         self.bank = self._bank(
-            inputs, buckets, pool, check_addresses, name="prefill graphs",
+            inputs, buckets, name="prefill graphs",
             capture_context=self._capture_context,
         )  # fmt: skip
         self.whole = None
@@ -78,7 +69,7 @@ class PrefillGraphs(GraphsBase):
                 "extend_start_loc": torch.zeros(1, dtype=torch.int32, device=dev),  # stays 0
             }
             self.whole = self._bank(
-                inputs, whole_sizes, pool, check_addresses, name="whole prefill graphs",
+                inputs, whole_sizes, name="whole prefill graphs",
                 split_at_breaks=False, capture_context=self._capture_whole_context,
             )  # fmt: skip
 

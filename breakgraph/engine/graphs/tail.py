@@ -8,16 +8,15 @@ import contextlib
 
 import torch
 
-from breakgraph.engine.graphs.base import GraphsBase
+from breakgraph.engine.graphs.base import GraphsBase, GraphTarget
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
 from breakgraph.graph import StaticInput
 
 
 class TailGraphs(GraphsBase):
-    def __init__(
-        self, model, kv_pool, req_to_token, pad_req_idx, sizes, pool, check_addresses=None
-    ):
-        super().__init__(model, kv_pool, req_to_token, pad_req_idx)
+    def __init__(self, target: GraphTarget, sizes: list[int]):
+        super().__init__(target)
+        model = target.model
         inputs = [StaticInput("positions", torch.int64)]
         inputs += [
             StaticInput(name, dtype, shape) for name, (shape, dtype) in model.tail_inputs().items()
@@ -25,8 +24,6 @@ class TailGraphs(GraphsBase):
         self.bank = self._bank(
             inputs,
             sizes,
-            pool,
-            check_addresses,
             name="tail graphs",
             capture_context=self._capture_context,
         )
