@@ -6,7 +6,7 @@ they only matter for the rows whose hidden states feed the LM head. With
 one on all rows (``forward_head``) and the shared layers on each request's last row only
 (``forward_tail``), over the metadata of ``ForwardBatch.tail()``; the result equals
 ``forward(...)[logits_rows]``. The runner's prefill bank captures ``forward_head`` per token
-bucket and a tail bank ``forward_tail`` per tail-row bucket (``engine/cuda_graphs.py``);
+bucket and a tail bank ``forward_tail`` per tail-row bucket (``engine/graphs/``);
 eagerly, ``forward_logits_rows`` runs both.
 """
 
