@@ -7,7 +7,7 @@ import logging
 import sys
 
 from breakgraph.bench.args import add_bench_parsers
-from breakgraph.engine.args import (
+from breakgraph.engine.flags import (
     LOGGING,
     SERVER,
     HelpFormatter,

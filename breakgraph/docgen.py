@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from breakgraph.cli import build_parser
-from breakgraph.engine.args import shown_default
+from breakgraph.engine.flags import shown_default
 
 PACKAGE = Path(__file__).resolve().parent
 DOCS = PACKAGE.parent / "docs"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from breakgraph import cli, docgen
-from breakgraph.engine import args as engine_args
+from breakgraph.engine import flags
 from breakgraph.models.sources import BUILTIN_MODELS
 
 
@@ -32,13 +32,13 @@ def test_every_flag_says_what_it_does_and_what_its_default_means():
 def test_serve_help_groups_the_flags_and_shows_defaults():
     text = _subcommands()["serve"].format_help()
     for title in (
-        engine_args.MODEL,
-        engine_args.MEMORY,
-        engine_args.SCHEDULING,
-        engine_args.CUDA_GRAPHS,
-        engine_args.PARALLELISM,
-        engine_args.SERVER,
-        engine_args.LOGGING,
+        flags.MODEL,
+        flags.MEMORY,
+        flags.SCHEDULING,
+        flags.CUDA_GRAPHS,
+        flags.PARALLELISM,
+        flags.SERVER,
+        flags.LOGGING,
     ):
         assert f"\n{title}:\n" in text
     assert "(default: 8192)" in " ".join(text.split())  # --chunked-prefill-size

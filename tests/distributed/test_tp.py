@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from breakgraph.distributed import TPGroup
-from breakgraph.engine.args import EngineArgs, add_engine_args
+from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.engine.flags import add_engine_args
 from breakgraph.engine.request import SamplingParams
 from breakgraph.layers.linear import default_weight_loader
 from breakgraph.models.config import ModelConfig

