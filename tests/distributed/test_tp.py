@@ -714,31 +714,31 @@ def test_shutdown_before_exit_leaves_the_group_to_the_os(checkpoints, tmp_path):
     assert words[3:] == ["codes", "0"], out.stdout
 
 
-def test_step_messages_cross_the_pipe_in_their_binary_layout():
-    """Rank 0's step message in its fixed layout (no pickle on the step's path) comes back
-    whole: every bank of the key, mode and field, with and without table writes; other
-    messages (setup, stop) are pickled."""
+def test_step_messages_cross_the_pipe_whole():
+    """Rank 0's step message (metadata as packed int32s, the key as a nested record) comes
+    back whole: every bank of the key, mode and field, with and without table writes; so do
+    the setup and stop messages; anything else is refused."""
     from breakgraph.engine.graphs.key import BANKS, StepKey
-    from breakgraph.engine.tp.wire import StepMessage, WorkerSetup, from_wire, to_wire
+    from breakgraph.engine.tp.wire import CODEC, StepMessage, Stop, WorkerSetup
 
     def i32(*v):
         return np.asarray(v, dtype=np.int32)
 
-    writes = (i32(1, 4), i32(2, 5), i32(3, 6))
+    writes = {"write_rows": i32(1, 4), "write_cols": i32(2, 5), "write_slots": i32(3, 6)}
     keys = [StepKey(bank, 16 * i, rest=i, tail=2 * i) for i, bank in enumerate(BANKS)]
     for i, key in enumerate(keys):
-        mode, tw = ("decode", None) if i % 2 else ("extend", writes)
-        msg = StepMessage(mode, i32(5, 6, 7), i32(1, 2), i32(1024, 0), i32(1, 2), tw, key,
-                          prompt_rows=3, top_k=2, sent_at=12.5)  # fmt: skip
-        data = to_wire(msg)
-        assert data[:1] == b"S"
-        back = from_wire(data)
+        mode, tw = ("decode", {}) if i % 2 else ("extend", writes)
+        msg = StepMessage(mode, i32(5, 6, 7), i32(1, 2), i32(1024, 0), i32(1, 2), key,
+                          prompt_rows=3, top_k=2, sent_at=12.5, **tw)  # fmt: skip
+        back = CODEC.decode(CODEC.encode(msg))
         for name in ("mode", "key", "prompt_rows", "top_k", "sent_at"):
             assert getattr(back, name) == getattr(msg, name)
         for name in ("out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens"):
             assert getattr(back, name).tolist() == getattr(msg, name).tolist()
-        assert (back.table_writes is None) == (tw is None)
-        if tw is not None:
-            assert [a.tolist() for a in back.table_writes] == [a.tolist() for a in tw]
-    assert from_wire(to_wire(None)) is None
-    assert from_wire(to_wire(WorkerSetup(77))) == WorkerSetup(77)
+        assert (back.table_writes is None) == (not tw)
+        if tw:
+            assert [a.tolist() for a in back.table_writes] == [[1, 4], [2, 5], [3, 6]]
+    assert CODEC.decode(CODEC.encode(Stop())) == Stop()
+    assert CODEC.decode(CODEC.encode(WorkerSetup(77))) == WorkerSetup(77)
+    with pytest.raises(TypeError):
+        CODEC.encode(None)

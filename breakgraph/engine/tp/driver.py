@@ -32,14 +32,16 @@ from breakgraph.engine.graphs.key import StepKey
 from breakgraph.engine.tp import teardown
 from breakgraph.engine.tp.trace import StepTrace
 from breakgraph.engine.tp.wire import (
+    CODEC,
     ExitNow,
     StepMessage,
+    Stop,
     WorkerFailed,
     WorkerSetup,
     WorkerSlots,
     WorkerUp,
     broadcast_inputs,
-    to_wire,
+    recv,
 )
 from breakgraph.engine.tp.worker import worker_main
 from breakgraph.forward_batch import ForwardBatch
@@ -52,6 +54,10 @@ _ABORT_S = 10.0  # how long a dead worker's group abort may take before rank 0 e
 
 def _i32(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
+
+
+def _i32_or_none(values) -> np.ndarray | None:
+    return None if values is None else _i32(values)
 
 
 def free_port() -> int:
@@ -135,7 +141,7 @@ class TPDriver:
             while not conn.poll(0.05) and proc.exitcode is None:
                 pass
             if conn.poll(0):
-                msg = conn.recv()
+                msg = recv(conn)
         if msg is None:
             proc.join(2.0)
             raise RuntimeError(
@@ -164,14 +170,17 @@ class TPDriver:
         rank 0's forward. A collective failing because a worker died raises a RuntimeError
         naming it."""
         self.check_workers()
+        writes = self.req_pool.drain_writes() or (None, None, None)
         msg = StepMessage(
             mode=batch.mode.value,
             out_cache_loc=_i32(batch.out_cache_loc_cpu),
             req_pool_indices=_i32(batch.req_pool_indices_cpu),
             prefix_lens=_i32(batch.prefix_lens_cpu),
             extend_lens=_i32(batch.extend_lens_cpu),
-            table_writes=self.req_pool.drain_writes(),
             key=key,
+            write_rows=_i32_or_none(writes[0]),
+            write_cols=_i32_or_none(writes[1]),
+            write_slots=_i32_or_none(writes[2]),
             prompt_rows=-1 if rows is None else rows.shape[0],
             top_k=top_k,
         )
@@ -207,7 +216,7 @@ class TPDriver:
             time.sleep(0.05)
 
     def _send(self, obj) -> None:
-        data = to_wire(obj)
+        data = CODEC.encode(obj)
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(data)
@@ -230,10 +239,10 @@ class TPDriver:
         _signal_stop(self._watch_stop)  # the workers exit now: not a failure
         if self._watchdog is not None:
             self._watchdog.join(_JOIN_S)
-        stop = None if leave_group else ExitNow()
+        stop = CODEC.encode(Stop() if leave_group else ExitNow())
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                conn.send_bytes(to_wire(stop))
+                conn.send_bytes(stop)
         group, self.group = self.group, None
         if not leave_group:
             if group is not None:
@@ -250,9 +259,9 @@ class TPDriver:
 
 def _last_word(conn) -> str:
     """``: <error>`` if the dead worker behind ``conn`` said why it failed, else ''."""
-    with contextlib.suppress(EOFError, OSError):
+    with contextlib.suppress(EOFError, OSError, ValueError):
         while conn.poll(0):
-            msg = conn.recv()
+            msg = recv(conn)
             if isinstance(msg, WorkerFailed):
                 return f": {msg.error}"
     return ""
@@ -317,7 +326,7 @@ def _stop_workers(procs, conns, watch_stop) -> None:
     _signal_stop(watch_stop)
     for conn in conns:
         with contextlib.suppress(OSError):
-            conn.send_bytes(to_wire(None))
+            conn.send_bytes(CODEC.encode(Stop()))
     deadline = time.monotonic() + _JOIN_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))

@@ -1,18 +1,17 @@
-"""What rank 0 and the TP workers send each other: the per-step message in a fixed binary
-layout, the startup and shutdown messages, and the step's tensors over the TP group."""
+"""What rank 0 and the TP workers send each other over their pipes: one msgpack protocol
+(common/codec.py, the codec the API and engine processes speak), each step's metadata as
+packed int32 arrays; and the step's tensors over the TP group."""
 
 from __future__ import annotations
 
-import pickle
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from breakgraph.common.codec import PACKED_INT32, Codec
 from breakgraph.distributed import TPGroup
-from breakgraph.engine.graphs.key import BANKS, StepKey
-from breakgraph.forward_batch import ForwardMode
+from breakgraph.engine.graphs.key import StepKey
 
 
 @dataclass
@@ -20,61 +19,29 @@ class StepMessage:
     """One step as rank 0 sends it: everything but the input ids (broadcast as a tensor)."""
 
     mode: str  # ForwardMode value
-    out_cache_loc: np.ndarray  # int32 [T]
-    req_pool_indices: np.ndarray  # int32 [B]
-    prefix_lens: np.ndarray  # int32 [B]
-    extend_lens: np.ndarray  # int32 [B]
-    table_writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (rows, cols, slots)
+    out_cache_loc: np.ndarray = field(metadata=PACKED_INT32)  # [T]
+    req_pool_indices: np.ndarray = field(metadata=PACKED_INT32)  # [B]
+    prefix_lens: np.ndarray = field(metadata=PACKED_INT32)  # [B]
+    extend_lens: np.ndarray = field(metadata=PACKED_INT32)  # [B]
     key: StepKey  # the graph rank 0's dispatcher chose: every rank replays the same
+    # the request-table writes made since the last step: rows, columns, slots [W] (None: none)
+    write_rows: np.ndarray | None = field(default=None, metadata=PACKED_INT32)
+    write_cols: np.ndarray | None = field(default=None, metadata=PACKED_INT32)
+    write_slots: np.ndarray | None = field(default=None, metadata=PACKED_INT32)
     prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
     top_k: int = 0
     sent_at: float = 0.0  # rank 0's time.perf_counter() at sending (CLOCK_MONOTONIC: host-wide)
 
-
-_MODES = tuple(m.value for m in ForwardMode)  # by index on the wire
-# a step on the wire: b"S", mode, bank, tokens, requests, table writes (-1: none), prompt
-# rows, top_k, bucket, last piece's bucket, tail bucket, sent_at; then int32 slots [T],
-# rows, prefix and extend lengths [B] each, and the table writes' rows, columns, slots [W]
-_STEP = struct.Struct("<cBBiiiiiiiid")
-
-
-def _step_bytes(msg: StepMessage) -> bytes:
-    """``msg`` in a fixed binary layout: no pickling on the step's path (pickle and unpickle
-    of a decode step: ~50 µs on a 2-core CPU; this: a few)."""
-    writes, key = msg.table_writes, msg.key
-    arrays = [msg.out_cache_loc, msg.req_pool_indices, msg.prefix_lens, msg.extend_lens]
-    if writes is not None:
-        arrays += list(writes)
-    head = _STEP.pack(
-        b"S", _MODES.index(msg.mode), BANKS.index(key.bank), len(msg.out_cache_loc),
-        len(msg.req_pool_indices), -1 if writes is None else len(writes[0]), msg.prompt_rows,
-        msg.top_k, key.size, key.rest, key.tail, msg.sent_at,
-    )  # fmt: skip
-    return b"".join([head, *(np.asarray(a, dtype=np.int32).tobytes() for a in arrays)])
+    @property
+    def table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        if self.write_rows is None:
+            return None
+        return self.write_rows, self.write_cols, self.write_slots
 
 
-def _step_from_bytes(data: bytes) -> StepMessage:
-    _, mode, bank, t, b, w, prompt_rows, top_k, size, rest, tail, sent_at = _STEP.unpack_from(data)
-    flat = np.frombuffer(data, dtype=np.int32, offset=_STEP.size)
-    at = t + 3 * b
-    writes = None if w < 0 else (flat[at : at + w], flat[at + w : at + 2 * w], flat[at + 2 * w :])
-    key = StepKey(BANKS[bank], size, rest=rest, tail=tail)
-    return StepMessage(
-        _MODES[mode], flat[:t], flat[t : t + b], flat[t + b : t + 2 * b],
-        flat[t + 2 * b : at], writes, key, prompt_rows, top_k, sent_at,
-    )  # fmt: skip
-
-
-def to_wire(obj) -> bytes:
-    """What rank 0 sends a worker: a step in its binary layout, anything else pickled (the
-    few startup and shutdown messages below, between processes of one host)."""
-    if isinstance(obj, StepMessage):
-        return _step_bytes(obj)
-    return b"P" + pickle.dumps(obj)
-
-
-def from_wire(data: bytes):
-    return _step_from_bytes(data) if data[:1] == b"S" else pickle.loads(data[1:])
+@dataclass
+class Stop:
+    """Rank 0 stops the workers: each tears the group down and exits."""
 
 
 @dataclass
@@ -109,6 +76,17 @@ class WorkerFailed:
     """The worker's last word before it exits on an error."""
 
     error: str
+
+
+CODEC = Codec([StepMessage, Stop, ExitNow, WorkerSetup, WorkerUp, WorkerSlots, WorkerFailed])
+
+
+def send(conn, msg) -> None:
+    conn.send_bytes(CODEC.encode(msg))
+
+
+def recv(conn):
+    return CODEC.decode(conn.recv_bytes())
 
 
 def broadcast_inputs(group: TPGroup, input_ids, rows=None, targets=None) -> None:

@@ -42,11 +42,11 @@ def _recv(conn, parent_pid: int, spin_s: float = 0.0):
         deadline = time.perf_counter() + spin_s
         while time.perf_counter() < deadline:
             if conn.poll(0):
-                return wire.from_wire(conn.recv_bytes())
+                return wire.recv(conn)
     while not conn.poll(_POLL_S):
         if os.getppid() != parent_pid:
             raise _ParentGone
-    return wire.from_wire(conn.recv_bytes())
+    return wire.recv(conn)
 
 
 def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: int) -> None:
@@ -61,15 +61,15 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
         device = rank_device(torch.device(args.resolved_device()), rank)
         claim_device(device)
         torch.manual_seed(args.seed)
-        conn.send(wire.WorkerUp())
+        wire.send(conn, wire.WorkerUp())
         group = init_tp_group(
             rank, size, init_method, device, custom_all_reduce=not args.disable_custom_all_reduce
         )
 
         def agree(num_slots: int) -> int:
-            conn.send(wire.WorkerSlots(num_slots))
-            setup: wire.WorkerSetup | None = _recv(conn, parent_pid)
-            if setup is None:
+            wire.send(conn, wire.WorkerSlots(num_slots))
+            setup = _recv(conn, parent_pid)
+            if isinstance(setup, wire.Stop):
                 raise _StopNow
             return setup.num_slots
 
@@ -81,7 +81,7 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
     except Exception as e:
         logger.exception("TP worker rank %d failed", rank)
         with contextlib.suppress(Exception):
-            conn.send(wire.WorkerFailed(f"{type(e).__name__}: {e}"))
+            wire.send(conn, wire.WorkerFailed(f"{type(e).__name__}: {e}"))
         os._exit(1)  # no teardown that could block on the group
     finally:
         if group is not None:
@@ -93,7 +93,7 @@ def _serve(rank: Rank, group: TPGroup, conn, parent_pid: int) -> None:
     trace = StepTrace(group.rank, ("pipe", "build", "launch")) if envs.TP_TRACE.get() else None
     # the CPU's ranks share its cores: no spinning there
     spin_s = envs.TP_SPIN_MS.get() / 1e3 if rank.device.type == "cuda" else 0.0
-    while (msg := _recv(conn, parent_pid, spin_s)) is not None:
+    while not isinstance(msg := _recv(conn, parent_pid, spin_s), wire.Stop):
         if isinstance(msg, wire.ExitNow):
             if trace is not None:
                 logger.warning("%s", trace.report())
