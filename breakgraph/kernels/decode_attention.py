@@ -31,11 +31,14 @@ def decode_attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMeta,
     sm_scale: float,
+    num_kv_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
     sliding_window: int | None = None,
 ) -> None:
-    """Reference twin. q/o [B, H, D]; request b's keys are ``req_to_token[req, :seq_lens[b]]``
-    (with ``sliding_window`` W, only its last W). Reads the meta's key side only: query row
-    b is request b's, whatever its extend fields say."""
+    """One query row per request: q/o [B, H, D]; request b's keys are
+    ``req_to_token[req, :seq_lens[b]]`` (with ``sliding_window`` W, only its last W). Reads
+    the meta's key side only: query row b is request b's, whatever its extend fields say.
+    ``num_kv_splits`` and ``workspace`` tune the Triton twin only (ignored here)."""
     rows = AttentionMeta.decode(meta.req_to_token, meta.req_pool_indices, meta.seq_lens)
     extend_attention_torch(q, o, k_cache, v_cache, rows, sm_scale, sliding_window=sliding_window)
 
@@ -253,19 +256,11 @@ def _decode_reduce_kernel(
 
 
 def decode_attention_triton(
-    q: torch.Tensor,
-    o: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMeta,
-    sm_scale: float,
-    num_kv_splits: int | None = None,
-    workspace: DecodeWorkspace | None = None,
-    sliding_window: int | None = None,
+    q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits=None, workspace=None, sliding_window=None
 ) -> None:
-    """Triton twin of :func:`decode_attention_torch`: split-KV (flash decoding), the partials
-    merged by a second launch (one program per head). Inside :func:`long_context`, smaller key
-    blocks over more splits (unless ``num_kv_splits``).
+    """Triton twin of :func:`decode_attention_torch` (its arguments): split-KV (flash
+    decoding), the partials merged by a second launch (one program per head). Inside
+    :func:`long_context`, smaller key blocks over more splits (unless ``num_kv_splits``).
 
     CUDA-graph capturable: the grids depend on the batch size, head counts and
     ``num_kv_splits`` only (default: from the SM count); sequence lengths are read on the

@@ -41,7 +41,8 @@ def extend_attention_torch(
     sm_scale: float,
     sliding_window: int | None = None,
 ) -> None:
-    """Reference twin. q/o [T, H, D]; the new tokens' k/v are already stored in the cache.
+    """Causal prefill attention over the paged KV (prefix + new tokens): q/o [T, H, D]; the
+    new tokens' k/v are already stored in the cache.
 
     Request r's query rows ``extend_start_loc[r] : +extend_lens[r]`` sit at positions
     ``seq_lens[r] - extend_lens[r] + i``; its keys are ``req_to_token[req, :seq_lens[r]]``.
@@ -548,15 +549,9 @@ def num_kv_splits(
     return best
 
 
-def extend_attention_triton(
-    q: torch.Tensor,
-    o: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMeta,
-    sm_scale: float,
-) -> None:
-    """Triton twin of :func:`extend_attention_torch` (flash attention over the paged KV).
+def extend_attention_triton(q, o, k_cache, v_cache, meta, sm_scale, sliding_window=None) -> None:
+    """Triton twin of :func:`extend_attention_torch` (its arguments; flash attention over the
+    paged KV).
 
     Grid (heads, batch, cdiv(max_extend_len, BLOCK_M)) from host-known sizes only; the
     per-request lengths are read on the device. ``meta.max_extend_len`` may overestimate.
@@ -565,7 +560,7 @@ def extend_attention_triton(
     an fp32 workspace, merged by a second launch (see :func:`num_kv_splits`). Without it,
     always the one-pass kernel.
     """
-    ExtendPlan(q, k_cache, meta, sm_scale)(q, o, k_cache, v_cache)
+    ExtendPlan(q, k_cache, meta, sm_scale, sliding_window=sliding_window)(q, o, k_cache, v_cache)
 
 
 class ExtendPlan:

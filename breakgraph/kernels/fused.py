@@ -47,13 +47,14 @@ def fused_add_rms_norm_torch(
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: ``silu(gate) * up`` in the input dtype, gate the first half."""
+    """[..., 2I] -> [..., I]: ``silu(gate) * up`` in the input dtype, gate the first half."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
 def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: ``gelu_tanh(gate) * up`` in the input dtype (Gemma's GeGLU)."""
+    """[..., 2I] -> [..., I]: ``gelu_tanh(gate) * up`` in the input dtype, gate the first half
+    (Gemma's GeGLU)."""
     return gelu_tanh_mul_torch(*gate_up.chunk(2, dim=-1))
 
 
@@ -292,15 +293,9 @@ def _outer_inner(x: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError("gemma_rms_norm takes tensors of at most 3 dims")
 
 
-def gemma_rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton twin of :func:`gemma_rms_norm_torch`: one launch, residual add and scale
-    included."""
+def gemma_rms_norm_triton(x, weight, eps, residual=None, scale=None) -> torch.Tensor:
+    """Triton twin of :func:`gemma_rms_norm_torch` (its arguments): one launch, residual add
+    and scale included."""
     n_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outer, inner, sx0, sx1 = _outer_inner(x)
@@ -621,43 +616,21 @@ def _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=False, store=
     return q_out, None if no_k or store is not None else k_out
 
 
-def rope_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of :func:`rope_torch`: one launch for q and k (and the KV store)."""
+def rope_triton(q, k, cos, sin, store=None):
+    """Triton twin of :func:`rope_torch` (its arguments): one launch for q and k (and the KV
+    store)."""
     return _launch_qk_rope(q, k, None, None, 0.0, cos, sin, store=store)
 
 
-def qk_norm_rope_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of :func:`qk_norm_rope_torch`: one launch for q and k (and the KV store)."""
+def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin, store=None):
+    """Triton twin of :func:`qk_norm_rope_torch` (its arguments): one launch for q and k (and
+    the KV store)."""
     assert q_weight.is_contiguous() and k_weight.is_contiguous()
     return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, store=store)
 
 
-def gemma_qk_norm_rope_triton(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of :func:`gemma_qk_norm_rope_torch`: one launch for q and k (and the KV
-    store)."""
+def gemma_qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin, store=None):
+    """Triton twin of :func:`gemma_qk_norm_rope_torch` (its arguments): one launch for q and k
+    (and the KV store)."""
     assert q_weight.is_contiguous() and (k_weight is None or k_weight.is_contiguous())
     return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=True, store=store)

@@ -285,15 +285,9 @@ def _moe_route_kernel(
     tl.store(topk_ids + out, ids, mask=out_mask)
 
 
-def moe_route_triton(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    expert_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`moe_route_torch`: scores, top-k, renormalize, scale in one
-    launch; ties go to the lowest expert id."""
+def moe_route_triton(router_logits, top_k, scoring="softmax", renormalize=True, expert_scale=None):
+    """Triton twin of :func:`moe_route_torch` (its arguments): scores, top-k, renormalize,
+    scale in one launch; ties go to the lowest expert id."""
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be softmax or sigmoid, not {scoring!r}")
     m, e = router_logits.shape
@@ -980,16 +974,11 @@ def _moe_gemv_down_kernel(
 
 
 def fused_experts_gemv_triton(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    cfg: MoEGemvConfig | None = None,
-) -> torch.Tensor:
+    x, gate_up, down, topk_weights, topk_ids, activation="silu", cfg=None
+):
     """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
-    as :func:`fused_experts_triton` takes them (the weights' rows unit-strided)."""
+    as :func:`fused_experts_triton` takes them (the weights' rows unit-strided), ``cfg`` a
+    :class:`MoEGemvConfig` (default: :func:`gemv_config`'s)."""
     x = x.contiguous()
     cfg = cfg or gemv_config(x.shape[0])
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
@@ -1073,15 +1062,9 @@ def _moe_sum_kernel(
     tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
-def fused_experts_triton(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """Triton twin of :func:`fused_experts_torch` (float32 top-k sum, one rounding)."""
+def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="silu"):
+    """Triton twin of :func:`fused_experts_torch` (its arguments; float32 top-k sum, one
+    rounding). Capturable on CUDA: no host sync, buffers sized by the token count."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
     m, hidden = x.shape

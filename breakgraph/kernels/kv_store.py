@@ -84,14 +84,8 @@ def _store_kv_kernel(
     )
 
 
-def store_kv_triton(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """Triton twin of :func:`store_kv_torch`: one launch writes both k and v.
+def store_kv_triton(k_cache, v_cache, slots, k, v) -> None:
+    """Triton twin of :func:`store_kv_torch` (its arguments): one launch writes both k and v.
 
     k/v may be strided views (e.g. slices of a fused qkv output) as long as the last dim is
     contiguous. Several padding rows may write slot 0 concurrently; its content is garbage.

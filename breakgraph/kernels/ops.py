@@ -3,7 +3,9 @@ the torch twin. Set ``BREAKGRAPH_DISABLE_TRITON=1`` to force the twins (debuggin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,34 +57,29 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def store_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """Write k/v [T, Hkv, D] into the slots [T] of the caches; padding rows use slot 0."""
-    fn = _kv_store.store_kv_triton if _use_triton(k) else _kv_store.store_kv_torch
-    fn(k_cache, v_cache, slots, k, v)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def extend_attention(
-    q: torch.Tensor,
-    o: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMeta,
-    sm_scale: float,
-    sliding_window: int | None = None,
-) -> None:
-    """Causal prefill attention over the paged KV (prefix + new tokens) into ``o`` [T, H, D].
+def _twin(torch_fn: _F, triton_fn: Callable[..., Any]) -> _F:
+    """The op of a Triton kernel and its torch twin (same arguments): the kernel where the
+    first argument is a CUDA tensor and Triton is usable, else the twin, whose name,
+    signature and docstring the op carries. One Python call and the check over the kernel's
+    own: ops run per layer per eager step."""
 
-    ``meta.max_seq_len`` (a host-known upper bound of ``seq_lens``) lets the Triton kernel
-    split long prefixes; the twin ignores it. ``sliding_window`` W: a row at position p
-    attends to keys p - W + 1 .. p only (None: the whole context).
-    """
-    plan_extend_attention(q, k_cache, meta, sm_scale, sliding_window)(q, o, k_cache, v_cache)
+    @functools.wraps(torch_fn)
+    def op(*args, **kwargs):
+        return (triton_fn if _use_triton(args[0]) else torch_fn)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = torch_fn.__name__.removesuffix("_torch")
+    op.__module__ = __name__
+    return op
+
+
+# ---- attention and the KV store (kernels/{kv_store,extend_attention,decode_attention}.py)
+
+store_kv = _twin(_kv_store.store_kv_torch, _kv_store.store_kv_triton)
+extend_attention = _twin(_extend.extend_attention_torch, _extend.extend_attention_triton)
+decode_attention = _twin(_decode.decode_attention_torch, _decode.decode_attention_triton)
 
 
 def plan_extend_attention(
@@ -108,31 +105,6 @@ def plan_extend_attention(
         _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
     return plan
-
-
-def decode_attention(
-    q: torch.Tensor,
-    o: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMeta,
-    sm_scale: float,
-    num_kv_splits: int | None = None,
-    workspace: DecodeWorkspace | None = None,
-    sliding_window: int | None = None,
-) -> None:
-    """One query row per request into ``o`` [B, H, D]; CUDA-graph capturable on CUDA.
-
-    Reads the meta's key side only (``req_to_token``, ``req_pool_indices``, ``seq_lens``).
-    ``num_kv_splits`` and ``workspace`` only tune the Triton kernel (the twin ignores them);
-    ``sliding_window`` W: each request attends to its last W keys only.
-    """
-    if _use_triton(q):
-        _decode.decode_attention_triton(
-            q, o, k_cache, v_cache, meta, sm_scale, num_kv_splits, workspace, sliding_window
-        )
-    else:
-        _decode.decode_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
 
 def graph_workspaces() -> list[torch.Tensor]:
@@ -201,121 +173,21 @@ def _skinny_config(x: torch.Tensor, weight: torch.Tensor):
     return _skinny.table_config(x.shape[0], weight.shape[0], weight.shape[1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm over the last dim; returns a new tensor."""
-    fn = _fused.rms_norm_triton if _use_triton(x) else _fused.rms_norm_torch
-    return fn(x, weight, eps)
+# ---- norms, activations, RoPE (kernels/fused.py)
 
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``; the inputs are not modified."""
-    fn = _fused.fused_add_rms_norm_triton if _use_triton(x) else _fused.fused_add_rms_norm_torch
-    return fn(x, residual, weight, eps)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] -> [..., I]: ``silu(gate) * up``, gate the first half."""
-    fn = _fused.silu_and_mul_triton if _use_triton(gate_up) else _fused.silu_and_mul_torch
-    return fn(gate_up)
-
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] -> [..., I]: ``gelu_tanh(gate) * up``, gate the first half (GeGLU)."""
-    fn = _fused.gelu_tanh_and_mul_triton if _use_triton(gate_up) else _fused.gelu_tanh_and_mul_torch
-    return fn(gate_up)
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` of two [T, I] tensors (Gemma 4's per-layer input gate)."""
-    fn = _fused.gelu_tanh_mul_triton if _use_triton(gate) else _fused.gelu_tanh_mul_torch
-    return fn(gate, up)
-
-
-def gemma_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Gemma's RMSNorm over the last dim (fp32 scale, one rounding; no weight: no scale);
-    with ``residual``, ``residual + norm(x)``, then times the one-element ``scale`` if given,
-    all in the same launch. A new tensor."""
-    fn = _fused.gemma_rms_norm_triton if _use_triton(x) else _fused.gemma_rms_norm_torch
-    return fn(x, weight, eps, residual, scale)
-
-
-def gemma_qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gemma 4's per-head RMSNorm of q and k (k None: q only), then RoPE; new tensors (with
-    ``store``, k and v go to the KV cache in the same launch and k comes back None)."""
-    fn = _fused.gemma_qk_norm_rope_triton if _use_triton(q) else _fused.gemma_qk_norm_rope_torch
-    return fn(q, k, q_weight, k_weight, eps, cos, sin, store)
-
-
-def rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rotate_half RoPE of q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D]; new tensors
-    (with ``store``, k and v go to the KV cache in the same launch and k comes back None)."""
-    fn = _fused.rope_triton if _use_triton(q) else _fused.rope_torch
-    return fn(q, k, cos, sin, store)
-
-
-def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Qwen3's per-head RMSNorm of q and k, then RoPE; new tensors (``store``: as rope)."""
-    fn = _fused.qk_norm_rope_triton if _use_triton(q) else _fused.qk_norm_rope_torch
-    return fn(q, k, q_weight, k_weight, eps, cos, sin, store)
+rms_norm = _twin(_fused.rms_norm_torch, _fused.rms_norm_triton)
+fused_add_rms_norm = _twin(_fused.fused_add_rms_norm_torch, _fused.fused_add_rms_norm_triton)
+gemma_rms_norm = _twin(_fused.gemma_rms_norm_torch, _fused.gemma_rms_norm_triton)
+silu_and_mul = _twin(_fused.silu_and_mul_torch, _fused.silu_and_mul_triton)
+gelu_tanh_and_mul = _twin(_fused.gelu_tanh_and_mul_torch, _fused.gelu_tanh_and_mul_triton)
+gelu_tanh_mul = _twin(_fused.gelu_tanh_mul_torch, _fused.gelu_tanh_mul_triton)
+rope = _twin(_fused.rope_torch, _fused.rope_triton)
+qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
+gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 
 
 # ---- mixture of experts (kernels/fused_moe.py)
 
 
-def moe_route(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    expert_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights float32 [T, K], expert ids int32 [T, K]): float32
-    softmax or sigmoid, top-k, optionally renormalized, optionally times ``expert_scale[id]``."""
-    fn = _moe.moe_route_triton if _use_triton(router_logits) else _moe.moe_route_torch
-    return fn(router_logits, top_k, scoring, renormalize, expert_scale)
-
-
-def fused_experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """x [T, H] through its top-k experts (``gate_up`` [E, 2I, H], ``down`` [E, H, I]),
-    weighted and summed -> [T, H]. Capturable on CUDA: no host sync, buffers sized by T."""
-    fn = _moe.fused_experts_triton if _use_triton(x) else _moe.fused_experts_torch
-    return fn(x, gate_up, down, topk_weights, topk_ids, activation)
+moe_route = _twin(_moe.moe_route_torch, _moe.moe_route_triton)
+fused_experts = _twin(_moe.fused_experts_torch, _moe.fused_experts_triton)

@@ -409,11 +409,13 @@ def test_moe_step_never_syncs_the_host():
 @kernel_test
 @gpu_only
 def test_ops_dispatch_moe_to_triton_on_cuda(monkeypatch):
+    """ops.fused_experts takes the Triton path on CUDA: the grouped path's alignment runs."""
     x, gate_up, down, logits = make_experts(9, 8, 128, 64, torch.bfloat16)
     called = []
-    monkeypatch.setattr(fm, "fused_experts_torch", lambda *a: called.append(1))
+    align = fm.moe_align
+    monkeypatch.setattr(fm, "moe_align", lambda *a, **k: called.append(1) or align(*a, **k))
     ops.fused_experts(x, gate_up, down, *ops.moe_route(logits, 2))
-    assert not called
+    assert called
 
 
 # ----------------------------------------------------------------------------- twins vs HF (CPU)
