@@ -77,16 +77,22 @@ def run_arm(tree: Path, fn: str, fn_args: tuple) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _model_dir(args, tmp: str) -> str:
+    """``--model-path``, else the tiny config (``TINY``) written under ``tmp``."""
+    if args.model_path is not None:
+        return args.model_path
+    model = Path(tmp, "model")
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    return str(model)
+
+
 def run_host_bench(args) -> dict:
     if args.what == "api":
         return run_api(args)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model_path
-        if model is None:
-            model = str(Path(tmp, "model"))
-            Path(model).mkdir()
-            Path(model, "config.json").write_text(json.dumps(TINY))
+        model = _model_dir(args, tmp)
         arms = trees(args.ref, Path(tmp))
         if args.what == "prefill":
             requests = args.requests or 100
@@ -123,11 +129,7 @@ def run_api(args) -> dict:
     from breakgraph.bench.host_api import measure as api_cpu
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model_path
-        if model is None:
-            model = str(Path(tmp, "model"))
-            Path(model).mkdir()
-            Path(model, "config.json").write_text(json.dumps(TINY))
+        model = _model_dir(args, tmp)
         arms = trees(args.ref, Path(tmp))
         got: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for rnd in range(args.rounds):

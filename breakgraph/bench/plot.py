@@ -49,6 +49,15 @@ def _log2_x(ax, xs) -> None:
     ax.minorticks_off()
 
 
+def _label(ax, title: str, xlabel: str, ylabel: str, **title_kw) -> None:
+    """A panel's title, axis labels, light grid and legend."""
+    ax.set_title(title, **title_kw)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def _grid(plt, n: int, w: float = 5.0, h: float = 3.8, max_cols: int = 3):
     cols = min(n, max_cols)
     rows = math.ceil(n / cols)
@@ -75,11 +84,7 @@ def plot_step(points: list[dict], path: str) -> None:
             style = "--" if arm == "floor" else "-"
             ax.plot(xs, ys, style, marker="o", label=arm)
         _log2_x(ax, [x for xy in arms.values() for x, _ in xy])
-        ax.set_title(f"{model}, P={prefix}")
-        ax.set_xlabel("N (new tokens)")
-        ax.set_ylabel("step latency (ms)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _label(ax, f"{model}, P={prefix}", "N (new tokens)", "step latency (ms)")
     _save(fig, path)
 
 
@@ -97,11 +102,7 @@ def plot_decode(points: list[dict], path: str) -> None:
             if xy:
                 ax.plot(*zip(*xy, strict=True), marker="o", label=label)
         _log2_x(ax, [p["batch_size"] for p in pts])
-        ax.set_title(f"{model}, context {context}")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("decode step (ms)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _label(ax, f"{model}, context {context}", "batch size", "decode step (ms)")
     _save(fig, path)
 
 
@@ -136,11 +137,7 @@ def plot_serving(results: list[dict], path: str, labels: list[str] | None = None
     concurrencies = [row["concurrency"] for res in results for row in res["rows"]]
     for ax, (_, ylabel) in zip(axes, SERVING_METRICS, strict=True):
         _log2_x(ax, concurrencies)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize="small")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _label(ax, title, "concurrency", ylabel, fontsize="small")
     _save(fig, path)
 
 
