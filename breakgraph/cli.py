@@ -155,37 +155,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, on_ready)
 
 
+def _add_command(sub, name: str, func, add_groups, **kw) -> argparse.ArgumentParser:
+    """A subcommand running ``func``: its flag groups in ``add_groups``' order, then the log
+    level; the flag reference (``FLAGS_DOC``) as its epilog."""
+    cmd = sub.add_parser(name, epilog=FLAGS_DOC, formatter_class=_HELP, **kw)
+    for add in add_groups:
+        add(cmd)
+    _add_log_level(cmd, top=False)
+    cmd.set_defaults(func=func)
+    return cmd
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__, formatter_class=_HELP)
     _add_log_level(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser(
+    gen = _add_command(
+        sub,
         "generate",
+        cmd_generate,
+        (_add_prompt_args, _add_sampling_args, add_engine_args),
         help="answer one prompt with the chat template applied",
         description="Answer one prompt in-process, the chat template applied.",
-        epilog=FLAGS_DOC,
-        formatter_class=_HELP,
     )
-    _add_prompt_args(gen)
-    _add_sampling_args(gen)
-    add_engine_args(gen)
-    _add_log_level(gen, top=False)
-    gen.set_defaults(func=cmd_generate)
-
-    srv = sub.add_parser(
+    srv = _add_command(
+        sub,
         "serve",
+        cmd_serve,
+        (add_engine_args, _add_listen_args, add_server_args),
         help="HTTP server: SGLang-native /generate and the OpenAI API",
         description="HTTP server: SGLang-native /generate and the OpenAI API, listening once "
         "the model is loaded and its graphs captured.",
-        epilog=FLAGS_DOC,
-        formatter_class=_HELP,
     )
-    add_engine_args(srv)
-    _add_listen_args(srv)
-    add_server_args(srv)
-    _add_log_level(srv, top=False)
-    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (breakgraph bench BENCH --help)")
     add_bench_parsers(bench, _HELP)
