@@ -61,6 +61,20 @@ class Shutdown:
 
 # ---- engine -> API ----
 @dataclass
+class MemoryReport:
+    """Where the engine's device memory went at startup (rank 0's), bytes; ``free_bytes`` and
+    ``total_bytes`` are 0 on the CPU (not measured)."""
+
+    weights_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    penalty_pool_bytes: int
+    graph_pool_bytes: dict[str, int]  # per bank: what its capture reserved
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass
 class ModelInfo:
     """What the engine reports once the model is loaded."""
 
@@ -73,6 +87,7 @@ class ModelInfo:
     dtype: str
     device: str
     engine_pid: int
+    memory: MemoryReport | None = None
 
 
 @dataclass

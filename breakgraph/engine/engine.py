@@ -164,6 +164,7 @@ class Engine:
             self.max_running_requests,
             self.context_len,
         )
+        logger.info("%s", rank.memory.log_line())
 
     def run_warmups(self) -> WarmupReport | None:
         """The serving-shape warm-up, when enabled (see ``--warmups``)."""

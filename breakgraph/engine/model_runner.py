@@ -23,10 +23,17 @@ from torch import nn
 from breakgraph.engine.graphs.base import GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.decode import DecodeGraphs
 from breakgraph.engine.graphs.dispatch import PROMPT_LOGPROBS, StepDispatcher
-from breakgraph.engine.graphs.key import DECODE_PENALIZED, EAGER, StepKey
+from breakgraph.engine.graphs.key import (
+    DECODE_PENALIZED,
+    EAGER,
+    PREFILL,
+    PREFILL_WHOLE,
+    StepKey,
+)
 from breakgraph.engine.graphs.prefill import PrefillGraphs
 from breakgraph.engine.logprobs import chunked_row_logprobs
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
+from breakgraph.graph import GraphBank
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,21 @@ class ModelRunner:
             self.decode_graphs.capture()
         self.dispatcher = StepDispatcher(self.decode_graphs, self.prefill_graphs)
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
+
+    def banks(self) -> dict[str, GraphBank]:
+        """Every bank this runner captured, by its name in graphs/key.py (``tail``: the
+        bounded-prefill tail's)."""
+        banks: dict[str, GraphBank] = {}
+        if self.prefill_graphs is not None:
+            g = self.prefill_graphs
+            banks[PREFILL] = g.bank
+            if g.whole is not None:
+                banks[PREFILL_WHOLE] = g.whole
+            if g.tail is not None:
+                banks["tail"] = g.tail.bank
+        if self.decode_graphs is not None:
+            banks.update(self.decode_graphs.banks)
+        return banks
 
     def dispatch(self, batch: ForwardBatch, penalized: bool = False) -> StepKey:
         """The key serving replays ``batch`` with (see engine/graphs/dispatch.py)."""

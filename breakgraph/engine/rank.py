@@ -20,6 +20,7 @@ from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.graphs.base import prefill_token_buckets
+from breakgraph.engine.memory import DeviceMemory, MemorySplit, kv_budget_slots, tensor_bytes
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.kernels import jit_watch
@@ -49,6 +50,7 @@ class Rank:
     max_running_requests: int
     req_pool: ReqToTokenPool
     runner: ModelRunner
+    memory: MemorySplit
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -91,7 +93,7 @@ def build_rank(
     if loaded.tokenizer is not None:
         eos |= set(loaded.tokenizer.eos_token_ids)
     penalties = penalty_pool(args, cfg.vocab_size, device, eos)  # before the KV pool
-    num_slots = agree_slots(num_kv_slots(args, model, dtype, device))
+    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len))
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_shapes(num_slots + 1, model.kv_cache_shapes(), dtype, device)
     max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
@@ -105,6 +107,7 @@ def build_rank(
     return Rank(
         model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
         num_slots, kv_pool, max_running, req_pool, runner,
+        memory_split(model, kv_pool, penalties, runner),
     )  # fmt: skip
 
 
@@ -132,21 +135,35 @@ def penalty_pool(
     return PenaltyPool(vocab_size, device, eos, capacity)
 
 
-def num_kv_slots(args: EngineArgs, model, dtype: torch.dtype, device: torch.device) -> int:
-    """KV slots this rank's pool holds: ``--max-total-tokens``, else from free device memory."""
-    per_slot = KVPool.slot_bytes(model.kv_cache_shapes(), dtype)
+def num_kv_slots(
+    args: EngineArgs, model, dtype: torch.dtype, device: torch.device, context_len: int
+) -> int:
+    """KV slots this rank's pool holds: ``--max-total-tokens``, else what the memory budget
+    leaves (at least one request of the full context: memory.py)."""
     if args.max_total_tokens:
         return args.max_total_tokens
     if device.type != "cuda":
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
-    free, total = torch.cuda.mem_get_info(device)
-    budget = total * args.mem_fraction_static - (total - free)
-    if budget < per_slot * 1024:
-        raise RuntimeError(
-            f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV cache "
-            f"({(total - free) / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)"
-        )
-    return int(budget // per_slot)
+    return kv_budget_slots(
+        DeviceMemory.of(device), args.mem_fraction_static,
+        KVPool.slot_bytes(model.kv_cache_shapes(), dtype), context_len,
+        tensor_bytes([*model.parameters(), *model.buffers()]),
+    )  # fmt: skip
+
+
+def memory_split(model, kv_pool: KVPool, penalties: PenaltyPool, runner: ModelRunner):
+    """Where this rank's memory went (memory.py's ``MemorySplit``), once its graphs exist."""
+    device = kv_pool.device
+    mem = DeviceMemory.of(device) if device.type == "cuda" else DeviceMemory(0, 0)
+    return MemorySplit(
+        weights=tensor_bytes([*model.parameters(), *model.buffers()]),
+        kv=kv_pool.size_bytes,
+        kv_tokens=kv_pool.num_slots - 1,
+        penalty_pool=tensor_bytes(penalties.tensors()),
+        graph_pools={name: bank.reserved_bytes for name, bank in runner.banks().items()},
+        free=mem.free,
+        total=mem.total,
+    )
 
 
 def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:

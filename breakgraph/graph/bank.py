@@ -107,6 +107,7 @@ class GraphBank:
         self.graphs: dict[int, BreakableGraph] = {}
         self._addresses: list[int] = []
         self.capture_seconds = 0.0
+        self.reserved_bytes = 0  # what the capture added to the device's reserved memory
 
     @property
     def max_size(self) -> int:
@@ -156,6 +157,7 @@ class GraphBank:
         torch.cuda.empty_cache()
         self._addresses = [t.data_ptr() for t in self._watched()]
         self.capture_seconds = time.perf_counter() - start
+        self.reserved_bytes = torch.cuda.memory_reserved(self.device) - pool_before
         logger.info(
             "%s: captured %d buckets (%d..%d) in %.2f s, %.0f MiB reserved",
             self.name,
@@ -163,7 +165,7 @@ class GraphBank:
             self.sizes[0],
             self.max_size,
             self.capture_seconds,
-            (torch.cuda.memory_reserved(self.device) - pool_before) / 2**20,
+            self.reserved_bytes / 2**20,
         )
 
     def _capture_all(self, sizes, stream, warmup: bool, progress: bool) -> None:

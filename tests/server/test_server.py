@@ -331,6 +331,19 @@ def test_health_info_and_cache(server):
     assert info(server)["kv_tokens_cached"] == 0
 
 
+def test_server_info_reports_where_the_memory_went(server):
+    """/get_server_info's ``memory``: the weights, the KV pool (its bytes are its tokens'
+    and the padding slot's), the penalty pool; no graph pools and no device totals on the
+    CPU."""
+    i = info(server)
+    mem = i["memory"]
+    assert mem["kv_tokens"] == i["max_total_num_tokens"]
+    assert mem["weights_bytes"] > 0 and mem["penalty_pool_bytes"] > 0
+    per_token = mem["kv_bytes"] / (mem["kv_tokens"] + 1)
+    assert per_token == int(per_token) > 0
+    assert mem["graph_pool_bytes"] == {} and mem["free_bytes"] == mem["total_bytes"] == 0
+
+
 def test_both_processes_freeze_startup_objects_out_of_gc(server):
     """Ready: each process froze its start-up objects (a full collection no longer walks
     torch's and the model's); the engine's collections since are in /metrics."""

@@ -1,0 +1,93 @@
+"""Where a rank's device memory goes: the KV pool's size from the budget
+``--mem-fraction-static`` leaves, the one-line refusal when that budget cannot hold one
+request of the full context, and the split (weights, KV, graph pools, the penalty pool, free)
+that the startup log and ``/get_server_info`` report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from breakgraph.common.messages import MemoryReport
+
+GIB = 2**30
+
+
+class MemoryPlanError(RuntimeError):
+    """The device cannot hold the model and the KV cache it needs: the message names the
+    numbers and the flags to change, in one line."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory as ``torch.cuda.mem_get_info`` reports it, bytes."""
+
+    free: int
+    total: int
+
+    @classmethod
+    def of(cls, device: torch.device) -> DeviceMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(free, total)
+
+
+def kv_budget_slots(
+    mem: DeviceMemory,
+    fraction: float,
+    slot_bytes: int,
+    context_len: int,
+    weights_bytes: int,
+) -> int:
+    """KV slots the budget holds: ``total x fraction`` less what is in use now (the weights
+    and everything loaded with them); at least one request of ``context_len`` tokens, else a
+    ``MemoryPlanError``."""
+    used = mem.total - mem.free
+    budget = mem.total * fraction - used
+    need = slot_bytes * context_len
+    if budget < need:
+        raise MemoryPlanError(
+            f"the KV cache for one {context_len}-token request needs {need / GIB:.2f} GiB, but "
+            f"--mem-fraction-static {fraction} of {mem.total / GIB:.1f} GiB leaves "
+            f"{max(budget, 0) / GIB:.2f} GiB beside the {used / GIB:.2f} GiB in use "
+            f"(weights {weights_bytes / GIB:.2f} GiB; {mem.free / GIB:.2f} GiB free): raise "
+            "--mem-fraction-static, lower --context-length, or set --max-total-tokens"
+        )
+    return int(budget // slot_bytes)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class MemorySplit:
+    """What a rank holds once it is built, bytes."""
+
+    weights: int
+    kv: int
+    kv_tokens: int
+    penalty_pool: int
+    graph_pools: dict[str, int] = field(default_factory=dict)  # bank name -> reserved by it
+    free: int = 0  # the device's, after everything above (0 on the CPU: not measured)
+    total: int = 0
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(
+            weights_bytes=self.weights, kv_bytes=self.kv, kv_tokens=self.kv_tokens,
+            penalty_pool_bytes=self.penalty_pool, graph_pool_bytes=dict(self.graph_pools),
+            free_bytes=self.free, total_bytes=self.total,
+        )  # fmt: skip
+
+    def log_line(self) -> str:
+        graphs = sum(self.graph_pools.values())
+        banks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.graph_pools.items() if v)
+        line = (
+            f"memory: weights {self.weights / GIB:.2f} GiB, KV {self.kv / GIB:.2f} GiB "
+            f"({self.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB"
+            + (f" ({banks})" if banks else "")
+            + f", penalty pool {self.penalty_pool / GIB:.2f} GiB"
+        )
+        if self.total:
+            line += f", free {self.free / GIB:.2f} of {self.total / GIB:.1f} GiB"
+        return line
