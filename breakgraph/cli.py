@@ -117,12 +117,13 @@ def _add_listen_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
+    from breakgraph.engine.memory import MemoryPlanError
     from breakgraph.engine.request import SamplingParams
     from breakgraph.models.gguf_loader import EmbeddedModelMissing
 
     try:
         engine = Engine(EngineArgs.from_namespace(args))
-    except (EmbeddedModelMissing, FileNotFoundError, ValueError) as e:
+    except (EmbeddedModelMissing, FileNotFoundError, ValueError, MemoryPlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sampling = SamplingParams(
