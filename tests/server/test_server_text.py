@@ -56,7 +56,10 @@ def test_timeline_with_text(server):
     timeline = meta["timeline"]
     assert "detokenize" in timeline and "forward" in timeline
     assert all(v >= 0 for v in timeline.values()), timeline
-    assert abs(sum(timeline.values()) - meta["e2e_latency"]) < 2e-3, (timeline, meta)
+    # the stages are wall-clock stamps (they cross processes), e2e is perf_counter's: on a
+    # loaded 2-core VM the two clocks drifted 3.5 ms apart over a 0.65 s request
+    e2e = meta["e2e_latency"]
+    assert abs(sum(timeline.values()) - e2e) < 2e-3 + 0.01 * e2e, (timeline, meta)
 
 
 def test_stream_text_is_cumulative(server):
