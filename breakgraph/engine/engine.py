@@ -24,6 +24,7 @@ from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.config import SchedulerConfig
+from breakgraph.engine.memory import memory_log_line
 from breakgraph.engine.rank import build_rank, claim_device, rank_device
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler
@@ -164,7 +165,7 @@ class Engine:
             self.max_running_requests,
             self.context_len,
         )
-        logger.info("%s", rank.memory.log_line())
+        logger.info("%s", memory_log_line(rank.memory))
 
     def run_warmups(self) -> WarmupReport | None:
         """The serving-shape warm-up, when enabled (see ``--warmups``)."""

@@ -1,11 +1,11 @@
 """Where a rank's device memory goes: the KV pool's size from the budget
 ``--mem-fraction-static`` leaves, the one-line refusal when that budget cannot hold one
 request of the full context, and the split (weights, KV, graph pools, the penalty pool, free)
-that the startup log and ``/get_server_info`` report."""
+that the startup log and ``/get_server_info`` report (``common.messages.MemoryReport``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,34 +60,16 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@dataclass
-class MemorySplit:
-    """What a rank holds once it is built, bytes."""
-
-    weights: int
-    kv: int
-    kv_tokens: int
-    penalty_pool: int
-    graph_pools: dict[str, int] = field(default_factory=dict)  # bank name -> reserved by it
-    free: int = 0  # the device's, after everything above (0 on the CPU: not measured)
-    total: int = 0
-
-    def report(self) -> MemoryReport:
-        return MemoryReport(
-            weights_bytes=self.weights, kv_bytes=self.kv, kv_tokens=self.kv_tokens,
-            penalty_pool_bytes=self.penalty_pool, graph_pool_bytes=dict(self.graph_pools),
-            free_bytes=self.free, total_bytes=self.total,
-        )  # fmt: skip
-
-    def log_line(self) -> str:
-        graphs = sum(self.graph_pools.values())
-        banks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.graph_pools.items() if v)
-        line = (
-            f"memory: weights {self.weights / GIB:.2f} GiB, KV {self.kv / GIB:.2f} GiB "
-            f"({self.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB"
-            + (f" ({banks})" if banks else "")
-            + f", penalty pool {self.penalty_pool / GIB:.2f} GiB"
-        )
-        if self.total:
-            line += f", free {self.free / GIB:.2f} of {self.total / GIB:.1f} GiB"
-        return line
+def memory_log_line(m: MemoryReport) -> str:
+    """The startup log's line of where the rank's memory went."""
+    graphs = sum(m.graph_pool_bytes.values())
+    banks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.graph_pool_bytes.items() if v)
+    line = (
+        f"memory: weights {m.weights_bytes / GIB:.2f} GiB, KV {m.kv_bytes / GIB:.2f} GiB "
+        f"({m.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB"
+        + (f" ({banks})" if banks else "")
+        + f", penalty pool {m.penalty_pool_bytes / GIB:.2f} GiB"
+    )
+    if m.total_bytes:
+        line += f", free {m.free_bytes / GIB:.2f} of {m.total_bytes / GIB:.1f} GiB"
+    return line

@@ -23,13 +23,7 @@ from torch import nn
 from breakgraph.engine.graphs.base import GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.decode import DecodeGraphs
 from breakgraph.engine.graphs.dispatch import PROMPT_LOGPROBS, StepDispatcher
-from breakgraph.engine.graphs.key import (
-    DECODE_PENALIZED,
-    EAGER,
-    PREFILL,
-    PREFILL_WHOLE,
-    StepKey,
-)
+from breakgraph.engine.graphs.key import DECODE_PENALIZED, EAGER, StepKey
 from breakgraph.engine.graphs.prefill import PrefillGraphs
 from breakgraph.engine.logprobs import chunked_row_logprobs
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
@@ -94,18 +88,11 @@ class ModelRunner:
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def banks(self) -> dict[str, GraphBank]:
-        """Every bank this runner captured, by its name in graphs/key.py (``tail``: the
-        bounded-prefill tail's)."""
+        """Every bank this runner captured, by its name in graphs/key.py."""
         banks: dict[str, GraphBank] = {}
-        if self.prefill_graphs is not None:
-            g = self.prefill_graphs
-            banks[PREFILL] = g.bank
-            if g.whole is not None:
-                banks[PREFILL_WHOLE] = g.whole
-            if g.tail is not None:
-                banks["tail"] = g.tail.bank
-        if self.decode_graphs is not None:
-            banks.update(self.decode_graphs.banks)
+        for graphs in (self.prefill_graphs, self.decode_graphs):
+            if graphs is not None:
+                banks.update(graphs.banks)
         return banks
 
     def dispatch(self, batch: ForwardBatch, penalized: bool = False) -> StepKey:
@@ -159,8 +146,8 @@ class ModelRunner:
             return self._eager(batch)
         if batch.mode is ForwardMode.DECODE:
             if key.bank == DECODE_PENALIZED:
-                rows = torch.zeros_like(batch.req_pool_indices)
-                return self.decode_graphs.replay(key, batch, rows)[0]
+                graphs = self.decode_graphs
+                return graphs.replay(key, batch, graphs.neutral_rows(batch.batch_size))[0]
             return self.decode_graphs.replay(key, batch)
         return self.prefill_graphs.replay(key, batch)
 

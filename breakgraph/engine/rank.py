@@ -17,10 +17,11 @@ import torch
 
 from breakgraph.cache.kv_pool import KVPool
 from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.common.messages import MemoryReport
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.graphs.base import prefill_token_buckets
-from breakgraph.engine.memory import DeviceMemory, MemorySplit, kv_budget_slots, tensor_bytes
+from breakgraph.engine.memory import DeviceMemory, kv_budget_slots, tensor_bytes
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.kernels import jit_watch
@@ -50,7 +51,7 @@ class Rank:
     max_running_requests: int
     req_pool: ReqToTokenPool
     runner: ModelRunner
-    memory: MemorySplit
+    memory: MemoryReport
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -93,7 +94,8 @@ def build_rank(
     if loaded.tokenizer is not None:
         eos |= set(loaded.tokenizer.eos_token_ids)
     penalties = penalty_pool(args, cfg.vocab_size, device, eos)  # before the KV pool
-    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len))
+    weights = tensor_bytes([*model.parameters(), *model.buffers()])
+    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len, weights))
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_shapes(num_slots + 1, model.kv_cache_shapes(), dtype, device)
     max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
@@ -107,7 +109,7 @@ def build_rank(
     return Rank(
         model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
         num_slots, kv_pool, max_running, req_pool, runner,
-        memory_split(model, kv_pool, penalties, runner),
+        memory_report(weights, kv_pool, penalties, runner),
     )  # fmt: skip
 
 
@@ -136,7 +138,12 @@ def penalty_pool(
 
 
 def num_kv_slots(
-    args: EngineArgs, model, dtype: torch.dtype, device: torch.device, context_len: int
+    args: EngineArgs,
+    model,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    weights_bytes: int,
 ) -> int:
     """KV slots this rank's pool holds: ``--max-total-tokens``, else what the memory budget
     leaves (at least one request of the full context: memory.py)."""
@@ -146,23 +153,24 @@ def num_kv_slots(
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
     return kv_budget_slots(
         DeviceMemory.of(device), args.mem_fraction_static,
-        KVPool.slot_bytes(model.kv_cache_shapes(), dtype), context_len,
-        tensor_bytes([*model.parameters(), *model.buffers()]),
+        KVPool.slot_bytes(model.kv_cache_shapes(), dtype), context_len, weights_bytes,
     )  # fmt: skip
 
 
-def memory_split(model, kv_pool: KVPool, penalties: PenaltyPool, runner: ModelRunner):
-    """Where this rank's memory went (memory.py's ``MemorySplit``), once its graphs exist."""
+def memory_report(
+    weights_bytes: int, kv_pool: KVPool, penalties: PenaltyPool, runner: ModelRunner
+) -> MemoryReport:
+    """Where this rank's memory went, once its graphs exist (free and total: 0 on the CPU)."""
     device = kv_pool.device
     mem = DeviceMemory.of(device) if device.type == "cuda" else DeviceMemory(0, 0)
-    return MemorySplit(
-        weights=tensor_bytes([*model.parameters(), *model.buffers()]),
-        kv=kv_pool.size_bytes,
+    return MemoryReport(
+        weights_bytes=weights_bytes,
+        kv_bytes=kv_pool.size_bytes,
         kv_tokens=kv_pool.num_slots - 1,
-        penalty_pool=tensor_bytes(penalties.tensors()),
-        graph_pools={name: bank.reserved_bytes for name, bank in runner.banks().items()},
-        free=mem.free,
-        total=mem.total,
+        penalty_pool_bytes=tensor_bytes(penalties.tensors()),
+        graph_pool_bytes={name: bank.reserved_bytes for name, bank in runner.banks().items()},
+        free_bytes=mem.free,
+        total_bytes=mem.total,
     )
 
 

@@ -114,7 +114,7 @@ def model_info(engine: Engine) -> ModelInfo:
         dtype=str(engine.dtype).removeprefix("torch."),
         device=str(engine.device),
         engine_pid=os.getpid(),
-        memory=engine.rank.memory.report(),
+        memory=engine.rank.memory,
     )
 
 

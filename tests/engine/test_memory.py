@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from breakgraph.common.messages import MemoryReport
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.memory import (
     GIB,
     DeviceMemory,
     MemoryPlanError,
-    MemorySplit,
     kv_budget_slots,
+    memory_log_line,
 )
 from breakgraph.engine.rank import CPU_DEFAULT_MAX_TOTAL_TOKENS, num_kv_slots
 
@@ -49,23 +50,20 @@ def test_explicit_tokens_and_the_cpu_default_need_no_budget():
     model.kv_cache_shapes = lambda: [(8, 128)] * 28
     cpu = torch.device("cpu")
     args = EngineArgs(max_total_tokens=1000)
-    assert num_kv_slots(args, model, torch.bfloat16, cpu, 40960) == 1000
-    assert num_kv_slots(EngineArgs(), model, torch.bfloat16, cpu, 40960) == (
+    assert num_kv_slots(args, model, torch.bfloat16, cpu, 40960, 0) == 1000
+    assert num_kv_slots(EngineArgs(), model, torch.bfloat16, cpu, 40960, 0) == (
         CPU_DEFAULT_MAX_TOTAL_TOKENS
     )
 
 
 def test_the_split_reports_every_part_and_the_graph_pools_by_bank():
-    split = MemorySplit(
-        weights=int(1.5 * GIB), kv=int(60 * GIB), kv_tokens=549_000, penalty_pool=GIB // 10,
-        graph_pools={"prefill": GIB // 2, "decode": GIB // 4, "prefill_whole": 0},
-        free=int(20.5 * GIB), total=140 * GIB,
+    report = MemoryReport(
+        weights_bytes=int(1.5 * GIB), kv_bytes=int(60 * GIB), kv_tokens=549_000,
+        penalty_pool_bytes=GIB // 10,
+        graph_pool_bytes={"prefill": GIB // 2, "decode": GIB // 4, "prefill_whole": 0},
+        free_bytes=int(20.5 * GIB), total_bytes=140 * GIB,
     )  # fmt: skip
-    line = split.log_line()
-    assert line == (
+    assert memory_log_line(report) == (
         "memory: weights 1.50 GiB, KV 60.00 GiB (549000 tokens), graph pools 0.75 GiB "
         "(prefill 0.50, decode 0.25), penalty pool 0.10 GiB, free 20.50 of 140.0 GiB"
     )
-    report = split.report()
-    assert report.graph_pool_bytes == split.graph_pools and report.kv_tokens == 549_000
-    assert report.graph_pool_bytes is not split.graph_pools

@@ -58,6 +58,9 @@ class DecodeGraphs(GraphsBase):
         self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
         self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
         self._ones32 = torch.ones(n, dtype=torch.int32, device=self.device)
+        # a TP worker's penalized replays: every row on the pool's neutral row 0 (a view of
+        # one element, for any batch size: no allocation per step)
+        self._neutral = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def _forward(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens):
         bs = input_ids.shape[0]
@@ -98,6 +101,10 @@ class DecodeGraphs(GraphsBase):
         self.long_bank.capture()
         if self.penalized_bank is not None:
             self.penalized_bank.capture()
+
+    def neutral_rows(self, bs: int) -> torch.Tensor:
+        """Penalty rows for ``bs`` rows that leave the logits as they are."""
+        return self._neutral.expand(bs)
 
     def replay(self, key: StepKey, batch: ForwardBatch, penalty_rows: torch.Tensor | None = None):
         """The step through ``key``'s bank -> logits [B, vocab], or (logits, logits with the

@@ -20,10 +20,10 @@ import contextlib
 import torch
 
 from breakgraph.engine.graphs.base import GraphsBase, GraphTarget
-from breakgraph.engine.graphs.key import PREFILL, PREFILL_WHOLE, StepKey
+from breakgraph.engine.graphs.key import PREFILL, PREFILL_WHOLE, TAIL, StepKey
 from breakgraph.engine.graphs.tail import TailGraphs
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, forward_context
-from breakgraph.graph import StaticInput
+from breakgraph.graph import GraphBank, StaticInput
 
 
 class PrefillGraphs(GraphsBase):
@@ -72,6 +72,16 @@ class PrefillGraphs(GraphsBase):
                 inputs, whole_sizes, name="whole prefill graphs",
                 split_at_breaks=False, capture_context=self._capture_whole_context,
             )  # fmt: skip
+
+    @property
+    def banks(self) -> dict[str, GraphBank]:
+        """This set's banks by their names in key.py."""
+        banks = {PREFILL: self.bank}
+        if self.whole is not None:
+            banks[PREFILL_WHOLE] = self.whole
+        if self.tail is not None:
+            banks[TAIL] = self.tail.bank
+        return banks
 
     def _forward(self, input_ids, positions, out_cache_loc):
         del out_cache_loc  # the KV store reads it through the capture's forward context

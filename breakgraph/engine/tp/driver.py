@@ -56,10 +56,6 @@ def _i32(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 
-def _i32_or_none(values) -> np.ndarray | None:
-    return None if values is None else _i32(values)
-
-
 def free_port() -> int:
     """A TCP port free on this host now (the TP group's rendezvous)."""
     with socket.socket() as s:
@@ -170,7 +166,7 @@ class TPDriver:
         rank 0's forward. A collective failing because a worker died raises a RuntimeError
         naming it."""
         self.check_workers()
-        writes = self.req_pool.drain_writes() or (None, None, None)
+        rows_w, cols_w, slots_w = self.req_pool.drain_writes() or (None, None, None)
         msg = StepMessage(
             mode=batch.mode.value,
             out_cache_loc=_i32(batch.out_cache_loc_cpu),
@@ -178,9 +174,9 @@ class TPDriver:
             prefix_lens=_i32(batch.prefix_lens_cpu),
             extend_lens=_i32(batch.extend_lens_cpu),
             key=key,
-            write_rows=_i32_or_none(writes[0]),
-            write_cols=_i32_or_none(writes[1]),
-            write_slots=_i32_or_none(writes[2]),
+            write_rows=rows_w,
+            write_cols=cols_w,
+            write_slots=slots_w,
             prompt_rows=-1 if rows is None else rows.shape[0],
             top_k=top_k,
         )
