@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 PREFIX = "BREAKGRAPH_"
-KINDS = ("debug", "escape hatch", "tuning", "timeout", "opt-in")
+KINDS = ("debug", "escape hatch", "tuning", "timeout", "opt-in", "setting")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -201,6 +201,12 @@ TP_TRACE = Bool(
     doc="At shutdown rank 0 logs its sends' host time and each TP worker where its steps' "
     "time went (receive, batch build, launch), as percentiles (engine/tp/worker.py).",
 )  # fmt: skip
+API_KEY = Str(
+    "BREAKGRAPH_API_KEY", "", kind="setting",
+    doc="The key `serve` asks of every request but the health probes, when --api-key is not "
+    "given (out of the command line, where other users' `ps` would see it) "
+    "(server/launch.py).",
+)  # fmt: skip
 
 
 def registry() -> dict[str, EnvVar]:
@@ -254,7 +260,8 @@ def describe() -> str:
         "",
         "Kinds: *debug* aids that slow or log; *escape hatch*es that turn off a default a user",
         "may not want (nondeterministic atomics, dependent launches); *tuning* values measured",
-        "on one GPU that another may set; *timeout*s; *opt-in* paths not yet measured.",
+        "on one GPU that another may set; *timeout*s; *opt-in* paths not yet measured;",
+        "*setting*s of a deployment kept out of the command line (a secret).",
         "",
     ]
     return "\n".join(lines)

@@ -284,6 +284,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     g = argument_group(parser, SERVER)
     g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="every route but /health and /health_generate needs the header 'Authorization: "
+        "Bearer KEY' (401 otherwise); default: the BREAKGRAPH_API_KEY environment variable "
+        "(which `ps` does not show), else no key (SGLang's and vLLM's flag)",
+    )
+    g.add_argument(
         "--max-request-bytes",
         metavar="BYTES",
         type=_positive_int,

@@ -19,6 +19,7 @@ import breakgraph
 from breakgraph.common import gc_watch
 from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.asgi import HotRoutes
+from breakgraph.server.auth import BearerAuth
 from breakgraph.server.errors import APIError, EngineError
 from breakgraph.server.generation import (
     GenerationRequest,
@@ -70,13 +71,14 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def create_asgi_app(state: ServerState) -> HotRoutes:
+def create_asgi_app(state: ServerState, api_key: str | None = None) -> HotRoutes | BearerAuth:
     """What uvicorn serves: :func:`create_app` with the generation routes called directly
-    (server/asgi.py)."""
+    (server/asgi.py), behind the API key if one is set (server/auth.py)."""
     app = create_app(state)
     hot = {("POST", "/generate"): generate, ("POST", "/v1/completions"): completions,
            ("POST", "/v1/chat/completions"): chat_completions}  # fmt: skip
-    return HotRoutes(app, hot)
+    routes = HotRoutes(app, hot)
+    return BearerAuth(routes, api_key) if api_key else routes
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
-from breakgraph.common import gc_watch
+from breakgraph.common import envs, gc_watch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
 from breakgraph.server.client import EngineClient
@@ -199,8 +199,11 @@ async def _serve_on(
             incremental_streaming_output=engine_args.incremental_streaming_output,
             stream_interval=engine_args.stream_interval,
         )  # fmt: skip
+        api_key = args.api_key or envs.API_KEY.get() or None
+        if api_key:
+            logger.info("an API key is required on every route but /health and /health_generate")
         config = uvicorn.Config(
-            create_asgi_app(state),
+            create_asgi_app(state, api_key),
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
@@ -223,7 +226,8 @@ async def _serve_on(
         announce = None
         if on_ready is not None:
             url = f"http://{args.host}:{args.port}"
-            announce = asyncio.create_task(_announce(server, on_ready, f"{name} on {url}"))
+            what = f"{name} on {url}" + (" (API key required)" if api_key else "")
+            announce = asyncio.create_task(_announce(server, on_ready, what))
         serving = True
         await server.serve(sockets=[sock])
         if announce is not None:
