@@ -295,4 +295,4 @@ def add_bench_parsers(bench: argparse.ArgumentParser, formatter_class) -> None:
     for name, (text, add_args, _) in BENCHES.items():
         p = sub.add_parser(name, help=text, description=text, formatter_class=formatter_class)
         add_args(p)
-        p.set_defaults(func=run_bench)
+        p.set_defaults(func=run_bench, parser=p)

@@ -85,12 +85,20 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         help="auto: CUDA where torch sees a GPU, else the CPU",
     )
     g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for SGLang's and vLLM's command lines, and changes nothing: the "
+        "engine runs no code from a checkpoint (its architectures are built in)",
+    )
+    g.add_argument(
         "--context-length",
+        "--max-model-len",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         default=d.context_length,
         help="the longest request, prompt and output (default: the model's "
-        "max_position_embeddings; a larger value extrapolates positions, with a warning)",
+        "max_position_embeddings; a larger value extrapolates positions past the trained "
+        "length, which degrades the output, with a warning)",
     )
     g.add_argument(
         "--kv-sharing-fast-prefill",
@@ -115,7 +123,7 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--mem-fraction-static",
         metavar="FRACTION",
-        type=float,
+        type=_fraction,
         default=d.mem_fraction_static,
         help="CUDA: the share of the GPU's memory the weights and the KV pool may fill; the "
         "pool takes what the weights leave (graphs and activations use the rest)",
@@ -123,7 +131,7 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-total-tokens",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         default=d.max_total_tokens,
         help="the KV pool's size in tokens (default: from --mem-fraction-static on CUDA, "
         "16384 on the CPU)",
@@ -140,7 +148,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--chunked-prefill-size",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         default=d.chunked_prefill_size,
         help="the most tokens one prefill step computes; a longer prompt is prefilled in "
         "chunks of this size",
@@ -148,7 +156,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-prefill-tokens",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         default=d.max_prefill_tokens,
         help="new tokens in one prefill batch: a request that would pass it leads the next "
         "batch instead of being chunked; a batch's first request goes whatever its size "
@@ -156,8 +164,9 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--max-running-requests",
+        "--max-num-seqs",
         metavar="N",
-        type=int,
+        type=_positive_int,
         default=d.max_running_requests,
         help="requests running at once, admitted and not finished (default: the KV pool's "
         "tokens / 64, between 8 and 1024)",
@@ -183,13 +192,14 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     d = EngineArgs()
     g.add_argument(
         "--disable-cuda-graph",
+        "--enforce-eager",
         action="store_true",
         help="decode runs eagerly (every kernel launched from Python)",
     )
     g.add_argument(
         "--cuda-graph-max-bs",
         metavar="N",
-        type=int,
+        type=_positive_int,
         default=d.cuda_graph_max_bs,
         help="the largest decode graph's batch (default by GPU memory: 256 on an H100 or H200, "
         "512 from --tp-size 4 or past 160 GB, 160 below 60 GB); larger batches replay it in "
@@ -198,7 +208,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-penalized-requests",
         metavar="N",
-        type=int,
+        type=_non_negative_int,
         default=d.max_penalized_requests,
         help="with decode graphs: requests with penalties, logit_bias or min_new_tokens "
         "running at once, applied inside the graphs (about 10 bytes x vocabulary each on the "
@@ -215,7 +225,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-bs-prefill",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         nargs="+",
         default=d.cuda_graph_bs_prefill,
         help="prefill token buckets (default: multiples of 256 up to "
@@ -224,7 +234,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-max-tokens-prefill",
         metavar="TOKENS",
-        type=int,
+        type=_positive_int,
         default=d.cuda_graph_max_tokens_prefill,
         help="the largest prefill bucket (default: --chunked-prefill-size, at most the "
         "context length)",
@@ -232,7 +242,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--prefill-graph-max-pad-factor",
         metavar="FACTOR",
-        type=float,
+        type=_at_least_one,
         default=d.prefill_graph_max_pad_factor,
         help="a prefill step replays the smallest bucket of at most this many times its "
         "tokens (the smallest bucket takes any smaller step), else it runs eagerly",
@@ -240,7 +250,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-max-tokens-prefill-whole",
         metavar="TOKENS",
-        type=int,
+        type=_non_negative_int,
         default=d.cuda_graph_max_tokens_prefill_whole,
         help="prefill buckets up to this many tokens are also captured whole, attention "
         "inline, for a lone request whose context fits one (0: none)",
@@ -260,6 +270,7 @@ def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--tp-size",
         "--tp",
+        "--tensor-parallel-size",
         metavar="N",
         dest="tp_size",
         type=_positive_int,
@@ -346,15 +357,47 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# flag types: a value out of range is refused when the flags are parsed, before any load
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        name = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> float:
+    value = _number(text, float)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value

@@ -100,7 +100,7 @@ def load_model(
     if context_length and context_length > config.max_position_embeddings:
         logger.warning(
             "--context-length %d exceeds the model's max_position_embeddings %d: positions "
-            "beyond it are extrapolated",
+            "past the trained length are extrapolated, which degrades the output",
             context_length,
             config.max_position_embeddings,
         )
@@ -129,10 +129,15 @@ def load_model(
 
 
 def peek_config(model_path: str | None) -> ModelConfig | None:
-    """The config of a checkpoint directory or built-in name, without loading weights; None
-    for GGUF files (and the embedded model), whose config sits in the weights file."""
+    """The config of a checkpoint directory, built-in name or GGUF file (None: the embedded
+    one), without loading weights: a GGUF file's from its header."""
     if model_path is None or str(model_path).endswith(".gguf"):
-        return None
+        from gguf import GGUFReader
+
+        from breakgraph.models.gguf_loader import _hf_config, find_embedded_gguf
+
+        path = Path(model_path) if model_path else find_embedded_gguf()
+        return ModelConfig.from_dict(_hf_config(GGUFReader(str(path))))
     if model_path in BUILTIN_MODELS:
         return ModelConfig.from_file(CONFIG_DIR / f"{model_path}.json")
     path = Path(model_path) / "config.json"

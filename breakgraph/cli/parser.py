@@ -1,12 +1,16 @@
-"""The one entry point: ``breakgraph generate | serve | bench``."""
+"""The command line's parsers: ``generate``, ``serve`` and ``bench`` with their flag groups,
+``--version``, and flag errors in two lines (a short usage, then the problem, with the flag
+meant where a close one exists and what to use where another engine's flag was given)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
+import difflib
+import importlib.metadata
+import platform
 
 from breakgraph.bench.args import add_bench_parsers
+from breakgraph.common.logs import DEFAULT_LOG_LEVEL, LOG_LEVELS
 from breakgraph.engine.flags import (
     LOGGING,
     SERVER,
@@ -16,10 +20,73 @@ from breakgraph.engine.flags import (
     argument_group,
 )
 
-LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-DEFAULT_LOG_LEVEL = "warning"
-_HELP = HelpFormatter
 FLAGS_DOC = "Every flag, grouped: docs/flags.md. Environment variables: docs/env.md."
+
+# SGLang's or vLLM's flags that have no twin here, each answered with what to do instead
+# (their twins with the same meaning are aliases of ours: --max-model-len, --tp, ...)
+PEER_FLAGS = {
+    "--tokenizer-path": "the tokenizer is read from --model-path (tokenizer.json, "
+    "tokenizer_config.json beside config.json): put its files there",
+    "--gpu-memory-utilization": "use --mem-fraction-static: the share of GPU memory the "
+    "weights and the KV pool may fill",
+    "--max-num-batched-tokens": "use --chunked-prefill-size: the most tokens one prefill step "
+    "computes",
+    "--enable-prefix-caching": "the radix prefix cache is on unless --disable-radix-cache",
+    "--download-dir": "set HF_HUB_CACHE (or HF_HOME): hub ids resolve through huggingface_hub's "
+    "cache",
+    "--quantization": "not supported: weights load in --dtype (a .gguf file is dequantized)",
+}
+PEER_FLAGS["--tokenizer"] = PEER_FLAGS["--tokenizer-path"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are two lines: a short usage (``--help`` has the full
+    one: serve's is 35 lines) and the problem."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.short_usage()}\n{self.prog}: error: {message}\n")
+
+    def short_usage(self) -> str:
+        usage = self.format_usage().strip()
+        if usage.count("\n") < 3:
+            return usage
+        positionals = [
+            a.metavar or a.dest
+            for a in self._actions
+            if not a.option_strings and a.help is not argparse.SUPPRESS
+        ]
+        words = [self.prog, "[flags]", *map(str, positionals)]
+        return f"usage: {' '.join(words)}  ({self.prog} --help: every flag)"
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What argparse says of arguments no flag takes, and then for the first flag among them
+    what to use instead: another engine's flag answered, or the closest of ours."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        if flag in PEER_FLAGS:
+            return f"{message} ({flag}: {PEER_FLAGS[flag]})"
+        ours = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        close = difflib.get_close_matches(flag, ours, n=1, cutoff=0.6)
+        if close:
+            return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
+def version() -> str:
+    def dist(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"breakgraph {dist('breakgraph')} (torch {dist('torch')}, "
+        f"Python {platform.python_version()})"
+    )
 
 
 def _port(text: str) -> int:
@@ -40,7 +107,8 @@ def _add_log_level(p: argparse.ArgumentParser, top: bool) -> None:
         choices=LOG_LEVELS,
         # a subcommand's flag overrides the top-level one only when given
         default=DEFAULT_LOG_LEVEL if top else argparse.SUPPRESS,
-        help="the level of Python logging in every process"
+        help="the level of Python logging in every process; at the default level start-up "
+        "still says what it does (loading, the engine's summary, capture, warm-up)"
         + (
             ""
             if top
@@ -59,6 +127,12 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     g.add_argument(
         "--input-ids", action="store_true", help="PROMPT is a list of token ids ('1 2 3')"
+    )
+    g.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print the answer once it is complete (default: its tokens as they come)",
     )
 
 
@@ -102,8 +176,8 @@ def _add_listen_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         default=None,
         help="the model name of the OpenAI API, as /v1/models lists it (the alias 'default' "
-        "is accepted too); default: the name `serve` prints when ready, from --model-path or "
-        "the embedded model's file",
+        "is accepted too); default: the name `serve` prints when ready, from --model-path (a "
+        "hub id as given) or the embedded model's file",
     )
     g.add_argument(
         "--loop",
@@ -114,65 +188,32 @@ def _add_listen_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from breakgraph.engine.args import EngineArgs
-    from breakgraph.engine.engine import Engine
-    from breakgraph.engine.memory import MemoryPlanError
-    from breakgraph.engine.request import SamplingParams
-    from breakgraph.models.gguf_loader import EmbeddedModelMissing
-
-    try:
-        engine = Engine(EngineArgs.from_namespace(args))
-    except (EmbeddedModelMissing, FileNotFoundError, ValueError, MemoryPlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    sampling = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        ignore_eos=args.ignore_eos,
-    )
-    prompt: str | list[int] = args.prompt
-    if args.input_ids:
-        prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
-    try:
-        (result,) = engine.generate([prompt], sampling, chat=not args.raw)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(result.text if result.text is not None else " ".join(map(str, result.output_ids)))
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from breakgraph.server.launch import serve
-
-    def on_ready(what: str) -> None:
-        print(f"breakgraph: serving {what}", file=sys.stderr, flush=True)
-
-    return serve(args, on_ready)
-
-
 def _add_command(sub, name: str, func, add_groups, **kw) -> argparse.ArgumentParser:
     """A subcommand running ``func``: its flag groups in ``add_groups``' order, then the log
     level; the flag reference (``FLAGS_DOC``) as its epilog."""
-    cmd = sub.add_parser(name, epilog=FLAGS_DOC, formatter_class=_HELP, **kw)
+    cmd = sub.add_parser(name, epilog=FLAGS_DOC, formatter_class=HelpFormatter, **kw)
     for add in add_groups:
         add(cmd)
     _add_log_level(cmd, top=False)
-    cmd.set_defaults(func=func)
+    cmd.set_defaults(func=func, parser=cmd)
     return cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="breakgraph", description=__doc__, formatter_class=_HELP)
+    from breakgraph.cli.generate import cmd_generate
+    from breakgraph.cli.serve import cmd_serve
+
+    parser = Parser(
+        prog="breakgraph",
+        description="The one entry point: breakgraph generate | serve | bench.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version())
     _add_log_level(parser, top=True)
+    parser.set_defaults(parser=parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = _add_command(
+    _add_command(
         sub,
         "generate",
         cmd_generate,
@@ -180,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer one prompt with the chat template applied",
         description="Answer one prompt in-process, the chat template applied.",
     )
-    srv = _add_command(
+    _add_command(
         sub,
         "serve",
         cmd_serve,
@@ -191,26 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     bench = sub.add_parser("bench", help="benchmarks (breakgraph bench BENCH --help)")
-    add_bench_parsers(bench, _HELP)
-    parser.set_defaults(_parsers={"generate": gen, "serve": srv})
+    bench.set_defaults(parser=bench)
+    add_bench_parsers(bench, HelpFormatter)
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # name the subcommand's usage, not the top-level one
-        sub = getattr(args, "_parsers", {}).get(args.command, parser)
-        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    code = args.func(args)
-    tp = sys.modules.get("breakgraph.engine.tp.teardown")  # imported only where TP ran
-    if tp is not None:
-        tp.exit_if_stuck(code or 0)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m breakgraph.cli``: the ``breakgraph`` command."""
+
+import sys
+
+from breakgraph.cli.main import main
+
+sys.exit(main())
