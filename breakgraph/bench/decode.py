@@ -155,7 +155,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
         num_layers = eng.model_config.num_hidden_layers
         raw = eng.model_config.raw
         top_k = raw.get("num_experts_per_tok") or raw.get("top_k_experts") or 0
-        slot_bytes = eng.kv_pool.slot_bytes(eng.model.kv_cache_shapes(), eng.dtype)
+        slot_bytes = eng.kv_pool.model_slot_bytes(eng.model, eng.dtype)
         for bs in args.batch_sizes:
             batch = decode_batch(eng, rows, slots, bs, args.context)
             eager = lambda b=batch, r=runner: r.forward_eager(b)  # noqa: E731

@@ -7,6 +7,7 @@ out and never holds real KV.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,11 @@ class KVPool:
     A KV layer is a layer that stores KV. Most models store KV in every layer, all of one
     shape (the ``num_layers, num_kv_heads, head_dim`` constructor); a model whose late layers
     reuse earlier layers' KV (Gemma 4) stores fewer, of per-layer shapes: ``from_shapes``
-    with the model's ``kv_cache_shapes()``.
+    with the model's ``kv_cache_shapes()``. ``from_model`` also takes what a model adds
+    (DeepSeek V4): K and V in one buffer (``kv_k_is_v``), named per-slot buffers beside the
+    KV (``kv_slot_shapes()``, in ``slot_buffers``) and named per-request float32 state
+    (``request_state_shapes()``, in ``request_states``, allocated by ``add_request_states``
+    once the number of request rows is known).
     """
 
     def __init__(
@@ -39,6 +44,9 @@ class KVPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
+        self.k_is_v = False
+        self.slot_buffers: dict[str, torch.Tensor] = {}
+        self.request_states: dict[str, torch.Tensor] = {}
         self._allocate([(num_kv_heads, head_dim)] * num_layers)
 
     @classmethod
@@ -54,6 +62,43 @@ class KVPool:
         pool._allocate(shapes)
         return pool
 
+    @classmethod
+    def from_model(
+        cls, num_slots: int, model, dtype: torch.dtype, device: torch.device | str
+    ) -> KVPool:
+        """The pool ``model`` needs: its KV layers, and what it stores beside them."""
+        pool = cls(num_slots, 0, 0, 0, dtype, device)
+        pool.k_is_v = bool(getattr(model, "kv_k_is_v", False))
+        pool._allocate(model.kv_cache_shapes())
+        for name, shape in cls.model_slot_shapes(model).items():
+            pool.slot_buffers[name] = torch.zeros(
+                (num_slots, *shape), dtype=dtype, device=pool.device
+            )
+        return pool
+
+    @staticmethod
+    def model_slot_shapes(model) -> dict[str, tuple[int, ...]]:
+        fn = getattr(model, "kv_slot_shapes", None)
+        return fn() if fn is not None else {}
+
+    @classmethod
+    def model_slot_bytes(cls, model, dtype: torch.dtype) -> int:
+        """Bytes one token slot takes in ``from_model``'s pool (to size it from a budget)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        kv = cls.slot_bytes(model.kv_cache_shapes(), dtype)
+        if getattr(model, "kv_k_is_v", False):
+            kv //= 2
+        extra = sum(math.prod(s) for s in cls.model_slot_shapes(model).values()) * itemsize
+        return kv + extra
+
+    def add_request_states(self, num_rows: int, model) -> None:
+        """Zeroed float32 ``[num_rows, *shape]`` per-request state the model names."""
+        fn = getattr(model, "request_state_shapes", None)
+        for name, shape in (fn() if fn is not None else {}).items():
+            self.request_states[name] = torch.zeros(
+                (num_rows, *shape), dtype=torch.float32, device=self.device
+            )
+
     def _allocate(self, shapes: Sequence[tuple[int, int]]) -> None:
         self.layer_shapes: list[tuple[int, int]] = [tuple(s) for s in shapes]
         self.num_layers = len(self.layer_shapes)
@@ -64,15 +109,22 @@ class KVPool:
             torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=self.device)
             for h, d in self.layer_shapes
         ]
-        self.v_buffers: list[torch.Tensor] = [
-            torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=self.device)
-            for h, d in self.layer_shapes
-        ]
+        self.v_buffers: list[torch.Tensor] = (
+            self.k_buffers
+            if self.k_is_v
+            else [
+                torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=self.device)
+                for h, d in self.layer_shapes
+            ]
+        )
 
     @property
     def size_bytes(self) -> int:
-        """Bytes held by all k and v buffers."""
-        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        """Bytes held by the KV buffers (a K = V buffer once), the per-slot buffers and the
+        per-request state."""
+        bufs = self.k_buffers + ([] if self.k_is_v else self.v_buffers)
+        bufs += [*self.slot_buffers.values(), *self.request_states.values()]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     @classmethod
     def bytes_per_slot(

@@ -4,6 +4,13 @@ request table rows (req_to_token), behind one small interface.
 A request's ``kv_slots[:cached_len]`` belong to the radix tree (locked through
 ``last_node``), the rest to the request. Slots in unlocked tree nodes count as available:
 ``alloc`` evicts them when the free list runs short.
+
+A model whose layers carry per-request state besides KV (DeepSeek V4's compressors pool
+windows of tokens) resumes a cached prefix only where that state can be rebuilt: at a
+multiple of ``prefix_align`` tokens (no window open), and with its last
+``prefix_recompute`` tokens computed again (``Req.recompute``; their KV is not stored).
+The cost: a hit gives up to ``prefix_align - 1`` cached tokens, and computes
+``prefix_recompute`` more.
 """
 
 from __future__ import annotations
@@ -20,10 +27,19 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class CacheManager:
-    def __init__(self, allocator: SlotAllocator, tree: RadixCache, req_pool: ReqToTokenPool):
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        tree: RadixCache,
+        req_pool: ReqToTokenPool,
+        prefix_align: int = 1,
+        prefix_recompute: int = 0,
+    ):
         self.allocator = allocator
         self.tree = tree
         self.req_pool = req_pool
+        self.prefix_align = prefix_align
+        self.prefix_recompute = prefix_recompute
 
     # ---- sizes ----
     @property
@@ -69,6 +85,14 @@ class CacheManager:
         if req.prompt_rows_from is not None:
             limit = min(limit, req.prompt_rows_from)
         m = self.tree.match_prefix(req.fill_prefix(limit))
+        if self.prefix_align > 1 or self.prefix_recompute:
+            n = m.prefix_len // self.prefix_align * self.prefix_align
+            # prompt logprob rows are counted from the cached prefix: none recomputed
+            if self.prefix_recompute and req.prompt_rows_from is not None:
+                n = 0
+            if n != m.prefix_len:
+                m = self.tree.match_prefix(req.fill_prefix(n))  # splits the node at n
+        req.recompute = min(self.prefix_recompute, m.prefix_len)
         self.tree.lock(m.node)
         req.last_node, req.cached_len = m.node, m.prefix_len
         req.set_kv(m.slots)

@@ -19,6 +19,11 @@ class SchedulerConfig:
     enable_mixed_chunk: bool = False  # running requests decode inside prefill steps
     max_prefill_tokens: int | None = None  # new tokens in one prefill batch (None: no bound)
     overlap: bool = False  # launch step k+1 before reading step k back
+    # a cached prefix is resumed at a multiple of prefix_align tokens, and its last
+    # prefix_recompute tokens are computed again without storing KV (DeepSeek V4's
+    # compressors: cache_manager.py)
+    prefix_align: int = 1
+    prefix_recompute: int = 0
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:

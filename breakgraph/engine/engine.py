@@ -161,6 +161,8 @@ class Engine:
         logger.info(
             "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
             rank.num_slots,
+                prefix_align=getattr(self.model, "prefix_align", 1),
+                prefix_recompute=getattr(self.model, "prefix_recompute", 0),
             self.kv_pool.size_bytes / 2**30,
             self.max_running_requests,
             self.context_len,

@@ -42,7 +42,7 @@ class ModelRunner:
         if kv_pool.layer_shapes != shapes:
             raise ValueError(
                 f"KV pool layers {kv_pool.layer_shapes} do not match the model's KV layers "
-                f"{shapes}: build it with KVPool.from_shapes(slots, model.kv_cache_shapes(), ...)"
+                f"{shapes}: build it with KVPool.from_model(slots, model, ...)"
             )
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

@@ -130,7 +130,7 @@ class PrefillManager:
                 if not self.cache.admit(req):
                     break
             remaining = req.fill_len - req.kv_len
-            extend = min(remaining, budget)
+            extend = min(remaining, budget - req.recompute)
             if reqs and input_left is not None and extend > input_left:
                 extend = 0  # over --max-prefill-tokens: it leads the next batch instead
             extend = self._fit_kv(extend, reserve if waiting else 0, alone=not (reqs or running))
@@ -151,7 +151,7 @@ class PrefillManager:
             extends.append(extend)
             prefixes.append(req.kv_len)
             new_slots.append(slots)
-            budget -= extend
+            budget -= extend + req.recompute
             if input_left is not None:
                 input_left -= extend
             if extend < remaining:  # this request continues next step: it is the chunked one
@@ -200,13 +200,24 @@ class PrefillManager:
         prefixes: list[int],
         new_slots: list[torch.Tensor],
     ) -> ForwardBatch:
-        """Give each request its new slots, write them to the table, upload the batch."""
+        """Give each request its new slots, write them to the table, upload the batch.
+
+        A request's recomputed rows (``Req.recompute``, before its cached prefix's end) run
+        with KV slot 0, so nothing is stored for them; the table keeps the tree's slots."""
         parts: list[np.ndarray] = []  # int32 views of the prompts: one copy into the upload
-        for req, ext, pre, slots in zip(reqs, extends, prefixes, new_slots, strict=True):
+        recomputed: list[tuple[int, int, torch.Tensor]] = []  # (row, first column, slots)
+        for i, (req, ext, pre, slots) in enumerate(
+            zip(reqs, extends, prefixes, new_slots, strict=True)
+        ):
             if req.decoding:  # a mixed step's decode row: its last token (maybe a placeholder)
                 parts.append(np.array([req.next_input_id], dtype=np.int32))
             else:
-                parts.append(req.fill_prefix(pre + ext, pre))
+                r, req.recompute = req.recompute, 0
+                if r:
+                    recomputed.append((req.req_pool_idx, pre - r, req.kv_slots[pre - r : pre]))
+                    extends[i], prefixes[i] = ext + r, pre - r
+                    new_slots[i] = torch.cat([torch.zeros(r, dtype=slots.dtype), slots])
+                parts.append(req.fill_prefix(pre + ext, pre - r))
             req.append_kv(slots)
             if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
@@ -227,6 +238,8 @@ class PrefillManager:
         if req_pool.write_log is not None:
             log = (np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots)
         req_pool.write_batch(batch, log=log)
+        for row, col, slots in recomputed:  # the tree's slots again where slot 0 went up
+            req_pool.write(row, col, slots)
         return batch
 
 

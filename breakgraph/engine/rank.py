@@ -97,15 +97,20 @@ def build_rank(
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len, weights))
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
-    kv_pool = KVPool.from_shapes(num_slots + 1, model.kv_cache_shapes(), dtype, device)
+    kv_pool = KVPool.from_model(num_slots + 1, model, dtype, device)
     max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
     # + 1: the padding row graph steps use
     req_pool = ReqToTokenPool(max_running + 1, context_len, device)
+    kv_pool.add_request_states(max_running + 1, model)  # one row per request table row
     on_tables(req_pool)
     runner = ModelRunner(model, kv_pool, req_pool.table, penalties)
     if device.type == "cuda":
         jit_watch.install()
-        capture_graphs(args, runner, req_pool, max_running, context_len)
+        if getattr(model, "supports_cuda_graphs", True):
+            capture_graphs(args, runner, req_pool, max_running, context_len)
+        else:
+            logger.warning("%s runs eagerly: its attention is not captured in graphs yet",
+                           cfg.architecture)  # fmt: skip
     return Rank(
         model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
         num_slots, kv_pool, max_running, req_pool, runner,
@@ -153,7 +158,7 @@ def num_kv_slots(
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
     return kv_budget_slots(
         DeviceMemory.of(device), args.mem_fraction_static,
-        KVPool.slot_bytes(model.kv_cache_shapes(), dtype), context_len, weights_bytes,
+        KVPool.model_slot_bytes(model, dtype), context_len, weights_bytes,
     )  # fmt: skip
 
 

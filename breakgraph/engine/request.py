@@ -48,6 +48,9 @@ class Req:
     _kv_np: np.ndarray | None = None
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
     last_node: Any = None
+    # tokens before kv_len its next prefill chunk computes again, storing no KV (KV slot 0
+    # in the step): the rows that rebuild a model's per-request state over a cached prefix
+    recompute: int = 0
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
     generator: torch.Generator | None = None
     decoding: bool = False  # in the scheduler's running (decode) list

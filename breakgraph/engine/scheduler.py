@@ -99,7 +99,9 @@ class Scheduler:
         self.penalized_forward = penalized_forward
         self.cfg = config
         self.device = device
-        self.cache = CacheManager(allocator, tree, req_pool)
+        self.cache = CacheManager(
+            allocator, tree, req_pool, config.prefix_align, config.prefix_recompute
+        )
         self.decode = DecodeManager(self.cache, config, device)
         self.prefill = PrefillManager(
             self.cache,

@@ -106,14 +106,18 @@ def fused_experts_torch(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """HF's experts loop: x [M, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I],
     routing [M, K] -> [M, H] in x's dtype. Experts in ascending order, each token's rows
-    added into the output as HF does (``index_add_``)."""
+    added into the output as HF does (``index_add_``). ``limit`` L: gate clamped to at most
+    L and up to [-L, L] before the activation (DeepSeek V4's clamped SwiGLU)."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
         token, k = torch.where(topk_ids == expert)
         gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         h = F.linear(_act(gate, activation) * up, down[expert])
         h = h * topk_weights[token, k, None]
         out.index_add_(0, token, h.to(out.dtype))
@@ -1062,18 +1066,23 @@ def _moe_sum_kernel(
     tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
-def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="silu"):
+def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="silu", limit=None):
     """Triton twin of :func:`fused_experts_torch` (its arguments; float32 top-k sum, one
-    rounding). Capturable on CUDA: no host sync, buffers sized by the token count."""
+    rounding). Capturable on CUDA: no host sync, buffers sized by the token count. With
+    ``limit`` (clamped SwiGLU) the gate/up GEMM writes both halves and the clamp and the
+    product run as torch ops between the GEMMs (no GEMV path)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
+    if limit is not None and activation != "silu":
+        raise ValueError(f"a clamped gate (limit) is SwiGLU's: activation silu, not {activation!r}")
     m, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
     x = x.contiguous()  # before out: the sum kernel writes rows of contiguous hidden
-    if 0 < m <= envs.MOE_GEMV.get() and gate_up.stride(2) == 1 and down.stride(2) == 1:
+    gemv_ok = limit is None and gate_up.stride(2) == 1 and down.stride(2) == 1
+    if 0 < m <= envs.MOE_GEMV.get() and gemv_ok:
         return fused_experts_gemv_triton(x, gate_up, down, topk_weights, topk_ids, activation)
     out = torch.empty_like(x)
     if m == 0:
@@ -1088,7 +1097,7 @@ def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="s
     h_rows = padded if cfg.sorted_h else rows
     gelu = activation == "gelu_tanh"
     where = dict(A_SORTED=False, C_SORTED=cfg.sorted_h)
-    if cfg.fuse_act or gelu:
+    if (cfg.fuse_act or gelu) and limit is None:
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
@@ -1102,7 +1111,11 @@ def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="s
             A_PER_TOKEN=True, GATED=False, GELU=False, MUL_WEIGHT=False, tma=cfg.tma,
             persistent=cfg.persistent, half_tail=cfg.half_tail, **where,
         )  # fmt: skip
-        h = silu_and_mul_triton(h2)
+        if limit is None:
+            h = silu_and_mul_triton(h2)
+        else:
+            gate, up = h2.chunk(2, dim=-1)
+            h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     if cfg.atomic_sum:  # the down GEMM sums each token's rows into out itself
         out.zero_()
         y = out

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from breakgraph.common import envs
+from breakgraph.kernels import compressed_attention as _compressed
 from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
@@ -36,13 +37,16 @@ __all__ = [
     "gelu_tanh_mul",
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
+    "indexer_scores",
     "linear",
     "linear_act_and_mul",
     "norm_linear",
+    "pool_windows",
     "qk_norm_rope",
     "rms_norm",
     "rope",
     "silu_and_mul",
+    "sparse_attention",
     "store_kv",
     "triton_available",
 ]
@@ -184,6 +188,14 @@ gelu_tanh_mul = _twin(_fused.gelu_tanh_mul_torch, _fused.gelu_tanh_mul_triton)
 rope = _twin(_fused.rope_torch, _fused.rope_triton)
 qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
+
+
+# ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py): torch on every
+# device for now, eager steps only (the model declares no graph support)
+
+pool_windows = _compressed.pool_windows_torch
+indexer_scores = _compressed.indexer_scores_torch
+sparse_attention = _compressed.sparse_attention_torch
 
 
 # ---- mixture of experts (kernels/fused_moe.py)

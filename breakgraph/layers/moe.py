@@ -34,9 +34,16 @@ class FusedMoE(nn.Module):
     output is all-reduced once, as a row-parallel layer's. TP1: the full experts."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        swiglu_limit: float | None = None,
     ):
+        """``swiglu_limit`` L (DeepSeek V4): gate clamped to at most L, up to [-L, L]."""
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.tp = get_tp_group()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
@@ -81,8 +88,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """x [T, H] and its routing [T, K] -> sum_k weight_k * expert_k(x) [T, H]."""
         out = ops.fused_experts(
-            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation
-        )
+            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
+            self.swiglu_limit,
+        )  # fmt: skip
         return self.tp.all_reduce(out)
 
 

@@ -70,7 +70,8 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # MoE-only families (DeepSeek V4) name their one width moe_intermediate_size
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from breakgraph.models.deepseek_v4 import DeepseekV4ForCausalLM
 from breakgraph.models.gemma4 import Gemma4ForCausalLM
 from breakgraph.models.gemma4_config import gemma4_layers
 from breakgraph.models.llama import LlamaForCausalLM
@@ -12,6 +13,7 @@ from breakgraph.models.qwen3 import Qwen3ForCausalLM
 from breakgraph.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its text model
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -33,6 +35,9 @@ def check_tp_support(config, tp_size: int) -> None:
     heads = config.num_attention_heads
     if heads % tp_size:
         raise ValueError(f"--tp-size {tp_size} does not divide the {heads} attention heads")
+    if config.architecture == "DeepseekV4ForCausalLM":
+        _check_v4_tp(config, tp_size)
+        return
     if config.architecture.startswith("Gemma4"):
         # per layer type: KV heads and (double-wide on shared layers) MLP widths differ
         layers = gemma4_layers(config)
@@ -59,6 +64,19 @@ def check_tp_support(config, tp_size: int) -> None:
     for inter in inters:
         if inter % tp_size:
             raise ValueError(f"--tp-size {tp_size} does not divide the intermediate size {inter}")
+
+
+def _check_v4_tp(config, tp_size: int) -> None:
+    """DeepSeek V4 splits query heads by whole output groups, the indexer heads, and the
+    experts' and shared expert's intermediate size (its one KV head is replicated)."""
+    raw = config.raw
+    for what, n in (
+        ("output groups (o_groups)", raw["o_groups"]),
+        ("indexer heads", raw["index_n_heads"]),
+        ("MoE intermediate size", raw["moe_intermediate_size"]),
+    ):
+        if n % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide the {n} {what}")
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -1,0 +1,182 @@
+"""Compressed attention over a paged cache (DeepSeek V4): torch versions of its three ops.
+
+- ``pool_windows``: a compressor's softmax pooling of each window of ``ratio`` tokens into
+  one entry, over a step's rows and a per-request state that carries the window still
+  open between steps (online softmax: per channel the running max, the sum of weights and
+  the weighted sum, float32). With ``overlap`` (CSA) every token feeds two entries: the
+  first half of its channels the next window's entry, the second half its own window's.
+- ``indexer_scores``: the lightning indexer's score of every compressed entry a row may
+  see, ``sum_h w_h relu(q_h . k_e)``, ``-inf`` for entries it may not see yet.
+- ``sparse_attention``: each row over its sliding window of keys (K = V, one head) and
+  compressed entries (all it may see, or the indexer's picks), with a sink logit per head.
+
+Entry ``e`` of a request (the window of positions ``[e r, (e + 1) r)``) lives in the cache
+row of the window's last token's slot, so one request-table lookup finds it; a row at
+position ``p`` may see the entries of the windows closed by then, ``e < (p + 1) // r``.
+
+Rows are processed in chunks of ``ROW_CHUNK`` so the gathered keys stay bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROW_CHUNK = 256
+
+
+@dataclass
+class CompressedStep:
+    """One step's rows as the compressed-attention ops read them (device tensors, built
+    once per step; ``max_extend`` and ``max_seq`` are host ints)."""
+
+    positions: torch.Tensor  # [T] int64
+    row_req: torch.Tensor  # [T] int64, the step-local request of each row
+    req_rows: torch.Tensor  # [B] int64, each request's row of the request table
+    start_pos: torch.Tensor  # [B] int64, each request's first position this step
+    end_pos: torch.Tensor  # [B] int64, one past its last
+    fresh: torch.Tensor  # [B] bool: its compressors start from no state
+    req_to_token: torch.Tensor  # [R, C] int32
+    max_extend: int
+    max_seq: int
+
+    @property
+    def token_rows(self) -> torch.Tensor:
+        """[T] int64: each row's request-table row."""
+        return self.req_rows[self.row_req]
+
+
+def pool_windows_torch(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    step: CompressedStep,
+) -> torch.Tensor:
+    """kv, score [T, C] (C = D, or 2D with ``overlap``), state [R, S, 3, D] float32 (S = 2
+    with overlap: the open window's entry and the next one's) -> each row's pooled window
+    [T, D] float32: for a row that closes its window, that window's entry before the norm;
+    other rows get their partial window (the caller stores only the closing rows').
+    ``state`` rows of the step's requests are read (unless ``fresh``) and rewritten."""
+    t_rows, c = kv.shape
+    d = c // 2 if overlap else c
+    b = step.start_pos.shape[0]
+    span = step.max_extend // ratio + 3  # windows a request's rows and state may touch
+    base = step.start_pos // ratio
+    win = step.positions // ratio
+    seg_own = step.row_req * span + (win - base[step.row_req])
+    kv, score = kv.float(), score.float()
+    if overlap:  # [:D] feeds the next window's entry, [D:] its own
+        segs = torch.cat([seg_own, seg_own + 1])
+        logits = torch.cat([score[:, d:], score[:, :d]])
+        values = torch.cat([kv[:, d:], kv[:, :d]])
+    else:
+        segs, logits, values = seg_own, score, kv
+    n_state = state.shape[1]
+    carried = state[step.req_rows]  # [B, S, 3, D]
+    st_seg = (torch.arange(b, device=kv.device)[:, None] * span
+              + torch.arange(n_state, device=kv.device)).reshape(-1)  # fmt: skip
+    st_max = carried[:, :, 0].masked_fill(step.fresh[:, None, None], float("-inf"))
+    st_max = st_max.reshape(-1, d)
+    n_seg = b * span
+    peak = torch.full((n_seg, d), float("-inf"), device=kv.device)
+    peak.scatter_reduce_(0, segs[:, None].expand(-1, d), logits, "amax")
+    peak.scatter_reduce_(0, st_seg[:, None].expand(-1, d), st_max, "amax")
+    peak_safe = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w = torch.exp(logits - peak_safe[segs])
+    total = torch.zeros((n_seg, d), device=kv.device).index_add_(0, segs, w)
+    acc = torch.zeros((n_seg, d), device=kv.device).index_add_(0, segs, w * values)
+    st_w = torch.exp(st_max - peak_safe[st_seg])  # 0 for an empty or ignored state
+    total.index_add_(0, st_seg, st_w * carried[:, :, 1].reshape(-1, d))
+    acc.index_add_(0, st_seg, st_w * carried[:, :, 2].reshape(-1, d))
+    pooled = acc[seg_own] / total[seg_own]
+    # the windows open at each request's next position (and the next one's, with overlap)
+    end_seg = (torch.arange(b, device=kv.device) * span + step.end_pos // ratio - base)[:, None]
+    new_seg = end_seg + torch.arange(n_state, device=kv.device)
+    state[step.req_rows] = torch.stack([peak[new_seg], total[new_seg], acc[new_seg]], dim=2)
+    return pooled
+
+
+def _visible_entries(step: CompressedStep, ratio: int, rows: slice) -> tuple[torch.Tensor, ...]:
+    """(entry ids [n, E], visible [n, E], their cache slots [n, E]) of ``rows``: every entry
+    ``e < max_seq // ratio``, visible where its window closed by the row's position."""
+    n_entries = max(step.max_seq // ratio, 1)
+    pos = step.positions[rows]
+    e = torch.arange(n_entries, device=pos.device)
+    visible = e[None, :] < ((pos + 1) // ratio)[:, None]
+    last_pos = (e * ratio + ratio - 1).clamp(max=step.req_to_token.shape[1] - 1)
+    slots = step.req_to_token[step.token_rows[rows][:, None], last_pos[None, :]]
+    return e.expand(pos.shape[0], -1), visible, slots.long()
+
+
+def indexer_scores_torch(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    step: CompressedStep,
+    ratio: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, Di], weights [T, H] float32, index_cache [slots, Di] -> float32 [T, E]
+    (E = ``max_seq // ratio``): ``scale * sum_h weights_h relu(q_h . k_e)``, ``-inf`` where
+    entry e is not visible to the row. Under TP each rank sums its heads and the ranks'
+    sums are all-reduced (an entry no row sees stays ``-inf``)."""
+    t_rows = q.shape[0]
+    out = []
+    for lo in range(0, t_rows, ROW_CHUNK):
+        rows = slice(lo, min(lo + ROW_CHUNK, t_rows))
+        _, visible, slots = _visible_entries(step, ratio, rows)
+        keys = index_cache[slots].float()  # [n, E, Di]
+        dots = torch.einsum("nhd,ned->nhe", q[rows].float(), keys).relu() * scale
+        s = torch.einsum("nhe,nh->ne", dots, weights[rows].float())
+        out.append(s.masked_fill(~visible, float("-inf")))
+    return torch.cat(out) if out else q.new_zeros((0, max(step.max_seq // ratio, 1)))
+
+
+def sparse_attention_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    comp_cache: torch.Tensor | None,
+    step: CompressedStep,
+    window: int,
+    ratio: int,
+    picks: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] over each row's last ``window`` keys of ``kv_cache`` [slots, 1, D] (K = V)
+    and, with ``comp_cache`` [slots, D], its visible compressed entries (``picks`` [T, k]:
+    the indexer's, -1 for none; None: all visible), softmax with a sink logit per head
+    (``sinks`` [H]) -> [T, H, D] in q's dtype."""
+    t_rows, heads, d = q.shape
+    out = torch.empty_like(q)
+    offs = torch.arange(window, device=q.device)
+    width = step.req_to_token.shape[1]
+    for lo in range(0, t_rows, ROW_CHUNK):
+        rows = slice(lo, min(lo + ROW_CHUNK, t_rows))
+        pos = step.positions[rows]
+        table = step.token_rows[rows]
+        key_pos = pos[:, None] - window + 1 + offs[None, :]
+        ok = key_pos >= 0
+        slots = step.req_to_token[table[:, None], key_pos.clamp(0, width - 1)].long()
+        keys = kv_cache[slots, 0].float()  # [n, W, D]
+        if comp_cache is not None:
+            if picks is None:
+                _, visible, cslots = _visible_entries(step, ratio, rows)
+            else:
+                p = picks[rows]
+                visible = p >= 0
+                last_pos = (p.clamp(min=0) * ratio + ratio - 1).clamp(max=width - 1)
+                cslots = step.req_to_token[table[:, None], last_pos].long()
+            keys = torch.cat([keys, comp_cache[cslots].float()], dim=1)
+            ok = torch.cat([ok, visible], dim=1)
+        logits = torch.einsum("nhd,nkd->nhk", q[rows].float(), keys) * scale
+        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+        sink = sinks.float()[None, :, None].expand(logits.shape[0], -1, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys).to(q.dtype)
+    return out
