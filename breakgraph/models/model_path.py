@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # MODEL_REGISTRY's keys (models/registry.py imports torch; this list does not): the
 # architectures a config.json may name. tests/cli/test_model_path.py keeps the two equal.
 SUPPORTED_ARCHITECTURES = (
+    "DeepseekV4ForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
     "LlamaForCausalLM",

@@ -5,6 +5,7 @@ a one-line answer naming the download command where it is not there."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -161,3 +162,26 @@ def test_a_typo_of_a_builtin_name_is_answered_without_the_hub(tmp_path):
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "did you mean the built-in config qwen3-0.6b?" in line
+
+
+def test_the_architectures_checked_without_torch_are_the_registrys():
+    from breakgraph.models.model_path import SUPPORTED_ARCHITECTURES
+    from breakgraph.models.registry import MODEL_REGISTRY
+
+    assert sorted(SUPPORTED_ARCHITECTURES) == sorted(MODEL_REGISTRY), (
+        "models/model_path.py's SUPPORTED_ARCHITECTURES must list MODEL_REGISTRY's keys"
+    )
+
+
+def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_path):
+    """A Mamba checkpoint: one line naming what is served, before a process is spawned or
+    its (here unreadable) weights are opened."""
+    config = {"architectures": ["MambaForCausalLM"], "hidden_size": 768, "vocab_size": 50280}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    for command in (["serve"], ["generate", "hi"]):
+        r = run(*command, "--model-path", str(tmp_path), env={})
+        assert r.returncode == 2, r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert "architecture MambaForCausalLM is not supported; supported: " in line
+        assert "Qwen3ForCausalLM" in line and "LlamaForCausalLM" in line
