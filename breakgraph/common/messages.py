@@ -161,10 +161,14 @@ class StepResult:
 
 @dataclass
 class StatsReply:
-    """Answer to StatsReq: ``Engine.stats()``."""
+    """Answer to StatsReq: ``Engine.stats()``; with ``call_id`` STATS_PUBLISHED, a snapshot the
+    engine loop sent unasked (what /metrics and /get_server_info fall back on mid-step)."""
 
     call_id: int
     stats: dict[str, int | float]
+
+
+STATS_PUBLISHED = -1
 
 
 @dataclass

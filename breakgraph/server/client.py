@@ -25,6 +25,10 @@ from breakgraph.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+# /metrics and /get_server_info wait this long for the engine's own answer before they take
+# the stats it last published (it answers between two steps; one step can take seconds)
+STATS_WAIT_S = 0.05
+
 
 def _engine_main(engine_args: EngineArgs, paths: IpcPaths, log_level: str) -> None:
     """The spawned engine process's target: the engine (and torch) are imported there, not here."""
@@ -53,6 +57,10 @@ class EngineClient:
         self._paths: IpcPaths | None = None
         self._conn: EngineConnection | None = None
         self._ready: asyncio.Future | None = None  # Ready's model info, or why it failed
+        # the engine's latest stats (any StatsReply) and when they came (monotonic)
+        self._stats: dict[str, int | float] | None = None
+        self._stats_at = 0.0
+        self._stats_call: asyncio.Future | None = None  # latest_stats' question in flight
 
     # ---- lifecycle ----
     async def start(self) -> messages.ModelInfo:
@@ -96,8 +104,10 @@ class EngineClient:
         self.process.join(1)
         return f"the engine process exited with code {self.process.exitcode}"
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine process (politely, then by force) and release the sockets."""
+    def close(self, timeout_s: float = 10.0, kill: bool = False) -> None:
+        """Stop the engine process (politely, then by force) and release the sockets.
+        ``kill``: an engine still busy after ``timeout_s`` is killed at once (a forced exit;
+        a ready engine only notes a SIGTERM, see engine_process.py)."""
         if self._closing:
             return
         self._closing = True
@@ -111,7 +121,7 @@ class EngineClient:
                     self._send(messages.Shutdown())
                     self._conn.flush(timeout_s=1.0)  # the loop will not run to write it
                 proc.join(timeout_s)
-            if proc.is_alive():
+            if proc.is_alive() and not kill:
                 if self.info is not None:
                     logger.warning("engine process did not stop; terminating it")
                 proc.terminate()  # still loading the model: nothing to lose
@@ -252,6 +262,22 @@ class EngineClient:
         reply: messages.StatsReply = await self._call(messages.StatsReq, timeout_s)
         return reply.stats
 
+    async def latest_stats(
+        self, wait_s: float = STATS_WAIT_S
+    ) -> tuple[dict[str, int | float], float]:
+        """The engine's stats and their age in seconds: its answer if it comes within
+        ``wait_s`` (it answers between two steps), else what it last published (its loop
+        publishes them before and during work, engine_process.py), so a scrape or a probe
+        never waits for a long step. Concurrent callers share one question."""
+        if self._stats_call is None or self._stats_call.done():
+            self._stats_call = call = asyncio.ensure_future(self.stats())
+            call.add_done_callback(_retrieve)  # its error is raised below, or not wanted
+        call = self._stats_call
+        await asyncio.wait([call], timeout=None if self._stats is None else wait_s)
+        if call.done() and call.exception() is not None:
+            raise call.exception()
+        return self._stats, time.monotonic() - self._stats_at
+
     async def flush_cache(self, timeout_s: float = 30.0) -> bool:
         """Drop the prefix cache; False while requests are in flight."""
         reply: messages.FlushCacheReply = await self._call(messages.FlushCacheReq, timeout_s)
@@ -308,6 +334,8 @@ class EngineClient:
             case messages.StepResult():
                 self.requests.route(msg)
             case messages.StatsReply() | messages.FlushCacheReply():
+                if isinstance(msg, messages.StatsReply):
+                    self._stats, self._stats_at = msg.stats, time.monotonic()
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -319,3 +347,9 @@ class EngineClient:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(error)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a future's error as seen (asyncio logs an error no one retrieved)."""
+    if not future.cancelled():
+        future.exception()

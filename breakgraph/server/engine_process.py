@@ -1,9 +1,10 @@
 """The engine process: owns the Engine and runs the step loop, apart from the HTTP work.
 
 Idle, it waits on its socket (server/ipc.py). With work, each iteration reads what arrived
-without blocking, runs one ``engine.step()`` and sends that step's outputs as one message.
-It exits on a shutdown message, when the API process closes its end, or when the API
-process that spawned it is gone.
+without blocking, runs one ``engine.step()`` and sends that step's outputs as one message;
+between steps it publishes its stats now and then (``STATS_INTERVAL_S``). It exits on a
+shutdown message, when the API process closes its end, or when the API process that spawned
+it is gone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 from breakgraph.common import gc_watch
 from breakgraph.common.messages import (
+    STATS_PUBLISHED,
     AbortReq,
     FlushCacheReply,
     FlushCacheReq,
@@ -42,6 +44,10 @@ from breakgraph.server.ipc import EngineSocket, IpcPaths
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_INTERVAL_S = 1.0
+# the loop publishes its stats (a StatsReply, STATS_PUBLISHED) as it starts work, this often
+# while it works, and as it goes idle: /metrics and /get_server_info fall back on the latest
+# when the engine does not answer at once (a long prefill on the CPU is one step of seconds)
+STATS_INTERVAL_S = 0.1
 # SIGTERM sent to the whole process group (systemd, `timeout`, `kill -- -PGID`) reaches us too:
 # keep serving while the API process shuts down gracefully (--shutdown-timeout), and stop on
 # its word; stop anyway this long after its grace period (a SIGTERM meant for the engine alone).
@@ -140,10 +146,13 @@ class EngineLoop:
         self._errors: list[RequestError] = []
         self._parent = multiprocessing.parent_process()
         self._last_parent_check = time.monotonic()
+        self._stats_at = 0.0  # when the last stats snapshot was published (monotonic)
+        self._stats_busy = False  # whether the engine had work then
         # finished requests' KV is released after their outputs are sent (below)
         engine.release_finished(defer=True)
 
     def run(self) -> None:
+        self._publish_stats()
         while not self._stop:
             if not self.engine.has_work:
                 # polled for idle_spin_s right after work, then asleep in poll
@@ -155,6 +164,7 @@ class EngineLoop:
             self._drain()
             if self._stop:
                 break
+            self._publish_stats_if_due()  # before a step that may be long: what it starts with
             step_ms = None
             if self.engine.has_work:
                 start = time.perf_counter()
@@ -164,8 +174,22 @@ class EngineLoop:
             if step_ms is not None or self._outputs or self._errors:
                 self._send_step(step_ms)
             self.engine.release_finished()
+            self._publish_stats_if_due()
             self._check_parent()
         logger.info("engine loop stopped")
+
+    def _publish_stats_if_due(self) -> None:
+        """A snapshot as the engine starts work or goes idle, and every STATS_INTERVAL_S
+        while it works."""
+        busy = self.engine.has_work
+        if busy != self._stats_busy or (
+            busy and time.monotonic() - self._stats_at >= STATS_INTERVAL_S
+        ):
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self._stats_at, self._stats_busy = time.monotonic(), self.engine.has_work
+        self._send(StatsReply(STATS_PUBLISHED, self.engine.stats()))
 
     def _add_outputs(self, outs: list[TokenDelta]) -> None:
         """A step's outputs: plain tokens into the message's two columns, the rest as deltas.
@@ -240,7 +264,9 @@ class EngineLoop:
             case StatsReq():
                 self._send(StatsReply(msg.call_id, self.engine.stats()))
             case FlushCacheReq():
-                self._send(FlushCacheReply(msg.call_id, self.engine.flush_cache()))
+                flushed = self.engine.flush_cache()
+                self._publish_stats()  # ahead of the reply: a read after it sees the flush
+                self._send(FlushCacheReply(msg.call_id, flushed))
             case Shutdown():
                 self._stop = True
             case _:

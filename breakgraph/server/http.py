@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -53,13 +52,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 def create_app(state: ServerState) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        logger.info("shutting down the engine process")
-        state.client.close()
-
-    app = FastAPI(title="breakgraph", version=breakgraph.__version__, lifespan=lifespan)
+    """The routes; the engine process's life is the launcher's (server/launch.py)."""
+    app = FastAPI(title="breakgraph", version=breakgraph.__version__)
     app.state.server = state
     app.include_router(router)
     app.include_router(openai_router)
@@ -258,9 +252,11 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
+    """The server's arguments, the model, and the engine's stats: its answer, or while a long
+    step runs what it last published (``stats_age_s`` says how old; client.latest_stats)."""
     s = server_state(request)
     s.require_alive()
-    stats = await s.client.stats()
+    stats, age_s = await s.client.latest_stats()
     return {
         **s.server_args,
         "version": breakgraph.__version__,
@@ -270,6 +266,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         "num_inflight_requests": s.client.num_inflight,
         **stats,
         **gc_watch.report("api_gc_"),  # this (API) process's own collections
+        "stats_age_s": round(age_s, 3),
         "internal_states": [stats],
     }
 
@@ -306,8 +303,10 @@ async def abort_request(request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
+    """Prometheus: the API process's counters and histograms, and the engine's gauges (a
+    scrape never waits for a long step: client.latest_stats)."""
     s = server_state(request)
-    stats = await s.client.stats() if s.client.alive else None
+    stats = (await s.client.latest_stats())[0] if s.client.alive else None
     return PlainTextResponse(
         s.client.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

@@ -4,10 +4,12 @@ is loaded.
 Shutdown: uvicorn owns SIGINT/SIGTERM while serving. On the first signal the server stops
 admitting (new requests and /health answer 503), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, then ends the rest: a stream with an error event and
-``[DONE]``, a whole answer with a JSON 503. Then the app's lifespan exit stops the engine
-process. Before serving (while the model loads) a signal cancels the start-up, and the
-engine process is stopped on the way out. If the engine process dies, the server stops and
-the exit status is 1.
+``[DONE]``, a whole answer with a JSON 503. Then the engine process is stopped (it finishes
+its current step). A second Ctrl-C (SIGINT) ends every request that way at once, gives their
+last bytes up to ``FORCE_FLUSH_S`` to go out, and exits without waiting for the engine's step
+(the engine process is killed if it is still busy). Before serving (while the model loads) a
+signal cancels the start-up, and the engine process is stopped on the way out. If the engine
+process dies, the server stops and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 # after --shutdown-timeout, how long the ended requests have to write their last bytes
 SHUTDOWN_FLUSH_S = 5.0
+# after a second Ctrl-C, how long the ended requests have to write their last bytes, and how
+# long the engine process has to stop before it is killed
+FORCE_FLUSH_S = 2.0
+FORCE_ENGINE_WAIT_S = 2.0
 
 
 class StartupProblem(Exception):
@@ -91,13 +97,32 @@ class _GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.client = client
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.forced = False  # a second Ctrl-C came
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """A signal (in the main thread, between two bytecodes of the loop's): the first starts
+        the graceful shutdown (uvicorn's); a second SIGINT ends every request now (a third
+        stops waiting even for their last bytes, as uvicorn's second does)."""
+        if sig == signal.SIGINT and self.should_exit and not self.forced:
+            self.forced = True
+            self._loop.call_soon_threadsafe(self._force)
+            return
+        super().handle_exit(sig, frame)
+
+    def _force(self) -> None:
+        ended = self.client.end_all("the server was stopped")
+        logger.warning("second Ctrl-C: ended %d request(s); exiting", ended)
+        self.client.drain()
+        self._loop.call_later(FORCE_FLUSH_S, setattr, self, "force_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         client = self.client
         client.drain()
-        if client.num_inflight:
+        if client.num_inflight and not self.forced:
             logger.warning(
-                "shutting down: %d request(s) in flight get up to %.0f s to finish",
+                "shutting down: %d request(s) in flight get up to %.0f s to finish "
+                "(Ctrl-C again to end them now)",
                 client.num_inflight,
                 self.shutdown_timeout_s,
             )
@@ -207,6 +232,7 @@ async def _serve_on(
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
+            lifespan="off",  # the engine process is stopped below, however serving ends
             # a backstop: the requests were ended at --shutdown-timeout (_GracefulServer)
             timeout_graceful_shutdown=int(engine_args.shutdown_timeout + SHUTDOWN_FLUSH_S),
         )
@@ -232,6 +258,8 @@ async def _serve_on(
         await server.serve(sockets=[sock])
         if announce is not None:
             announce.cancel()
+        if server.forced:
+            client.close(FORCE_ENGINE_WAIT_S, kill=True)
         if client.dead:
             logger.error("the engine process died; the server stopped")
             return 1

@@ -491,6 +491,7 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         api.send(encode(Shutdown()))
         loop.join(10)
         assert not loop.is_alive()
+        messages += receive(0.5)  # what came after the last step's outputs
         steps = [m for m in messages if isinstance(m, StepResult)]
         assert steps[0].errors == [RequestError("bad", "token id 999 is out of range [0, 256)")]
         assert len(steps) == 3 + overlap and all(m.step_ms > 0 for m in steps)
@@ -507,9 +508,17 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
             ["a", "b"],
             [],
         ]
-        reply = next(m for m in messages if isinstance(m, StatsReply))
-        assert reply.call_id == 7 and reply.stats["num_queued_reqs"] == 2
+        reply = next(m for m in messages if isinstance(m, StatsReply) and m.call_id == 7)
+        assert reply.stats["num_queued_reqs"] == 2
         assert engine.stats()["kv_tokens_used"] == 0
+        # stats published unasked: as the loop starts, before its first step (the two
+        # requests queued), and as it goes idle (their KV released)
+        published = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == -1]
+        assert published[0]["num_queued_reqs"] == 0
+        assert max(p["num_queued_reqs"] for p in published) == 2
+        idle = {k: published[-1][k] for k in ("num_running_reqs", "num_queued_reqs")}
+        assert idle == {"num_running_reqs": 0, "num_queued_reqs": 0}
+        assert published[-1]["kv_tokens_used"] == 0
     finally:
         engine_end.close()
         api_end.close()

