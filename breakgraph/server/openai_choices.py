@@ -103,8 +103,12 @@ def requests(
     prompt_logprobs: bool = False,
 ) -> list[GenerationRequest]:
     """n requests per prompt (prompt-major), seeds as :func:`per_sample` gives them."""
-    sampling, api_opts = build_sampling(req, req.max_new_tokens(), [len(p) for p in prompts], info)
-    check_all_fit(prompts, sampling, info)
+    try:
+        lens = [len(p) for p in prompts]
+        sampling, api_opts = build_sampling(req, req.max_new_tokens(), lens, info)
+        check_all_fit(prompts, sampling, info)
+    except APIError as e:
+        raise req.in_request_terms(e) from None
     per_choice = per_sample(sampling, n)
     return [
         GenerationRequest(

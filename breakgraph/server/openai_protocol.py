@@ -2,11 +2,13 @@
 
 Unknown fields are ignored, as in SGLang; fields breakgraph cannot honour are refused when
 set to anything but their neutral value. SGLang's extra sampling fields (top_k, min_p,
-ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim,
+repetition_penalty) are accepted. An error names the field as the request sent it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -26,6 +28,7 @@ from breakgraph.tokenizer import Tokenizer
 
 # a JSON number (an int too), never a numeric string: the same rule as /generate
 Number = Annotated[float, Field(strict=True)]
+_SGLANG_NAMES = re.compile(r"\b(max_new_tokens|min_new_tokens)\b")
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +57,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
     repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None  # SGLang's and vLLM's name for min_new_tokens
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -77,7 +81,22 @@ class _SamplingFields(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias or None,
+            "min_new_tokens": self.min_tokens,
         }
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def in_request_terms(self, e: APIError) -> APIError:
+        """``e`` with SGLang's sampling names as this request sent them (``max_tokens``, not
+        ``max_new_tokens``): the errors of the shared validation name the OpenAI fields."""
+        names = {"max_new_tokens": self.max_tokens_field(), "min_new_tokens": "min_tokens"}
+
+        def rename(text: str) -> str:
+            return _SGLANG_NAMES.sub(lambda m: names[m.group(0)], text)
+
+        param = None if e.param is None else rename(e.param)
+        return APIError(rename(e.message), status=e.status, param=param)
 
     @property
     def include_usage(self) -> bool:
@@ -148,6 +167,9 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def check(self) -> None:
         self.check_common()

@@ -136,6 +136,12 @@ def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[s
         params = SamplingParams.from_dict(d)
     except (ValueError, TypeError) as e:
         raise APIError(str(e)) from None
+    if params.min_new_tokens > params.max_new_tokens:
+        raise APIError(
+            f"min_new_tokens ({params.min_new_tokens}) is above max_new_tokens "
+            f"({params.max_new_tokens})",
+            param="min_new_tokens",
+        )
     return params, api_opts
 
 

@@ -148,6 +148,10 @@ BAD_GENERATE = [
     ({"text": "hello"}, "no tokenizer"),
     ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": CONTEXT_LEN}}, "context length"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    (
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}},
+        "min_new_tokens (5) is above max_new_tokens (4)",
+    ),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**12}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temperature": -0.1}}, "temperature"),
@@ -183,6 +187,42 @@ def test_bad_openai_requests(server):
     r = post(server, "/v1/completions", {"model": name, "prompt": [[1], [2, -1]]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "prompt[1][1]: token id -1 is out of range [0, 256)"
+
+
+@pytest.mark.parametrize(
+    "fields,message,param",
+    [
+        ({"max_tokens": -1}, "max_tokens must be in [0, ", None),
+        ({"max_tokens": CONTEXT_LEN}, f"+ max_tokens ({CONTEXT_LEN}) = ", None),
+        (
+            {"max_tokens": 4, "min_tokens": 5},
+            "min_tokens (5) is above max_tokens (4)",
+            "min_tokens",
+        ),
+        ({"min_tokens": -1}, "min_tokens must be an integer in [0, ", None),
+    ],
+)
+def test_openai_errors_name_the_fields_the_request_used(server, fields, message, param):
+    """The validation /generate shares names OpenAI's fields on the OpenAI routes: the
+    request sent max_tokens, not SGLang's max_new_tokens."""
+    r = post(server, "/v1/completions", {"model": "default", "prompt": [1, 2], **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and "_new_tokens" not in error["message"], error
+    assert error["param"] == param
+
+
+def test_min_tokens_holds_the_stop_token_back(server):
+    """OpenAI's min_tokens (SGLang's and vLLM's extra field) is min_new_tokens: a stop token
+    the logit bias makes certain comes first without it, and sixth with a minimum of 5."""
+    body = {"model": "default", "prompt": [1, 2], "max_tokens": 8, "stop_token_ids": [9],
+            "logit_bias": {"9": 100}, "temperature": 0}  # fmt: skip
+    for min_tokens, n in ((None, 1), (5, 6)):
+        r = post(server, "/v1/completions", {**body, "min_tokens": min_tokens})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == n
+        assert out["choices"][0]["finish_reason"] == "stop"
 
 
 def test_still_serving_after_bad_input(server):

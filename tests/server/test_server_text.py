@@ -160,6 +160,12 @@ def test_openai_errors(client, model_name):
         )
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=model_name, prompt="hi", top_p=2.0)
+    # the fields the request used, not SGLang's max_new_tokens
+    hi = [{"role": "user", "content": "hi"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError, match=rf"\+ {field} \(100000\) = ") as e:
+            client.chat.completions.create(model=model_name, messages=hi, **{field: 100000})
+        assert "max_new_tokens" not in str(e.value)
     # and the server still answers
     resp = client.completions.create(model=model_name, prompt="Hi", max_tokens=1)
     assert resp.usage.completion_tokens == 1
