@@ -35,6 +35,7 @@ column/row parallel; vocab-parallel embedding and LM head; mHC replicated.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -63,6 +64,8 @@ from breakgraph.layers.moe import ExpertWeights, FusedMoE
 from breakgraph.layers.rotary import rope_inv_freq
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.deepseek_v4_config import CSA, SLIDING, V4Layout, v4_layout
+
+logger = logging.getLogger(__name__)
 
 
 def _fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
@@ -624,8 +627,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
         experts = ExpertWeights(self)
         loaded: set[str] = set()
+        mtp = 0
         for raw_name, tensor in weights:
             if raw_name.startswith("mtp.") or ".mtp." in raw_name:
+                mtp += 1
                 continue
             name = hf_name(raw_name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -644,4 +649,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             else:
                 target.copy_(full(tensor))
             loaded.add(name)
+        if mtp:
+            logger.info("skipped %d MTP tensors (no speculative decoding yet)", mtp)
         return loaded | experts.loaded()

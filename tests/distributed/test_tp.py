@@ -742,3 +742,34 @@ def test_step_messages_cross_the_pipe_whole():
     assert CODEC.decode(CODEC.encode(WorkerSetup(77))) == WorkerSetup(77)
     with pytest.raises(TypeError):
         CODEC.encode(None)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_checkpoint(tmp_path_factory) -> Path:
+    from tests.support.deepseek_v4 import make_hf_deepseek_v4
+
+    path = tmp_path_factory.mktemp("tp-deepseek-v4")
+    make_hf_deepseek_v4().save_pretrained(path)
+    return path
+
+
+def test_deepseek_v4_tp2_logits_equal_tp1(deepseek_v4_checkpoint):
+    """Query heads, output groups, indexer heads (scores all-reduced) and experts split; the
+    one K = V head and the compressors replicated: a ragged batch over several windows, a
+    prefix resumed on a window boundary (rows before it recomputed), chunks ending inside
+    windows, greedy decode."""
+    with tp1_and_tp2(deepseek_v4_checkpoint, chunked_prefill_size=29) as (tp1, tp2, t1, t2):
+        (base,) = prompts([50], seed=2)
+        batches = [
+            (prompts([5, 33, 1, 21], seed=3), greedy(1)),
+            ([base], greedy(1)),
+            ([base + [7, 8, 9]], greedy(1)),  # resumed at 48 of the 50 cached tokens
+            (prompts([40, 9], seed=4), greedy(4)),
+        ]
+        cached = []
+        for ps, sp in batches:
+            r1, r2 = tp1.generate(ps, sp), tp2.generate(ps, sp)
+            assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+            cached.append(r2[0].cached_tokens)
+        assert cached[2] == 48
+        assert_same_steps(t1, t2)

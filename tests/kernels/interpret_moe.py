@@ -52,7 +52,7 @@ def main() -> int:
         fm.moe_config = table
     return (
         failed + half_tail(gate_up, down) + atomic_sum(gate_up, down)
-        + gemv(x, gate_up, down, w, ids, ref)
+        + gemv(x, gate_up, down, w, ids, ref) + clamped(gate_up, down)
     )  # fmt: skip
 
 
@@ -112,6 +112,34 @@ def half_tail(gate_up, down) -> int:
                 f"{'ok' if ok else 'FAIL'} moe half_tail fuse_act={fuse_act} "
                 f"sorted_h={sorted_h} tma={tma} sorted_y={sorted_y}: max diff {diff:.1e}"
             )
+    finally:
+        fm.moe_config = table
+    return failed
+
+
+def clamped(gate_up, down) -> int:
+    """DeepSeek V4's clamped SwiGLU (``limit``): the gate/up GEMM unfused, the clamp between
+    the GEMMs; a fused-activation config, sorted rows with the top-k sum by atomics, and a
+    few tokens (no GEMV path)."""
+    failed = 0
+    table = fm.moe_config
+    base = fm.MoEConfig(16, 1, (32, 32, 4, 2), (32, 32, 4, 2))
+    try:
+        for m, flags in ((7, {"fuse_act": True}), (7, {"sorted_h": True, "atomic_sum": True}),
+                         (3, {})):  # fmt: skip
+            x = torch.randn(m, gate_up.shape[2])
+            w, ids = fm.moe_route_torch(torch.randn(m, gate_up.shape[0]), 2)
+            ref = fm.fused_experts_torch(x, gate_up, down, w, ids, "silu", 0.5)
+            cfg = base._replace(**flags)
+            fm.moe_config = lambda *_, c=cfg: c
+            got = fm.fused_experts_triton(x, gate_up, down, w, ids, "silu", 0.5)
+            diff = (got - ref).abs().max().item()
+            ok = (
+                diff <= 1e-4
+                and (ref - fm.fused_experts_torch(x, gate_up, down, w, ids)).abs().max() > 1e-3
+            )
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} moe clamped m={m} {flags}: max diff {diff:.1e}")
     finally:
         fm.moe_config = table
     return failed

@@ -135,3 +135,21 @@ def test_legacy_config_fields_fold_as_hf_does():
     assert layout.rope_compress["rope_theta"] == hf.rope_parameters["compress"]["rope_theta"]
     assert layout.rope_compress["rope_type"] == "yarn"
     assert layout.prefix_align == 128 and layout.prefix_recompute == 4
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-flash-e32"])
+def test_builtin_configs_have_v4_flash_layer_schedule(name):
+    """Two sliding layers, then CSA and HCA alternating (the released compress_ratios, whose
+    44th entry is the MTP layer's), hash routing on the first three layers."""
+    from breakgraph.models.registry import check_tp_support
+    from breakgraph.models.sources import CONFIG_DIR
+
+    config = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
+    layout = v4_layout(config)
+    types = list(layout.layer_types)
+    assert len(types) == config.num_hidden_layers == 43
+    assert types[:4] == [SLIDING, SLIDING, CSA, HCA] and types[-1] == CSA
+    assert (types.count(CSA), types.count(HCA)) == (21, 20)
+    assert layout.mlp_layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
+    assert (layout.prefix_align, layout.prefix_recompute, layout.rope_dim) == (128, 4, 64)
+    check_tp_support(config, 8)
