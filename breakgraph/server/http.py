@@ -235,6 +235,12 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The package's version (SGLang's route)."""
+    return {"version": breakgraph.__version__}
+
+
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
     s = server_state(request)
@@ -271,15 +277,17 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's docs curl it (GET)
 async def flush_cache(request: Request) -> JSONResponse:
+    """Drop the prefix cache; refused while requests run (409, the one error shape)."""
     s = server_state(request)
     s.require_alive()
     if await s.client.flush_cache():
         return JSONResponse({"success": True, "message": "Cache flushed."})
-    return JSONResponse(
-        {"success": False, "message": "Cache not flushed: requests are in flight."},
-        status_code=400,
+    raise APIError(
+        f"the cache was not flushed: {s.client.num_inflight} request(s) in flight; "
+        "flush when the server is idle",
+        status=409,
     )
 
 

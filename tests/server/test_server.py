@@ -9,6 +9,7 @@ and a clean shutdown of both processes.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -369,6 +370,34 @@ def test_health_info_and_cache(server):
     wait_idle(server)
     assert post(server, "/flush_cache", None).status_code == 200
     assert info(server)["kv_tokens_cached"] == 0
+
+
+def test_flush_cache_refused_during_traffic_in_the_one_error_shape(server):
+    """A flush while a request runs is refused: 409 with the JSON error every route answers
+    (not SGLang's {"success": false}); idle, it flushes (POST, or GET as SGLang's docs do)."""
+    long = {"max_new_tokens": CONTEXT_LEN - 100, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": [9, 8, 7], "sampling_params": long, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the stream
+        assert next(lines).startswith("data: ")
+        refused = post(server, "/flush_cache", None)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 409
+    assert "not flushed" in error["message"] and "in flight" in error["message"]
+    wait_idle(server)
+    for method in ("POST", "GET"):
+        r = httpx.request(method, f"{server.url}/flush_cache", timeout=30)
+        assert r.status_code == 200 and r.json()["success"] is True
+    assert info(server)["kv_tokens_cached"] == 0
+
+
+def test_version(server):
+    """SGLang's /version: the installed package's version, as /get_server_info reports it."""
+    r = httpx.get(f"{server.url}/version")
+    assert r.status_code == 200
+    assert r.json() == {"version": importlib.metadata.version("breakgraph")}
+    assert info(server)["version"] == r.json()["version"]
 
 
 def test_server_info_reports_where_the_memory_went(server):

@@ -23,6 +23,7 @@ ROUTES = [
     ("GET", "/get_model_info", None),
     ("GET", "/get_server_info", None),
     ("GET", "/metrics", None),
+    ("GET", "/version", None),
     ("POST", "/flush_cache", None),
     ("POST", "/abort_request", {"abort_all": True}),
     ("GET", "/no/such/route", None),
