@@ -20,6 +20,9 @@ MAX_EFFECTIVE_TEMPERATURE = 1e6
 MIN_REPETITION_PENALTY = 1e-6
 MAX_SAMPLES = 64  # samples of one prompt (``n``; OpenAI's choices)
 MAX_TOP_LOGPROBS = 20  # top logprobs per position (OpenAI's limit)
+# the grammars a request's output can be held to (engine/grammar/), SGLang's parameter names
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or EBNF grammar past this is refused unread
 
 
 @dataclass
@@ -40,6 +43,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/SGLang: a seen token's logit / p if > 0, else * p
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many are out
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> added bias
+    # structured output: at most one, the output held to it token by token (engine/grammar/)
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None  # xgrammar's EBNF (GBNF-like: root ::= ...)
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +60,15 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the request's grammar (one of GRAMMAR_KINDS), or None."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     def validate(self) -> None:
         """Raise ValueError naming the first parameter out of range (or of the wrong type)."""
@@ -93,6 +109,18 @@ class SamplingParams:
             not _is_int(t) or not 0 <= t <= TOKEN_ID_LIMIT for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+        for kind in given:
+            source = getattr(self, kind)
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"{kind} must be a non-empty string, got {source!r:.40}")
+            if len(source) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{kind} is over {MAX_GRAMMAR_CHARS} characters")
 
     def _validate_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):

@@ -44,6 +44,9 @@ class EngineArgs:
     # requests with penalties, logit_bias or min_new_tokens running at once when the decode
     # graphs apply them (rows of device state a graph reads by address); more wait in queue
     max_penalized_requests: int = 64
+    # structured output (json_schema, regex, ebnf): xgrammar, or none (such requests refused)
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 30.0  # seconds; a request whose grammar takes longer: 400
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256

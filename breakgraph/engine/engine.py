@@ -24,7 +24,14 @@ from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.config import SchedulerConfig
+from breakgraph.engine.grammar import (
+    GrammarCompiler,
+    GrammarMask,
+    GrammarUnavailable,
+    PendingGrammars,
+)
 from breakgraph.engine.memory import memory_log_line
+from breakgraph.engine.output import finished_output
 from breakgraph.engine.rank import build_rank, claim_device, rank_device
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler
@@ -112,6 +119,9 @@ class Engine:
         ``leave_group=False`` where the process exits next: see ``TPDriver.shutdown``."""
         if self.tp_driver is not None:
             self.tp_driver.shutdown(leave_group)
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.shutdown()
 
     def _init(self, args: EngineArgs) -> None:
         self.warmup_report: WarmupReport | None = None
@@ -151,18 +161,22 @@ class Engine:
                 enable_mixed_chunk=args.enable_mixed_chunk,
                 overlap=overlap,
                 max_prefill_tokens=args.max_prefill_tokens,
+                prefix_align=getattr(self.model, "prefix_align", 1),
+                prefix_recompute=getattr(self.model, "prefix_recompute", 0),
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
             prompt_forward=self.runner.forward_prompt,
             penalties=self.penalties,
             penalized_forward=self.runner.forward_penalized,
+            grammar_mask=GrammarMask(self.vocab_size, device),
         )
+        # requests whose grammar compiles (on threads), and those refused: (rid, reason)
+        self.grammars = self._grammars(args)
+        self._rejected: list[tuple[str, str]] = []
         logger.info(
             "engine ready: %d KV slots (%.2f GiB), max %d running requests, context %d",
             rank.num_slots,
-                prefix_align=getattr(self.model, "prefix_align", 1),
-                prefix_recompute=getattr(self.model, "prefix_recompute", 0),
             self.kv_pool.size_bytes / 2**30,
             self.max_running_requests,
             self.context_len,
@@ -183,6 +197,16 @@ class Engine:
     def mark_ready(self) -> None:
         """Serving starts: JIT compilations from now on are counted as stalls in traffic."""
         jit_watch.mark_ready()
+
+    def _grammars(self, args: EngineArgs) -> PendingGrammars:
+        timeout = args.grammar_compile_timeout
+        if args.grammar_backend == "none":
+            return PendingGrammars(None, timeout)
+        try:
+            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        except GrammarUnavailable as e:
+            return PendingGrammars(None, timeout, str(e))
+        return PendingGrammars(compiler, timeout)
 
     def _stop_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -249,13 +273,26 @@ class Engine:
         )
         if received_at is not None:
             req.received_at = received_at
-        self.scheduler.add(req)
+        if sampling.grammar is None:
+            self.scheduler.add(req)
+            return rid
+        if rid in self.scheduler.reqs or self.grammars.holds(rid):
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.grammars.submit(req)  # scheduled once its grammar compiled (step)
         return rid
 
     def abort(self, rid: str) -> TokenDelta | None:
+        compiling = self.grammars.abort(rid)
+        if compiling is not None:
+            return finished_output(compiling, {"type": "abort", "message": "aborted"})
         return self.scheduler.abort(rid)
 
     def step(self) -> list[TokenDelta]:
+        if len(self.grammars):
+            ready, rejected = self.grammars.collect()
+            for req in ready:
+                self.scheduler.add(req)
+            self._rejected += [(req.rid, reason) for req, reason in rejected]
         outputs = self.scheduler.step()
         if self.tp_driver is not None:
             # a worker gone during the step (its collectives aborted by the TP watchdog):
@@ -270,7 +307,20 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Whether ``step`` has something to do (a request whose grammar still compiles has
+        nothing until it is done: see ``compiling``)."""
+        return self.scheduler.has_work or self.grammars.has_ready()
+
+    @property
+    def compiling(self) -> bool:
+        """Requests wait for their grammar to compile: poll ``has_work`` soon."""
+        return len(self.grammars) > 0
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(rid, one-line reason) of each request refused since the last call: its grammar did
+        not compile, or not in time (the server answers 400)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def stats(self) -> dict[str, int | float]:
         """Live load and KV usage, for the server's /metrics and /get_server_info."""
@@ -342,6 +392,11 @@ class Engine:
         pending = set(rids)
         while pending:
             outs = self.step()
+            for rid, reason in self.take_rejected():
+                raise ValueError(f"request {rid}: {reason}")
+            if not outs and not self.has_work and self.compiling:
+                self.grammars.wait(0.05)
+                continue
             if not outs and not self.has_work:
                 raise RuntimeError(
                     f"the scheduler holds none of the {len(pending)} pending requests"

@@ -37,6 +37,7 @@ class Req:
     input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len
     input_top_logprobs: list[list[list] | None] = field(default_factory=list)
     penalty_row: int | None = None  # its row of the PenaltyPool (None: no penalties)
+    grammar: Any = None  # its RequestGrammar (engine/grammar/; None: unconstrained)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: dict[str, Any] | None = None
     # KV state: slots of the tokens of fill_ids whose KV is computed, in order

@@ -13,6 +13,12 @@ placeholders, resolved in ``launch``). A request whose end (EOS, stop) is only k
 the read-back may have run one more step: that step's token is dropped and its KV freed,
 never emitted or cached. A request that ends by length skips that step (it is known on the
 host), and retraction reads the step in flight back first, so its decisions see every token.
+
+Structured output (engine/grammar/): a constrained row's token bitmask depends on the token its
+request sampled one step earlier. Under overlap that token is still on the device when the
+next step launches, so such a step launches its forward, reads the previous step back (which
+advances the matchers), and only then fills the mask and samples: the host's fill runs while
+the GPU runs the forward, and no host sync is added inside the step.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from breakgraph.common.messages import TokenDelta
 from breakgraph.engine.cache_manager import CacheManager
 from breakgraph.engine.config import SchedulerConfig, SchedulerStats
 from breakgraph.engine.decode import DecodeManager
+from breakgraph.engine.grammar import GrammarMask
 from breakgraph.engine.logprobs import ReadBack, token_logprobs
 from breakgraph.engine.output import OutputProcessor, fill_meta, finished_output
 from breakgraph.engine.penalties import PenaltyPool, needs_row
@@ -73,6 +80,9 @@ class Launched:
     prompt: list[PromptRows] | None = None
     prompt_handles: tuple[int, int | None, int | None] | None = None
     prompt_top_k: int = 0
+    # launched, not yet sampled: (logits, logits with the penalty pool applied or None, pool
+    # rows or None); a constrained row's mask waits for the step in flight (sample_launched)
+    unsampled: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
 class Scheduler:
@@ -88,6 +98,7 @@ class Scheduler:
         prompt_forward: PromptForward | None = None,
         penalties: PenaltyPool | None = None,
         penalized_forward: PenalizedForward | None = None,
+        grammar_mask: GrammarMask | None = None,
     ):
         self.forward = forward  # batch -> logits [batch size, vocab] of each request's last row
         self.prompt_forward = prompt_forward  # for steps with prompt rows (prompt logprobs)
@@ -97,6 +108,8 @@ class Scheduler:
         # (batch, pool rows) -> (logits, logits with the pool applied): the decode graphs
         # apply it inside their replay
         self.penalized_forward = penalized_forward
+        # each step's token bitmask of its constrained rows (requests with a Req.grammar)
+        self.grammar_mask = grammar_mask
         self.cfg = config
         self.device = device
         self.cache = CacheManager(
@@ -182,6 +195,9 @@ class Scheduler:
             launched = previous
         if launched is not None:
             outputs.extend(self.process_outputs(launched))
+        if self.in_flight is not None and self.in_flight.unsampled is not None:
+            # its constrained rows' masks needed the tokens of the step just read back
+            self.sample_launched(self.in_flight)
         self.timer.step_end()
         return outputs
 
@@ -259,27 +275,45 @@ class Scheduler:
         if not done:
             rb.start()
             return launched
+        # a constrained row whose last token is still in flight: its mask needs that token
+        waits = self.in_flight is not None and any(
+            r.grammar is not None and r.num_pending for r in done
+        )
         if len(done) != len(reqs):
             (sel,) = upload_many([[i for i, r in enumerate(reqs) if r is not chunked]],
                                  torch.int64, logits.device)  # fmt: skip
             logits = logits[sel]
             processed = None if processed is None else processed[sel]
             pen_rows = None if pen_rows is None else pen_rows[sel]
-        if pen_rows is not None and processed is None:  # eager: the same ops as the graphs'
-            processed = self.penalties.apply(logits, pen_rows)
-        ids, _ = sample(
-            logits if processed is None else processed,
-            [r.sampling for r in done],
-            [r.generator for r in done],
-        )
-        if pen_rows is not None:
-            self.penalties.record(pen_rows, ids)
-        launched.ids, launched.sampled = rb.add(ids), ids
         for row, r in enumerate(done):
             r.num_pending += 1
             r.pending_row = row
             if self.cfg.overlap and not r.decoding:  # decodes next step, its token in flight
                 self.decode.add(r)
+        launched.unsampled = (logits, processed, pen_rows)
+        if not waits:
+            self.sample_launched(launched)
+        return launched
+
+    def sample_launched(self, launched: Launched) -> None:
+        """Sample a launched step's rows on the device (the grammar's mask applied first) and
+        queue its read-back (no sync). A row whose request finished meanwhile is sampled
+        unmasked; its token is dropped at the read-back."""
+        logits, processed, pen_rows = launched.unsampled
+        launched.unsampled = None
+        done, rb = launched.done, launched.readback
+        if pen_rows is not None and processed is None:  # eager: the same ops as the graphs'
+            processed = self.penalties.apply(logits, pen_rows)
+        target = logits if processed is None else processed
+        if self.grammar_mask is not None and any(r.grammar is not None for r in done):
+            if target is logits and any(r.return_logprob for r in done):
+                target = logits.clone()  # logprobs stay the model's own
+            live = [r.grammar if self.reqs.get(r.rid) is r else None for r in done]
+            self.grammar_mask.apply(target, live)
+        ids, _ = sample(target, [r.sampling for r in done], [r.generator for r in done])
+        if pen_rows is not None:
+            self.penalties.record(pen_rows, ids)
+        launched.ids, launched.sampled = rb.add(ids), ids
         if any(r.return_logprob for r in done):
             k = max(r.top_logprobs_num if r.return_logprob else 0 for r in done)
             lp, top_v, top_i = token_logprobs(logits, ids, k)
@@ -287,7 +321,6 @@ class Scheduler:
             if top_v is not None:
                 launched.top_values, launched.top_ids = rb.add(top_v), rb.add(top_i)
         rb.start()
-        return launched
 
     def _resolve_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Placeholder ids ``-(row + 1)`` -> that row of the step in flight's sampled ids
@@ -339,6 +372,8 @@ class Scheduler:
                 continue
             lp = lp_list[b] if lp_list is not None and req.return_logprob else None
             out, reason = self.output.append_token(req, tok, lp)
+            if req.grammar is not None:
+                reason = grammar_finish(req, tok, reason)
             if lp is not None and req.top_logprobs_num > 0 and tops is not None:
                 top = tops[b][: req.top_logprobs_num]
                 out.top_logprobs = [top]
@@ -386,6 +421,17 @@ class Scheduler:
             self.cache.release(req)
             if self.penalties is not None:
                 self.penalties.release(req)
+
+
+def grammar_finish(req: Req, tok: int, reason: dict | None) -> dict | None:
+    """Advance ``req``'s grammar by its new token ``tok``: the finish reason ``reason``, or
+    "stop" once the grammar has ended (its stop token accepted), or an abort if the grammar
+    refuses the token (the mask allowed it: only a bug gets here)."""
+    if not req.grammar.accept(tok):
+        return reason or {"type": "abort", "message": f"token {tok} breaks the {req.grammar.kind}"}
+    if reason is None and req.grammar.terminated:
+        return {"type": "stop", "matched": tok}
+    return reason
 
 
 def first_token_timeline(req: Req, sampled_at: float) -> dict[str, float]:

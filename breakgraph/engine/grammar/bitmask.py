@@ -1,0 +1,90 @@
+"""Each step's token bitmask: one int32 row of ``ceil(vocab / 32)`` words per batch row (bit
+``t % 32`` of word ``t // 32`` set: token ``t`` allowed), filled on the host by xgrammar from
+each constrained request's matcher, uploaded with one non-blocking copy into a device buffer
+that keeps its address, and applied to the logits before sampling by device ops (no host
+sync, capture-safe). An unconstrained row is all ones: neutral.
+
+The mask of a decode step depends on the token its request sampled one step earlier, which
+overlap scheduling leaves on the device; the scheduler fills it once that token is read back,
+while the GPU runs the step's forward (scheduler.py, docs/design.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from breakgraph.engine.grammar.matcher import RequestGrammar
+
+NEUTRAL = -1  # all 32 bits set: every token of the word allowed
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float and bitmask [B, ceil(V / 32)] int32 -> logits, each token whose
+    bit is clear set to -inf, in place. Three device ops over [B, V] bytes: the words read as
+    bytes (little-endian: byte k holds tokens 8k..8k+7), each byte against its 8 bit values."""
+    rows, vocab = logits.shape
+    as_bytes = bitmask.view(torch.uint8)  # [B, 4W]
+    bits = _bit_values(logits.device)
+    banned = torch.bitwise_and(as_bytes[:, :, None], bits) == 0  # [B, 4W, 8]
+    return logits.masked_fill_(banned.view(rows, -1)[:, :vocab], float("-inf"))
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8,
+                                            device=device)  # fmt: skip
+    return bits
+
+
+class GrammarMask:
+    """The bitmask rows of a step, on the device; grows (by doubling) to the largest batch
+    with a constrained row."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+        self.rows = torch.full((0, self.words), NEUTRAL, dtype=torch.int32, device=device)
+        self._filler = None  # xgrammar's BatchGrammarMatcher: its threads fill many rows
+
+    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> bool:
+        """Mask ``logits`` [B, V] in place by each row's grammar (None: unconstrained, or a
+        finished request whose row is dropped). False, and nothing done, if no row has one."""
+        held = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+        if not held:
+            return False
+        n = len(grammars)
+        host = torch.empty((n, self.words), dtype=torch.int32,
+                           pin_memory=self.device.type == "cuda")  # fmt: skip
+        free = sorted(set(range(n)) - set(held))
+        if free:
+            host[free] = NEUTRAL
+        self._fill(host, [grammars[i].matcher for i in held], held)
+        rows = self._rows(n)
+        rows.copy_(host, non_blocking=True)
+        apply_token_bitmask(logits, rows)
+        return True
+
+    def _fill(self, host: torch.Tensor, matchers: list, indices: list[int]) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, indices[0])
+            return
+        if self._filler is None:
+            import xgrammar as xgr
+
+            self._filler = xgr.BatchGrammarMatcher()
+        self._filler.batch_fill_next_token_bitmask(matchers, host, indices)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """The device buffer's first ``n`` rows. A grown buffer replaces the old one: a step
+        still queued that reads the old one is ordered before any reuse of its memory (one
+        stream)."""
+        if n > self.rows.shape[0]:
+            size = max(n, 2 * self.rows.shape[0], 8)
+            self.rows = torch.full((size, self.words), NEUTRAL, dtype=torch.int32,
+                                   device=self.device)  # fmt: skip
+        return self.rows[:n]

@@ -1,0 +1,27 @@
+"""A request's grammar state: xgrammar's matcher over its compiled grammar, advanced with each
+token the request outputs (scheduler.process_outputs), read by each step's bitmask fill."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestGrammar:
+    """One request's matcher. ``terminated``: the grammar accepted a stop token (its end)."""
+
+    __slots__ = ("kind", "matcher")
+
+    def __init__(self, kind: str, compiled: Any):
+        import xgrammar as xgr  # loaded by the compile that made ``compiled``
+
+        self.kind = kind
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False if the grammar does not allow it (the matcher is left
+        as it was)."""
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
