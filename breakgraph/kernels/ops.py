@@ -15,6 +15,7 @@ from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
 from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import fused_moe as _moe
+from breakgraph.kernels import hyper_connection as _hc
 from breakgraph.kernels import kv_store as _kv_store
 from breakgraph.kernels import skinny_gemm as _skinny
 from breakgraph.kernels import workspace as _workspace
@@ -37,6 +38,8 @@ __all__ = [
     "gelu_tanh_mul",
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
+    "hc_collapse",
+    "hc_expand",
     "indexer_scores",
     "linear",
     "linear_act_and_mul",
@@ -196,6 +199,12 @@ gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm
 pool_windows = _compressed.pool_windows_torch
 indexer_scores = _compressed.indexer_scores_torch
 sparse_attention = _compressed.sparse_attention_torch
+
+
+# ---- hyper-connections (DeepSeek V4's mHC; kernels/hyper_connection.py)
+
+hc_collapse = _twin(_hc.hc_collapse_torch, _hc.hc_collapse_triton)
+hc_expand = _twin(_hc.hc_expand_torch, _hc.hc_expand_triton)
 
 
 # ---- mixture of experts (kernels/fused_moe.py)

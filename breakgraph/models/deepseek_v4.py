@@ -341,23 +341,12 @@ class DeepseekV4HyperConnection(nn.Module):
         self.scale = _fp32_param(3)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed [T, H])."""
-        n = self.hc_mult
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
-        comb = torch.softmax(comb, dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed [T, H]): HF's input
+        norm (one scale per row) applied after the projection, in ``ops.hc_collapse``."""
+        mixes = F.linear(streams.flatten(1).float(), self.fn)
+        return ops.hc_collapse(
+            streams, mixes, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps
+        )
 
 
 class DeepseekV4HyperHead(nn.Module):
@@ -373,9 +362,11 @@ class DeepseekV4HyperHead(nn.Module):
         self.hc_scale = _fp32_param(1)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        mixes = F.linear(streams.flatten(1).float(), self.hc_fn)
+        _, _, collapsed = ops.hc_collapse(
+            streams, mixes, self.hc_base, self.hc_scale, 0, self.eps, self.norm_eps, False
+        )
+        return collapsed
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -478,18 +469,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         self, streams: torch.Tensor, input_ids: torch.Tensor, rotary: DeepseekV4RotaryEmbedding
     ) -> torch.Tensor:
         """streams [T, hc_mult, H] -> the same."""
-        dtype = streams.dtype
         post, comb, collapsed = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(collapsed), rotary)
-        # the streams mixed as comb^T @ streams: comb is not symmetric
-        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
+        streams = ops.hc_expand(streams, out, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
+        return ops.hc_expand(streams, out, post, comb)
 
 
 class DeepseekV4Model(nn.Module):

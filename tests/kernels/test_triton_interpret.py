@@ -40,6 +40,10 @@ def test_split_kernels_equal_the_twins():
     interpret("tests.kernels.interpret_kernels", 37)
 
 
+def test_hyper_connection_kernels_equal_the_twins():
+    interpret("tests.kernels.interpret_hyper", 3)
+
+
 def test_fused_moe_launch_variants():
     interpret("tests.kernels.interpret_moe", 57)
 
