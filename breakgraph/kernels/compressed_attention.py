@@ -14,7 +14,10 @@ Entry ``e`` of a request (the window of positions ``[e r, (e + 1) r)``) lives in
 row of the window's last token's slot, so one request-table lookup finds it; a row at
 position ``p`` may see the entries of the windows closed by then, ``e < (p + 1) // r``.
 
-Rows are processed in chunks of ``ROW_CHUNK`` so the gathered keys stay bounded.
+The torch versions process rows in chunks of ``ROW_CHUNK`` so the gathered keys stay
+bounded. ``indexer_scores`` and ``sparse_attention`` have Triton kernels (a program per row,
+reading keys through the request table: nothing gathered); ``pool_windows`` runs as torch
+ops on every device.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+try:  # Triton is optional: the CPU-only install runs the torch versions
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 ROW_CHUNK = 256
 
@@ -179,4 +190,205 @@ def sparse_attention_torch(
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)[..., :-1]
         out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@_jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # float32 models: no TF32 rounding
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@_jit
+def _attend_block(q, keys, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One block of keys [BLOCK_N, D] (``ok`` masks them) into the online softmax of a block
+    of heads: running max ``m_i``, sum ``l_i`` and output ``acc`` [BLOCK_H, D]."""
+    logits = _dot(q, tl.trans(keys), IEEE) * scale
+    logits = tl.where(ok[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(keys.dtype), keys, IEEE)
+    return m_new, l_i, acc
+
+
+@_jit
+def _sparse_attention_kernel(
+    q,
+    kv_cache,
+    comp_cache,
+    out,
+    positions,
+    token_rows,
+    req_to_token,
+    picks,
+    sinks,
+    heads,
+    table_width,
+    n_picks,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_comp,
+    stride_table,
+    stride_picks,
+    scale,
+    WINDOW: tl.constexpr,
+    RATIO: tl.constexpr,
+    MODE: tl.constexpr,  # 0: window only, 1: + every visible entry, 2: + the picked entries
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    d = tl.arange(0, D)
+    pos = tl.load(positions + t)
+    row = tl.load(token_rows + t).to(tl.int64)
+    table = req_to_token + row * stride_table
+    q_tile = tl.load(
+        q + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
+    )
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for j0 in range(0, WINDOW, BLOCK_N):  # the sliding window, oldest first
+        kp = pos - WINDOW + 1 + j0 + n
+        ok = (kp >= 0) & (j0 + n < WINDOW)
+        slot = tl.load(table + tl.maximum(kp, 0), mask=ok, other=0).to(tl.int64)
+        keys = tl.load(
+            kv_cache + slot[:, None] * stride_kv + d[None, :], mask=ok[:, None], other=0.0
+        )
+        m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+    if MODE == 1:  # every entry whose window closed by this row
+        visible = (pos + 1) // RATIO
+        for e0 in range(0, visible, BLOCK_N):
+            e = e0 + n
+            ok = e < visible
+            last = tl.minimum(e * RATIO + RATIO - 1, table_width - 1)
+            slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
+            keys = tl.load(
+                comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
+            )
+            m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+    if MODE == 2:  # the indexer's picks (-1: none)
+        for j0 in range(0, n_picks, BLOCK_N):
+            j = j0 + n
+            e = tl.load(picks + t * stride_picks + j, mask=j < n_picks, other=-1)
+            ok = e >= 0
+            last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
+            slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
+            keys = tl.load(
+                comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
+            )
+            m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+    sink = tl.load(sinks + h, mask=h_ok, other=0.0)
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.exp(sink - m_new)
+    o = acc * alpha[:, None] / l_i[:, None]
+    dst = out + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+    tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
+
+
+def sparse_attention_triton(q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale):
+    """Triton twin of :func:`sparse_attention_torch`: a program per row and block of 16
+    heads (the one K = V head's tiles shared by them), an online softmax over the window's
+    keys and the entries, the sink last. No host sync: every bound is a device value or a
+    shape."""
+    t_rows, heads, d = q.shape
+    assert q.stride(2) == 1 and kv_cache.stride(2) == 1 and d & (d - 1) == 0
+    out = torch.empty_like(q)
+    if t_rows == 0:
+        return out
+    mode = 0 if comp_cache is None else (1 if picks is None else 2)
+    comp = kv_cache if comp_cache is None else comp_cache
+    pk = step.positions if picks is None else picks.contiguous()
+    block_h = 16
+    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h))](
+        q, kv_cache, comp, out, step.positions, step.token_rows, step.req_to_token, pk,
+        sinks.float().contiguous(), heads, step.req_to_token.shape[1],
+        0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
+        comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
+        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=16,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@_jit
+def _indexer_scores_kernel(
+    q,
+    weights,
+    index_cache,
+    out,
+    positions,
+    token_rows,
+    req_to_token,
+    heads,
+    n_entries,
+    table_width,
+    stride_qt,
+    stride_qh,
+    stride_w,
+    stride_k,
+    stride_table,
+    stride_o,
+    scale,
+    RATIO: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    d = tl.arange(0, D)
+    pos = tl.load(positions + t)
+    visible = e < (pos + 1) // RATIO
+    table = req_to_token + tl.load(token_rows + t).to(tl.int64) * stride_table
+    last = tl.minimum(e * RATIO + RATIO - 1, table_width - 1)
+    slot = tl.load(table + last, mask=visible, other=0).to(tl.int64)
+    keys = tl.load(
+        index_cache + slot[:, None] * stride_k + d[None, :], mask=visible[:, None], other=0.0
+    )
+    total = tl.zeros((BLOCK_E,), tl.float32)
+    for h0 in range(0, heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < heads
+        q_tile = tl.load(
+            q + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
+        )
+        dots = tl.maximum(_dot(q_tile, tl.trans(keys), IEEE), 0.0) * scale
+        w = tl.load(weights + t * stride_w + h, mask=h_ok, other=0.0)
+        total += tl.sum(dots * w[:, None], 0)
+    total = tl.where(visible, total, float("-inf"))
+    tl.store(out + t * stride_o + e, total, mask=e < n_entries)
+
+
+def indexer_scores_triton(q, weights, index_cache, step, ratio, scale):
+    """Triton twin of :func:`indexer_scores_torch`: a program per row and block of 32
+    entries, every head's dot products in one tile."""
+    t_rows, heads, d = q.shape
+    n_entries = max(step.max_seq // ratio, 1)
+    out = torch.empty((t_rows, n_entries), dtype=torch.float32, device=q.device)
+    if t_rows == 0:
+        return out
+    assert q.stride(2) == 1 and index_cache.stride(1) == 1 and d & (d - 1) == 0
+    weights = weights.float().contiguous()
+    block_e = 32
+    _indexer_scores_kernel[(t_rows, triton.cdiv(n_entries, block_e))](
+        q, weights, index_cache, out, step.positions, step.token_rows, step.req_to_token, heads,
+        n_entries, step.req_to_token.shape[1], q.stride(0), q.stride(1), weights.stride(0),
+        index_cache.stride(0), step.req_to_token.stride(0), out.stride(0), scale, RATIO=ratio,
+        D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
     return out

@@ -193,12 +193,12 @@ qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 
 
-# ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py): torch on every
-# device for now, eager steps only (the model declares no graph support)
+# ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py): the window
+# pooling is torch ops on every device (about 20 launches per compressor, no host sync)
 
 pool_windows = _compressed.pool_windows_torch
-indexer_scores = _compressed.indexer_scores_torch
-sparse_attention = _compressed.sparse_attention_torch
+indexer_scores = _twin(_compressed.indexer_scores_torch, _compressed.indexer_scores_triton)
+sparse_attention = _twin(_compressed.sparse_attention_torch, _compressed.sparse_attention_triton)
 
 
 # ---- hyper-connections (DeepSeek V4's mHC; kernels/hyper_connection.py)

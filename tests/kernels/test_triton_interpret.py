@@ -40,6 +40,10 @@ def test_split_kernels_equal_the_twins():
     interpret("tests.kernels.interpret_kernels", 37)
 
 
+def test_compressed_attention_kernels_equal_the_torch_versions():
+    interpret("tests.kernels.interpret_compressed", 4)
+
+
 def test_hyper_connection_kernels_equal_the_twins():
     interpret("tests.kernels.interpret_hyper", 3)
 

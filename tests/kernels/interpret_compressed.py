@@ -1,0 +1,76 @@
+"""DeepSeek V4's compressed-attention kernels (kernels/compressed_attention.py) under
+Triton's interpreter on CPU tensors, against the torch versions (float32), over a ragged
+step of three requests with shuffled slots: attention over the sliding window alone, with
+every visible entry (HCA) and with the indexer's picks (CSA). Run as ``TRITON_INTERPRET=1
+python -m tests.kernels.interpret_compressed`` (started so by ``test_triton_interpret.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from breakgraph.kernels import compressed_attention as ca
+
+PREFIX = [0, 21, 40]
+EXTEND = [9, 3, 17]
+
+
+def ragged_step() -> ca.CompressedStep:
+    """Three requests over a shuffled slot table: prefix + extend tokens each."""
+    width = 64
+    slots = torch.randperm(3 * width) + 1
+    table = slots.view(3, width).to(torch.int32)
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(PREFIX, EXTEND, strict=True)])
+    row_req = torch.repeat_interleave(torch.arange(3), torch.tensor(EXTEND))
+    return ca.CompressedStep(
+        positions=positions,
+        row_req=row_req,
+        req_rows=torch.tensor([2, 0, 1]),
+        start_pos=torch.tensor(PREFIX),
+        end_pos=torch.tensor(PREFIX) + torch.tensor(EXTEND),
+        fresh=torch.tensor(PREFIX) == 0,
+        req_to_token=table,
+        max_extend=max(EXTEND),
+        max_seq=max(p + e for p, e in zip(PREFIX, EXTEND, strict=True)),
+    )
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> int:
+    diff = (got - want).abs().max().item()
+    ok = diff <= tol
+    print(f"{'ok' if ok else 'FAIL'} {name}: max diff {diff:.1e}")
+    return int(not ok)
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
+    torch.manual_seed(0)
+    step = ragged_step()
+    t, heads, d, window, ratio = step.positions.shape[0], 3, 32, 8, 4
+    n_slots = 3 * 64 + 1
+    q = torch.randn(t, heads, d)
+    kv = torch.randn(n_slots, 1, d)
+    comp = torch.randn(n_slots, d)
+    sinks = torch.randn(heads)
+    picks = torch.randint(-1, 8, (t, 5))
+    picks = torch.where(picks < ((step.positions + 1) // ratio)[:, None], picks, -1)
+    failed = 0
+    for name, cache, pk in (("window", None, None), ("every entry", comp, None),
+                            ("picked entries", comp, picks)):  # fmt: skip
+        args = (q, kv, cache, step, window, ratio, pk, sinks, 0.2)
+        got = ca.sparse_attention_triton(*args)
+        failed += check(f"sparse attention, {name}", got, ca.sparse_attention_torch(*args))
+    iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
+    keys = torch.randn(n_slots, 16)
+    args = (iq, iw, keys, step, ratio, 0.25)
+    got, want = ca.indexer_scores_triton(*args), ca.indexer_scores_torch(*args)
+    same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    failed += check("indexer scores", got[finite], want[finite]) + (not same_mask)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
