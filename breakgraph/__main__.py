@@ -2,6 +2,6 @@
 
 import sys
 
-from breakgraph.cli.main import main
+from breakgraph.cli import main
 
 sys.exit(main())
