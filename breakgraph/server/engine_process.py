@@ -17,6 +17,7 @@ import sys
 import time
 
 from breakgraph.common import gc_watch
+from breakgraph.common.logs import configure_logging
 from breakgraph.common.messages import (
     STATS_PUBLISHED,
     AbortReq,
@@ -58,10 +59,7 @@ def run_engine_process(engine_args: EngineArgs, paths: IpcPaths, log_level: str)
     """Entry point of the spawned engine process."""
     # Ctrl-C reaches the whole foreground process group; the API process decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
-    )
+    configure_logging(log_level, process="engine")  # start-up progress at the default level
     sock = EngineSocket.connect(paths.socket_path)
     code = 0
     engine = None
