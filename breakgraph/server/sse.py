@@ -52,9 +52,9 @@ class EventStream(StreamingResponse):
     Here a small watcher task listens for the client's disconnect and cancels the stream."""
 
     def __init__(self, body: AsyncIterator[bytes]):
-        super().__init__(
-            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        # X-Accel-Buffering: a reverse proxy (nginx) passes each event on at once
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(body, media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
