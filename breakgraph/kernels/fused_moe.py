@@ -73,22 +73,39 @@ def moe_route_torch(
     scoring: str = "softmax",
     renormalize: bool = True,
     expert_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's routers: scores in float32 (softmax or sigmoid), top-k, optionally renormalized
-    to sum 1, optionally times a per-expert scale (Gemma 4). Returns (weights float32 [M, K],
-    expert ids int32 [M, K])."""
-    if scoring == "softmax":
-        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    elif scoring == "sigmoid":
-        scores = torch.sigmoid(router_logits.float())
+    """HF's routers: scores in float32 (softmax, sigmoid, or DeepSeek V4's sqrt(softplus)),
+    top-k (of the scores plus ``bias`` where given: the weights stay the scores), optionally
+    renormalized to sum 1, optionally times a per-expert scale (Gemma 4), times ``factor``.
+    Returns (weights float32 [M, K], expert ids int32 [M, K])."""
+    scores = _scores(router_logits, scoring)
+    if bias is None:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
     else:
-        raise ValueError(f"scoring must be softmax or sigmoid, not {scoring!r}")
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+        ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if expert_scale is not None:
         weights = weights * expert_scale[ids].float()
+    if factor != 1.0:
+        weights = weights * factor
     return weights, ids.to(torch.int32)
+
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def _scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if scoring == "sigmoid":
+        return torch.sigmoid(router_logits.float())
+    if scoring == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(router_logits.float()))
+    raise ValueError(f"scoring must be one of {SCORINGS}, not {scoring!r}")
 
 
 def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -246,6 +263,10 @@ def _moe_route_kernel(
     SIGMOID: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    bias=None,
+    factor=1.0,
+    SQRTSOFTPLUS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     pdl.enter(PDL)
@@ -259,41 +280,52 @@ def _moe_route_kernel(
         mask=mask,
         other=-float("inf"),
     ).to(tl.float32)
-    if SIGMOID:
+    if SQRTSOFTPLUS:  # softplus as max(x, 0) + log(1 + exp(-|x|)): no overflow
+        p = tl.sqrt(tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    elif SIGMOID:
         p = 1.0 / (1.0 + tl.exp(-x))
     else:
         x = x - tl.max(x, 1)[:, None]
         ex = tl.where(col_ok[None, :], tl.exp(x), 0.0)
         p = ex / tl.sum(ex, 1)[:, None]
-    p = tl.where(col_ok[None, :], p, -1.0)  # below every score: never picked
+    sel = p
+    if HAS_BIAS:  # chosen by score + bias, weighted by the score
+        sel = p + tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    sel = tl.where(col_ok[None, :], sel, -float("inf"))  # never picked
     kcols = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(p, 1)
+        best = tl.max(sel, 1)
         # the lowest index among equal maxima
-        idx = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), 1)
+        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), 1)
         # a NaN row matches nothing: keep its ids in range (the align kernels index by them)
         idx = tl.minimum(idx, num_experts - 1)
+        if HAS_BIAS:
+            best = tl.sum(tl.where(cols[None, :] == idx[:, None], p, 0.0), 1)
         w = tl.where(kcols[None, :] == k, best[:, None], w)
         ids = tl.where(kcols[None, :] == k, idx[:, None], ids)
-        p = tl.where(cols[None, :] == idx[:, None], -2.0, p)
+        sel = tl.where(cols[None, :] == idx[:, None], -float("inf"), sel)
     k_ok = kcols[None, :] < TOP_K
     if RENORMALIZE:
         w = w / tl.sum(tl.where(k_ok, w, 0.0), 1)[:, None]
     if HAS_SCALE:
         w = w * tl.load(expert_scale + ids, mask=k_ok, other=1.0).to(tl.float32)
+    w = w * factor
     out = rows[:, None] * TOP_K + kcols[None, :]
     out_mask = row_ok[:, None] & k_ok
     tl.store(topk_weights + out, w, mask=out_mask)
     tl.store(topk_ids + out, ids, mask=out_mask)
 
 
-def moe_route_triton(router_logits, top_k, scoring="softmax", renormalize=True, expert_scale=None):
+def moe_route_triton(
+    router_logits, top_k, scoring="softmax", renormalize=True, expert_scale=None, bias=None,
+    factor=1.0,
+):  # fmt: skip
     """Triton twin of :func:`moe_route_torch` (its arguments): scores, top-k, renormalize,
     scale in one launch; ties go to the lowest expert id."""
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be softmax or sigmoid, not {scoring!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, not {scoring!r}")
     m, e = router_logits.shape
     assert router_logits.stride(-1) == 1 and 0 < top_k <= e
     weights = torch.empty((m, top_k), dtype=torch.float32, device=router_logits.device)
@@ -317,6 +349,10 @@ def moe_route_triton(router_logits, top_k, scoring="softmax", renormalize=True, 
         SIGMOID=scoring == "sigmoid",
         RENORMALIZE=renormalize,
         HAS_SCALE=expert_scale is not None,
+        bias=router_logits if bias is None else bias,
+        factor=float(factor),
+        SQRTSOFTPLUS=scoring == "sqrtsoftplus",
+        HAS_BIAS=bias is not None,
         num_warps=4 if block_e <= 256 else 8,
         **pdl.launch(router_logits.device),
     )

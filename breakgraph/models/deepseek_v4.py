@@ -409,9 +409,9 @@ class DeepseekV4TopKRouter(nn.Module):
             raise NotImplementedError(f"DeepSeek V4 scoring_func {raw['scoring_func']!r}")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        scores = _sqrtsoftplus(F.linear(x, self.weight))
-        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
-        return _weights(scores, ids, self.scaling), ids.to(torch.int32)
+        logits = F.linear(x, self.weight)
+        bias = self.e_score_correction_bias
+        return ops.moe_route(logits, self.top_k, "sqrtsoftplus", True, None, bias, self.scaling)
 
 
 class DeepseekV4HashRouter(nn.Module):

@@ -52,7 +52,7 @@ def main() -> int:
         fm.moe_config = table
     return (
         failed + half_tail(gate_up, down) + atomic_sum(gate_up, down)
-        + gemv(x, gate_up, down, w, ids, ref) + clamped(gate_up, down)
+        + gemv(x, gate_up, down, w, ids, ref) + clamped(gate_up, down) + routes()
     )  # fmt: skip
 
 
@@ -114,6 +114,30 @@ def half_tail(gate_up, down) -> int:
             )
     finally:
         fm.moe_config = table
+    return failed
+
+
+def routes() -> int:
+    """The routing kernel against its twin: softmax and sigmoid scores, and DeepSeek V4's
+    sqrt(softplus) chosen with a correction bias and scaled (256 experts, top 6); the same
+    experts per token (as sets) and their weights."""
+    failed = 0
+    cases = (
+        (8, 2, "softmax", {}),
+        (8, 3, "sigmoid", {}),
+        (256, 6, "sqrtsoftplus", {"bias": torch.randn(256) * 0.1, "factor": 1.5}),
+        (32, 6, "sqrtsoftplus", {"factor": 2.5}),
+    )
+    for e, k, scoring, extra in cases:
+        logits = torch.randn(37, e)
+        w_ref, ids_ref = fm.moe_route_torch(logits, k, scoring, True, None, **extra)
+        w, ids = fm.moe_route_triton(logits, k, scoring, True, None, **extra)
+        order, order_ref = ids.long().sort(1), ids_ref.long().sort(1)
+        same = torch.equal(order.values, order_ref.values)
+        diff = (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max()
+        ok = same and diff.item() <= 1e-5
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} moe route {scoring} e={e} k={k}: max diff {diff:.1e}")
     return failed
 
 
