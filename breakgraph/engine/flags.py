@@ -299,8 +299,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         default=None,
         help="every route but /health and /health_generate needs the header 'Authorization: "
-        "Bearer KEY' (401 otherwise); default: the BREAKGRAPH_API_KEY environment variable "
-        "(which `ps` does not show), else no key (SGLang's and vLLM's flag)",
+        "Bearer KEY' (401 otherwise); default: the variable BREAKGRAPH_API_KEY (which `ps` "
+        "does not show), else no key (SGLang's and vLLM's flag)",
     )
     g.add_argument(
         "--max-request-bytes",
