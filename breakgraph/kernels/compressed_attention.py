@@ -15,13 +15,14 @@ row of the window's last token's slot, so one request-table lookup finds it; a r
 position ``p`` may see the entries of the windows closed by then, ``e < (p + 1) // r``.
 
 The torch versions process rows in chunks of ``ROW_CHUNK`` so the gathered keys stay
-bounded. ``indexer_scores`` and ``sparse_attention`` have Triton kernels (a program per row,
-reading keys through the request table: nothing gathered); ``pool_windows`` runs as torch
-ops on every device.
+bounded. The Triton kernels read keys through the request table (nothing gathered):
+``sparse_attention`` and ``indexer_scores`` a program per row, ``pool_windows`` a program
+per (request, window) pair, which writes only the closing rows' entries (the others stay 0).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +53,16 @@ class CompressedStep:
     max_extend: int
     max_seq: int
 
-    @property
+    @functools.cached_property
     def token_rows(self) -> torch.Tensor:
         """[T] int64: each row's request-table row."""
         return self.req_rows[self.row_req]
+
+    @functools.cached_property
+    def row_start(self) -> torch.Tensor:
+        """[B] int64: each request's first row in the step."""
+        n = self.end_pos - self.start_pos
+        return n.cumsum(0) - n
 
 
 def pool_windows_torch(
@@ -392,3 +399,95 @@ def indexer_scores_triton(q, weights, index_cache, step, ratio, scale):
         D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@_jit
+def _pool_kernel(
+    kv,
+    score,
+    state,
+    new_state,
+    pooled,
+    start_pos,
+    end_pos,
+    row_start,
+    fresh,
+    req_rows,
+    span,
+    stride_kv,
+    stride_sc,
+    stride_st,
+    stride_p,
+    D: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // span
+    local = pid % span
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_ok = c < D
+    p0 = tl.load(start_pos + b)
+    p1 = tl.load(end_pos + b)
+    r0 = tl.load(row_start + b)
+    e = p0 // RATIO + local  # the entry (window) this program pools
+    m_i = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_D,), tl.float32)
+    a_i = tl.zeros((BLOCK_D,), tl.float32)
+    n_state: tl.constexpr = 2 if OVERLAP else 1
+    if local < n_state:  # the carried state of the window open at p0 (and the next)
+        if tl.load(fresh + b) == 0:
+            st = state + tl.load(req_rows + b).to(tl.int64) * stride_st + local * 3 * D
+            m_i = tl.load(st + c, mask=c_ok, other=float("-inf"))
+            l_i = tl.load(st + D + c, mask=c_ok, other=0.0)
+            a_i = tl.load(st + 2 * D + c, mask=c_ok, other=0.0)
+    # this step's rows feeding entry e: its own window's (their second half with overlap)
+    # and, with overlap, the previous window's first half
+    lo = e * RATIO - RATIO if OVERLAP else e * RATIO
+    for p in range(tl.maximum(lo, p0), tl.minimum(e * RATIO + RATIO, p1)):
+        row = (r0 + p - p0).to(tl.int64)
+        if OVERLAP:  # the previous window's rows give their first half, its own the second
+            off = tl.where(p < e * RATIO, 0, D)
+        else:
+            off = 0
+        x = tl.load(score + row * stride_sc + off + c, mask=c_ok, other=0.0).to(tl.float32)
+        v = tl.load(kv + row * stride_kv + off + c, mask=c_ok, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_i, x)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - m_new))
+        w = tl.exp(x - m_new)
+        l_i = l_i * alpha + w
+        a_i = a_i * alpha + w * v
+        m_i = m_new
+    close = e * RATIO + RATIO - 1
+    if (close >= p0) & (close < p1):
+        row = (r0 + close - p0).to(tl.int64)
+        tl.store(pooled + row * stride_p + c, a_i / l_i, mask=c_ok)
+    slot = e - p1 // RATIO  # 0: the window open at p1; 1 (overlap): the next one
+    if (slot >= 0) & (slot < n_state):
+        dst = new_state + b.to(tl.int64) * n_state * 3 * D + slot * 3 * D
+        tl.store(dst + c, m_i, mask=c_ok)
+        tl.store(dst + D + c, l_i, mask=c_ok)
+        tl.store(dst + 2 * D + c, a_i, mask=c_ok)
+
+
+def pool_windows_triton(kv, score, state, ratio, overlap, step):
+    """Triton twin of :func:`pool_windows_torch`: each (request, window) pair's entry as an
+    online softmax over its rows in the step and the carried state; a closing row gets its
+    entry, other rows 0; the new state is written beside the old, then copied over it."""
+    t_rows, c = kv.shape
+    d = c // 2 if overlap else c
+    b = step.start_pos.shape[0]
+    n_state = state.shape[1]
+    pooled = torch.zeros((t_rows, d), dtype=torch.float32, device=kv.device)
+    new_state = torch.empty((b, n_state, 3, d), dtype=torch.float32, device=kv.device)
+    span = step.max_extend // ratio + 3
+    score = score.contiguous()
+    block_d = min(128, triton.next_power_of_2(d))
+    _pool_kernel[(b * span, triton.cdiv(d, block_d))](
+        kv, score, state, new_state, pooled, step.start_pos, step.end_pos, step.row_start,
+        step.fresh.to(torch.int8), step.req_rows, span, kv.stride(0), score.stride(0),
+        state.stride(0), pooled.stride(0), D=d, RATIO=ratio, OVERLAP=overlap, BLOCK_D=block_d,
+    )  # fmt: skip
+    state[step.req_rows] = new_state
+    return pooled

@@ -193,10 +193,9 @@ qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 
 
-# ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py): the window
-# pooling is torch ops on every device (about 20 launches per compressor, no host sync)
+# ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)
 
-pool_windows = _compressed.pool_windows_torch
+pool_windows = _twin(_compressed.pool_windows_torch, _compressed.pool_windows_triton)
 indexer_scores = _twin(_compressed.indexer_scores_torch, _compressed.indexer_scores_triton)
 sparse_attention = _twin(_compressed.sparse_attention_torch, _compressed.sparse_attention_triton)
 

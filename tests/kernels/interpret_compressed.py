@@ -69,6 +69,30 @@ def main() -> int:
     same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     failed += check("indexer scores", got[finite], want[finite]) + (not same_mask)
+    return failed + pooling(step)
+
+
+def pooling(step: ca.CompressedStep) -> int:
+    """Window pooling over the ragged step (one request fresh, two carrying state): the
+    closing rows' entries and the new state equal the torch version's."""
+    failed = 0
+    t = step.positions.shape[0]
+    closes_at = {4: (step.positions % 4 == 3), 8: (step.positions % 8 == 7)}
+    for overlap, ratio, d in ((True, 4, 24), (False, 8, 40)):
+        c = 2 * d if overlap else d
+        kv, score = torch.randn(t, c), torch.randn(t, c) * 2
+        state = torch.randn(3, 2 if overlap else 1, 3, d)
+        state[:, :, 1:].abs_()  # sums of weights are positive
+        s_torch, s_triton = state.clone(), state.clone()
+        want = ca.pool_windows_torch(kv, score, s_torch, ratio, overlap, step)
+        got = ca.pool_windows_triton(kv, score, s_triton, ratio, overlap, step)
+        closes = closes_at[ratio]
+        failed += check(f"pool windows overlap={overlap}", got[closes], want[closes])
+        live = torch.isfinite(s_torch)
+        same_inf = torch.equal(live, torch.isfinite(s_triton))
+        failed += check(f"pool state overlap={overlap}", s_triton[live], s_torch[live]) + (
+            not same_inf
+        )
     return failed
 
 

@@ -5,7 +5,7 @@ variable must be set before Triton is imported: ``test_triton_interpret.py`` sta
 
 The CUDA-only host helpers the launchers call (device properties) are stood in for by an
 H200's values; attention, norms, RoPE with the fused KV store, GeGLU/SiLU, MoE routing and
-experts all run their Triton kernels, and "qwen2+skinny" sends every projection of at most
+experts, DeepSeek V4's compressed attention and hyper-connections all run their Triton kernels, and "qwen2+skinny" sends every projection of at most
 64 rows through the skinny GEMM (as a measured table would; the shipped table may be empty).
 """
 
@@ -32,6 +32,7 @@ FAMILIES = [
     "gemma4_moe",
     "qwen2+skinny",
     "gemma4+skinny",
+    "deepseek_v4",
 ]
 # "+skinny": every projection of at most 64 rows through the skinny-GEMM kernel (split K, with
 # qwen2's biases; gate/up with its SiLU or GELU in the epilogue), as a measured table would
@@ -48,7 +49,11 @@ def stand_in_h200_host_helpers() -> None:
 
 def tiny_checkpoint(family: str) -> str:
     path = tempfile.mkdtemp(prefix=f"interp-{family}-")
-    if family.startswith("gemma4"):
+    if family == "deepseek_v4":
+        from tests.support.deepseek_v4 import make_hf_deepseek_v4
+
+        make_hf_deepseek_v4().save_pretrained(path)
+    elif family.startswith("gemma4"):
         from tests.support.gemma4 import make_hf_gemma4
 
         make_hf_gemma4("moe" if family == "gemma4_moe" else "text").save_pretrained(path)
