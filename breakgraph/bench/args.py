@@ -14,7 +14,7 @@ DEFAULT_URL = "http://127.0.0.1:30000"
 
 
 def _add_tp(p) -> None:
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks (CUDA)")
     p.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
@@ -28,16 +28,42 @@ def _add_outputs(p, plot: str | None = None) -> None:
         p.add_argument("--plot", default=None, metavar="FILE.png", help=plot)
 
 
+def _add_models(p, default: list[str]) -> None:
+    p.add_argument(
+        "--models", nargs="+", default=default, help="built-in configs, run on dummy weights"
+    )
+
+
+def _add_device(p, default: str = "auto") -> None:
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=default,
+        help="auto: CUDA where torch sees a GPU",
+    )
+
+
 def add_step_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
-    p.add_argument("--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192])
-    p.add_argument("--prefix-tokens", "-P", type=int, nargs="+", default=[0])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    _add_models(p, ["qwen3-0.6b"])
+    p.add_argument(
+        "--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192], help="the step's N"
+    )
+    p.add_argument(
+        "--prefix-tokens", "-P", type=int, nargs="+", default=[0], help="cached tokens before N"
+    )
+    p.add_argument("--reps", type=int, default=10, help="timed calls per arm (their median)")
+    _add_device(p)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
     p.add_argument("--no-hf", action="store_true", help="no HF transformers arms")
     p.add_argument("--no-compile", action="store_true", help="no HF torch.compile arm")
-    p.add_argument("--compile-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--compile-timeout", type=float, default=120.0, help="seconds HF's torch.compile may take"
+    )
     p.add_argument(
         "--profile",
         action="store_true",
@@ -49,11 +75,13 @@ def add_step_args(p) -> None:
 
 
 def add_decode_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--device", default="auto")
+    _add_models(p, ["qwen3-0.6b"])
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="requests"
+    )
+    p.add_argument("--context", type=int, default=1024, help="each request's cached tokens")
+    p.add_argument("--reps", type=int, default=20, help="timed steps per point (their median)")
+    _add_device(p)
     p.add_argument(
         "--profile",
         action="store_true",
@@ -76,21 +104,27 @@ def add_prefill_args(p) -> None:
     p.add_argument("mode", choices=["cold", "hit"], help="cold: cache flushed; hit: cached prefix")
     p.add_argument("tokens", type=int, help="cold: prompt tokens; hit: cached prefix tokens")
     p.add_argument("concurrency", type=int, help="requests sent at once per wave")
-    p.add_argument("--url", default=DEFAULT_URL)
+    _add_url(p)
     p.add_argument(
         "--hit-new-tokens", type=int, default=1024, help="hit: new tokens after the prefix"
     )
-    p.add_argument("--warmup-waves", type=int, default=2)
+    p.add_argument("--warmup-waves", type=int, default=2, help="unmeasured waves first")
     p.add_argument("--waves", type=int, default=5, help="measured waves")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
     _add_outputs(p, "TTFT p50/p90 bars")
 
 
+def _add_url(p) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help="the running `breakgraph serve`")
+
+
 def add_serving_args(p) -> None:
-    p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--input-len", type=int, default=8192)
-    p.add_argument("--output-len", type=int, default=1024)
+    _add_url(p)
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="requests in flight"
+    )
+    p.add_argument("--input-len", type=int, default=8192, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=1024, help="new tokens per request")
     p.add_argument(
         "--requests-per-level",
         type=int,
@@ -98,7 +132,7 @@ def add_serving_args(p) -> None:
         help="requests at each concurrency (default: 4 x concurrency; at least the concurrency)",
     )
     p.add_argument("--rounds", type=int, default=2, help="even rounds run in reverse order")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
     _add_outputs(p, "each metric against concurrency")
 
 
@@ -113,7 +147,7 @@ def add_host_args(p) -> None:
     p.add_argument("--steps", type=int, default=24, help="decode: steps per run")
     p.add_argument("--tokens", type=int, nargs="+", default=[256], help="prefill: prompt tokens")
     p.add_argument("--requests", type=int, default=None, help="prefill: 100; api: 128")
-    p.add_argument("--device", default="cpu", help="decode, prefill")
+    _add_device(p, "cpu")
     p.add_argument(
         "--model-path", default=None, help="default: a two-layer Qwen3 layout, dummy weights"
     )
@@ -123,13 +157,19 @@ def add_host_args(p) -> None:
     p.add_argument("--flags", default="", help="api: more serve flags for this tree's server")
     p.add_argument("--ref", help="also a commit's tree (git archive), the arms interleaved")
     p.add_argument("--ref-flags", default="", help="api: more serve flags for the ref's server")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="runs per arm, interleaved")
     _add_outputs(p)
 
 
 def add_moe_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 8192])
+    _add_models(p, ["qwen3-30b-a3b"])
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32, 64, 256, 1024, 8192],
+        help="tokens per step (M)",
+    )
     p.add_argument(
         "--set",
         nargs="+",
@@ -176,8 +216,8 @@ def add_moe_args(p) -> None:
 
 
 def add_gemm_args(p) -> None:
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
-    p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
+    _add_models(p, ["qwen3-0.6b", "llama-3.1-8b"])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="rows (tokens)")
     p.add_argument(
         "--tp", nargs="+", type=int, default=[1], help="also each rank's shapes at these TP sizes"
     )
@@ -199,9 +239,9 @@ def add_gemm_args(p) -> None:
 
 def add_kernels_args(p) -> None:
     p.add_argument("--sweep", action="store_true", help="also time other launch configs")
-    p.add_argument("--extend-tokens", type=int, default=8192)
-    p.add_argument("--decode-batch", type=int, default=32)
-    p.add_argument("--decode-context", type=int, default=8192)
+    p.add_argument("--extend-tokens", type=int, default=8192, help="extend cases' new tokens")
+    p.add_argument("--decode-batch", type=int, default=32, help="decode cases' requests")
+    p.add_argument("--decode-context", type=int, default=8192, help="decode cases' context")
     p.add_argument("--prefix", type=int, default=32768, help="long-prefix case's prefix")
     p.add_argument(
         "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
@@ -209,8 +249,14 @@ def add_kernels_args(p) -> None:
 
 
 def add_allreduce_args(p) -> None:
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--kib", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096])
+    p.add_argument("--tp", type=int, default=2, help="ranks (GPUs)")
+    p.add_argument(
+        "--kib",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096],
+        help="message sizes",
+    )
     p.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
     p.add_argument(
         "--norm-rows",
@@ -225,7 +271,7 @@ def add_allreduce_args(p) -> None:
 def add_plot_args(p) -> None:
     p.add_argument("kind", choices=["step", "decode", "prefill", "serving"], help="which bench")
     p.add_argument("json_files", nargs="+", help="one or more runs' --json files")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the figure")
 
 
 # name -> (help, flags, the function that runs it)
@@ -283,6 +329,27 @@ BENCHES = {
 }
 
 
+_SERVER = "breakgraph serve --model-path smollm2-135m --load-format dummy &  # a CPU server"
+# a run sized for the CPU (seconds to a minute), shown under each bench's --help; the defaults
+# are sized for an H200
+EXAMPLES = {
+    "step": "breakgraph bench step --models smollm2-135m -N 64 --reps 2 --no-hf\n"
+    "(on the CPU the eager arm runs; graphs, the floor and launch counts need CUDA)",
+    "decode": "breakgraph bench decode --models smollm2-135m --batch-sizes 1 4 --context 256 "
+    "--reps 3\n(on the CPU: eager steps only)",
+    "prefill": f"{_SERVER}\nbreakgraph bench prefill cold 256 2 --warmup-waves 1 --waves 2",
+    "serving": f"{_SERVER}\nbreakgraph bench serving --concurrency 1 2 --input-len 256 "
+    "--output-len 16 --requests-per-level 2 --rounds 1",
+    "host": "breakgraph bench host decode --batch 1 8 --steps 8 --rounds 1",
+    "moe": "CUDA only: breakgraph bench moe --models qwen3-moe-tiny --tokens 1 64",
+    "gemm": "CUDA only: breakgraph bench gemm --models qwen3-0.6b --m 1",
+    "kernels": "CUDA only: breakgraph bench kernels --extend-tokens 1024 --decode-context 1024",
+    "allreduce": "CUDA, 2 GPUs: breakgraph bench allreduce --tp 2 --kib 8 64",
+    "plot": "breakgraph bench step --models smollm2-135m -N 64 --reps 2 --no-hf --json a.json\n"
+    "breakgraph bench plot step a.json -o step.png",
+}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     module, _, func = BENCHES[args.bench][2].partition(":")
     out = getattr(importlib.import_module(module), func)(args)
@@ -290,9 +357,17 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parsers(bench: argparse.ArgumentParser, formatter_class) -> None:
-    """One subparser per entry of :data:`BENCHES` under ``breakgraph bench``."""
+    """One subparser per entry of :data:`BENCHES` under ``breakgraph bench``, its help with
+    each flag's default and a CPU-sized example (:data:`EXAMPLES`, its lines kept)."""
+    keep_lines = type("BenchHelp", (argparse.RawDescriptionHelpFormatter, formatter_class), {})
     sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (text, add_args, _) in BENCHES.items():
-        p = sub.add_parser(name, help=text, description=text, formatter_class=formatter_class)
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=f"example:\n{EXAMPLES[name]}",
+            formatter_class=keep_lines,
+        )
         add_args(p)
         p.set_defaults(func=run_bench, parser=p)

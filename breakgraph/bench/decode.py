@@ -26,6 +26,7 @@ from breakgraph.bench.decode_setup import decode_batch, decode_engine
 from breakgraph.bench.plot import require_plot
 from breakgraph.bench.timing import (
     count_launches,
+    explain_eager,
     profile_calls,
     resolve_device,
     save_results,
@@ -47,6 +48,7 @@ class DecodePoint:
     gpu_ms_by_kind: dict[str, float] | None = None  # --profile: the step's kernel time by kind
     gpu_gaps_by_kind: dict[str, list[float]] | None = None  # --profile: gaps_by_kind
     back_to_back_ms: float | None = None  # graph steps with no sync between them (mean)
+    graph_note: str = ""  # why there is no graph time: the key the step dispatched to
 
 
 # kernel names by kind, first match wins (cuBLAS/CUTLASS GEMMs have many names)
@@ -160,7 +162,8 @@ def run_decode_bench(args) -> list[DecodePoint]:
             batch = decode_batch(eng, rows, slots, bs, args.context)
             eager = lambda b=batch, r=runner: r.forward_eager(b)  # noqa: E731
             graph = lambda b=batch, r=runner: r.forward(b)  # noqa: E731
-            has_graph = not runner.dispatch(batch).eager  # the key serving replays
+            key = runner.dispatch(batch)  # the key serving replays
+            has_graph = not key.eager
             pt = DecodePoint(
                 model,
                 bs,
@@ -169,6 +172,7 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 time_ms(graph, args.reps) if has_graph else None,
                 count_launches(eager),
                 count_launches(graph) if has_graph else None,
+                graph_note="" if has_graph else str(key),
             )
             if has_graph and device == "cuda":
                 pt.back_to_back_ms = time_ms(graph, args.reps, back_to_back=True)
@@ -194,6 +198,8 @@ def run_decode_bench(args) -> list[DecodePoint]:
 def format_decode_point(pt: DecodePoint) -> str:
     g = f"{pt.graph_ms:8.3f}" if pt.graph_ms is not None else f"{'-':>8}"
     ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else f"{'':7}"
+    if pt.graph_ms is None:  # the dispatcher's reason, e.g. eager (no decode graphs)
+        ratio = explain_eager(pt.graph_note) or pt.graph_note or "no graph"
     line = f"{pt.model:<14} bs={pt.batch_size:<4} C={pt.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}"
     if pt.back_to_back_ms is not None:
         line += f"  back-to-back {pt.back_to_back_ms:.3f} ms"

@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +32,22 @@ TOKEN_ID_RANGE = (1000, 120000)
 
 
 class BenchError(Exception):
-    """The server answered something a bench cannot use (an error status or event)."""
+    """The server answered something a bench cannot use (an error status or event), or
+    cannot be reached."""
+
+
+def connection_problem(e: BaseException) -> str:
+    """Why a request got no answer, in words (aiohttp's repr names its connection key)."""
+    cause = getattr(e, "os_error", None) or e
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(cause, socket.gaierror):
+        return "unknown host"
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if aiohttp is not None and isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    return getattr(cause, "strerror", None) or str(e) or type(e).__name__
 
 
 @dataclass
@@ -118,8 +134,11 @@ class ServerClient:
                 async with self.http.get(path) as r:
                     text = await r.text()
                     status = r.status
-            except aiohttp.ClientError as e:
-                raise BenchError(f"cannot reach the server at {self.url}: {e!r}") from None
+            except (TimeoutError, aiohttp.ClientError) as e:
+                raise BenchError(
+                    f"cannot reach {self.url}: {connection_problem(e)} (is `breakgraph serve` "
+                    "running there? --url names another)"
+                ) from None
             try:
                 vocab = json.loads(text).get("vocab_size") if status == 200 else None
             except ValueError:  # not JSON

@@ -27,6 +27,7 @@ from breakgraph.bench.hf import HFArms
 from breakgraph.bench.plot import require_plot
 from breakgraph.bench.timing import (
     count_launches,
+    explain_eager,
     profile_arm,
     resolve_device,
     save_results,
@@ -158,8 +159,10 @@ def bench_point(
     do_compile: bool,
     tp_size: int = 1,
     profile: bool = False,
+    no_compile_reason: str = "skipped",
 ) -> PointResult:
-    """``benches``: arm suffix -> engine ("" for a model without KV-shared layers)."""
+    """``benches``: arm suffix -> engine ("" for a model without KV-shared layers);
+    ``no_compile_reason``: the HF compile arm's note where ``do_compile`` is off."""
     res = PointResult(next(iter(benches.values())).model_name, n, p)
 
     def add(arm, fn, note=""):
@@ -187,7 +190,7 @@ def bench_point(
             fn, note = hf.compiled_fn(n)
             add("HF compile", fn, note)
         else:
-            add("HF compile", None, "P > 0 not measured" if p else "skipped")
+            add("HF compile", None, "P > 0 not measured" if p else no_compile_reason)
     return res
 
 
@@ -225,7 +228,24 @@ def format_table(points: list[PointResult]) -> str:
             xh = f"{a.ms / hf:7.2f}" if a.ms and hf else f"{'-':>7}"
             la = f"{a.launches:9d}" if a.launches is not None else f"{'-':>9}"
             lines.append(f"  {a.arm:<18} {ms} {xf} {xh} {la}  {a.note}")
+        lines += [f"  - {why}" for why in _dash_reasons(pt, floor, hf)]
     return "\n".join(lines)
+
+
+def _dash_reasons(pt: PointResult, floor: float | None, hf: float | None) -> list[str]:
+    """Why the table shows ``-`` where it does: one line per column that has one."""
+    timed = [a for a in pt.arms if a.ms is not None]
+    out = []
+    if any(a.ms is None for a in pt.arms):
+        out.append("ms: the arm did not run; its note says why")
+    out += sorted({why for a in pt.arms if (why := explain_eager(a.note))})
+    if floor is None and timed:
+        out.append("x floor: no floor, the step captured whole as one CUDA graph (CUDA, TP 1)")
+    if hf is None and timed:
+        out.append("x HF: no HF eager arm (--no-hf, transformers missing, or it failed)")
+    if any(a.launches is None for a in timed):
+        out.append("launches: kernel launches are counted by the CUDA profiler only")
+    return out
 
 
 def run_step_bench(args) -> list[PointResult]:
@@ -252,8 +272,9 @@ def run_step_bench(args) -> list[PointResult]:
         for p in args.prefix_tokens:
             for n in args.new_tokens:
                 do_compile = not args.no_compile and device == "cuda"
+                why = "skipped: --no-compile" if args.no_compile else "skipped: CUDA only"
                 pt = bench_point(
-                    benches, hf, n, p, args.reps, do_compile, args.tp_size, args.profile
+                    benches, hf, n, p, args.reps, do_compile, args.tp_size, args.profile, why
                 )
                 points.append(pt)
                 print(format_table([pt]), flush=True)

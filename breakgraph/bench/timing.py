@@ -170,3 +170,20 @@ def save_results(points: list, json_path: str | None, plot_path: str | None, plo
         from breakgraph.bench import plot
 
         getattr(plot, plot_fn)(rows, plot_path)
+
+
+# why a step ran eagerly (the dispatcher's reason, engine/graphs/dispatch.py), for a reader
+EAGER_REASONS = {
+    "no prefill graphs": "graphs are captured on CUDA only, unless turned off",
+    "no decode graphs": "graphs are captured on CUDA only, unless turned off",
+    "over the largest bucket": "past the largest prefill bucket (--cuda-graph-max-tokens-prefill)",
+    "padding": "its bucket would pad it more than --prefill-graph-max-pad-factor",
+}
+
+
+def explain_eager(note: str) -> str | None:
+    """``note`` (a StepKey's text, e.g. "eager (no prefill graphs)") with why, if known."""
+    for reason, why in EAGER_REASONS.items():
+        if f"eager ({reason})" in note:
+            return f"eager ({reason}): {why}"
+    return None

@@ -34,8 +34,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        if shown_default(action) is not None and "%(default)" not in help:
-            help += " (default: %(default)s)"
+        shown = shown_default(action)  # a list as its flag takes it: 1 2 4, not [1, 2, 4]
+        if shown is not None and "%(default)" not in help:
+            help += f" (default: {shown.replace('%', '%%')})"
         return help
 
 
