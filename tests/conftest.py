@@ -1,17 +1,41 @@
 """Fixtures and hooks that tests in several folders use: tiny HF models saved as checkpoints,
-the device left idle after each test. Helpers live in ``tests/support``."""
+the device left idle after each test, the GPU tests' skips in one summary line without CUDA.
+Helpers live in ``tests/support``."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from breakgraph.common import envs
 from tests.support.hf import FAMILIES, make_hf_model
+
+# on a machine without CUDA, every test that needs it skips under this one reason, folded by
+# the short summary (-ra) into one line instead of one per test location
+NO_CUDA = "needs a CUDA device (GPU tests; on a GPU machine they run)"
+
+
+def _fold_gpu_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """A skip for want of CUDA, reported under ``NO_CUDA`` at no one location."""
+    if not report.skipped or not isinstance(report.longrepr, tuple) or torch.cuda.is_available():
+        return
+    reason = str(report.longrepr[2])
+    if "gpu" in getattr(report, "keywords", ()) or re.search(r"\b(CUDA|GPUs?)\b", reason):
+        report.longrepr = (str(Path(__file__).parent), None, NO_CUDA)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _fold_gpu_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _fold_gpu_skip(report)
 
 
 @pytest.fixture
