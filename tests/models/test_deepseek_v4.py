@@ -153,3 +153,23 @@ def test_builtin_configs_have_v4_flash_layer_schedule(name):
     assert layout.mlp_layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
     assert (layout.prefix_align, layout.prefix_recompute, layout.rope_dim) == (128, 4, 64)
     check_tp_support(config, 8)
+
+
+def test_prompt_logprobs_match_hf(v4_checkpoint):
+    """Prompt logprob rows over two chunks (the compressors' state carried between them), and
+    from logprob_start_len over a cached prefix (no rows recomputed there: the hit is given
+    up or rounded so that the logprob rows stay whole)."""
+    from tests.support.logprobs import check_prompt, greedy, hf_logprobs
+
+    hf, path = v4_checkpoint
+    engine = make_engine(path, chunked_prefill_size=24)
+    p, other = prompts(2, [40, 11], seed=9)
+    ref = hf_logprobs(hf, p)
+    res, res_other = engine.generate([p, other], greedy(1), return_logprob=True,
+                                     logprob_start_len=0, top_logprobs_num=3)  # fmt: skip
+    check_prompt(res, ref, p, 0, 3)
+    check_prompt(res_other, hf_logprobs(hf, other), other, 0, 3)
+    (hit,) = engine.generate([p], greedy(1), return_logprob=True,
+                             logprob_start_len=25, top_logprobs_num=0)  # fmt: skip
+    check_prompt(hit, ref, p, 25, 0)
+    assert_no_leak(engine)
