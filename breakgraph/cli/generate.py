@@ -16,6 +16,7 @@ from breakgraph.models.sources import BUILTIN_MODELS
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = preflight.sampling_params(args)
     ids = preflight.prompt_ids(args)
+    preflight.apply_cpu_threads(args.cpu_threads)
     preflight.check_device(args.device, import_torch=True)
     preflight.resolve_model(args)
     if ids is None and not _has_tokenizer(args.model_path):

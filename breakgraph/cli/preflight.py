@@ -3,6 +3,8 @@ second and one line instead of a model load and a traceback: the sampling flags,
 torch can reach, the model path (a hub id resolved to its cached snapshot here, downloaded
 when online) and its architecture.
 
+``--cpu-threads`` is applied here too, before torch starts in any process.
+
 A flag's problem is a ``FlagError`` (shown under the short usage, as argparse's own); any
 other is a ``StartupError``, logged in the one log format.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import sys
 
 from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.models.model_path import ModelPathError, resolve_model_path
@@ -89,6 +92,18 @@ def check_device(device: str, import_torch: bool) -> None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         raise StartupError(f"CUDA is not available: torch {torch.__version__} sees no GPU{where}")
+
+
+def apply_cpu_threads(threads: int | None) -> None:
+    """``--cpu-threads``: OMP_NUM_THREADS for the processes started from here (the engine
+    process, TP workers), read when their torch starts, and torch's pool in this process
+    where torch is loaded already (``generate``)."""
+    if threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def resolve_model(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from breakgraph.cli import preflight
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    preflight.apply_cpu_threads(args.cpu_threads)
     preflight.check_device(args.device, import_torch=False)
     preflight.resolve_model(args)
     from breakgraph.server.launch import serve

@@ -86,6 +86,14 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         help="auto: CUDA where torch sees a GPU, else the CPU",
     )
     g.add_argument(
+        "--cpu-threads",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="on the CPU: the threads of torch's intra-op pool in each engine process (sets "
+        "OMP_NUM_THREADS for them); default: OMP_NUM_THREADS if set, else one per core",
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted for SGLang's and vLLM's command lines, and changes nothing: the "
