@@ -45,6 +45,7 @@ from breakgraph.server.ipc import EngineSocket, IpcPaths
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_INTERVAL_S = 1.0
+GRAMMAR_POLL_S = 0.002  # idle but a request's grammar compiles: how often to look
 # the loop publishes its stats (a StatsReply, STATS_PUBLISHED) as it starts work, this often
 # while it works, and as it goes idle: /metrics and /get_server_info fall back on the latest
 # when the engine does not answer at once (a long prefill on the CPU is one step of seconds)
@@ -155,7 +156,8 @@ class EngineLoop:
             if not self.engine.has_work:
                 # polled for idle_spin_s right after work, then asleep in poll
                 spin, self._worked = (self.idle_spin_s if self._worked else 0.0), False
-                if not self.sock.wait(PARENT_CHECK_INTERVAL_S, spin):
+                wait_s = GRAMMAR_POLL_S if self.engine.compiling else PARENT_CHECK_INTERVAL_S
+                if not self.sock.wait(wait_s, spin):
                     self._check_parent()
                     continue
             self._worked = True
@@ -169,6 +171,8 @@ class EngineLoop:
                 outs = self.engine.step()
                 step_ms = (time.perf_counter() - start) * 1000.0
                 self._add_outputs(outs)
+                # requests whose grammar did not compile: a 400 each
+                self._errors += [RequestError(r, m) for r, m in self.engine.take_rejected()]
             if step_ms is not None or self._outputs or self._errors:
                 self._send_step(step_ms)
             self.engine.release_finished()

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from breakgraph.server import openai_choices
+from breakgraph.server import openai_choices, tool_parser
 from breakgraph.server.generation import GenerationState
 from breakgraph.server.openai_protocol import ChatCompletionRequest, chat_prompt
 from breakgraph.server.sse import DONE, GenerationResponse, event_stream, sse
@@ -50,22 +50,30 @@ async def chat_completions(request: Request) -> Response:
     states = await openai_choices.run(request, s, gen_reqs)
     if states is None:
         return Response(status_code=499)
+    parsers = _tool_parsers(s, req, len(states))
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": st.text or ""},
+            "message": tool_parser.chat_message(st.text or "", parser),
             "logprobs": _chat_logprobs(s.tokenizer, st.output_ids, st.logprobs, st.top_logprobs)
             if req.logprobs
             else None,
-            "finish_reason": openai_choices.finish_reason(st),
+            "finish_reason": tool_parser.finish_reason(openai_choices.finish_reason(st), parser),
             "matched_stop": openai_choices.matched_stop(st),
         }
-        for i, st in enumerate(states)
+        for i, (st, parser) in enumerate(zip(states, parsers, strict=True))
     ]
     head = {"id": cid, "object": "chat.completion", "created": created, "model": req.model}
     return GenerationResponse(
         {**head, "choices": choices, "usage": openai_choices.usage(prompts, states)}
     )
+
+
+def _tool_parsers(s: ServerState, req: ChatCompletionRequest, n: int):
+    """Each choice's tool-call parser (tool_parser.py), or None where no call can come."""
+    _, choice = req.tool_choice_checked()
+    template = s.tokenizer.chat_template if s.tokenizer is not None else None
+    return [tool_parser.parser_for(choice, template) for _ in range(n)]
 
 
 def _prepare_chat(raw: bytes, s: ServerState):
@@ -84,6 +92,7 @@ async def _chat_events(
     sent = openai_choices.SentSoFar(len(gen_reqs))
     started: set[int] = set()
     final: dict[int, GenerationState] = {}
+    parsers = _tool_parsers(s, req, len(gen_reqs))
     async for i, st in openai_choices.stream(s, gen_reqs):
         if i not in started:
             started.add(i)
@@ -91,6 +100,12 @@ async def _chat_events(
             yield sse({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
         start = sent.tokens[i]
         delta, ids, lps = sent.take(i, st)
+        parser, calls = parsers[i], []
+        if parser is not None:  # the text of tool calls goes out as tool_calls
+            delta, calls = parser.feed(delta)
+            if st.finished:
+                rest, more = parser.finish()
+                delta, calls = delta + rest, calls + more
         if delta or (ids and req.logprobs):
             tops = st.top_logprobs[start : start + len(ids)]
             choice = {
@@ -100,13 +115,21 @@ async def _chat_events(
                 "finish_reason": None,
             }
             yield sse({**head, "choices": [choice]})
+        if calls:
+            first = len(parser.calls) - len(calls)
+            delta_calls = [c.openai(first + k) for k, c in enumerate(calls)]
+            choice = {"index": i, "delta": {"tool_calls": delta_calls}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            yield sse({**head, "choices": [choice]})
         if st.finished:
             final[i] = st
             choice = {
                 "index": i,
                 "delta": {},
                 "logprobs": None,
-                "finish_reason": openai_choices.finish_reason(st),
+                "finish_reason": tool_parser.finish_reason(
+                    openai_choices.finish_reason(st), parser
+                ),  # fmt: skip
                 "matched_stop": openai_choices.matched_stop(st),
             }
             yield sse({**head, "choices": [choice]})

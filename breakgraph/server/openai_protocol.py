@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from breakgraph.common.messages import ModelInfo
 from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from breakgraph.server import tools as tool_calls
 from breakgraph.server.errors import APIError
 from breakgraph.server.protocol import (
     MAX_CHOICES,
@@ -24,6 +25,7 @@ from breakgraph.server.protocol import (
     encode_text,
     sampling_from_dict,
 )
+from breakgraph.server.structured import response_format_params
 from breakgraph.tokenizer import Tokenizer
 
 # a JSON number (an int too), never a numeric string: the same rule as /generate
@@ -58,6 +60,7 @@ class _SamplingFields(BaseModel):
     no_stop_trim: StrictBool = False
     repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None  # SGLang's and vLLM's name for min_new_tokens
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -82,7 +85,12 @@ class _SamplingFields(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias or None,
             "min_new_tokens": self.min_tokens,
+            **self.grammar_params(),
         }
+
+    def grammar_params(self) -> dict[str, str]:
+        """The grammar the output is held to (structured.py), as sampling parameters."""
+        return response_format_params(self.response_format)
 
     def max_tokens_field(self) -> str:
         return "max_tokens"
@@ -140,6 +148,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (HF's shape)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -160,7 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def max_new_tokens(self) -> int | None:
@@ -175,10 +193,7 @@ class ChatCompletionRequest(_SamplingFields):
         self.check_common()
         if not self.messages:
             raise APIError("messages is empty", param="messages")
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only the text response_format is supported", param="response_format")
+        self.tool_choice_checked()
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError(
@@ -186,6 +201,22 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             if self.top_logprobs and not self.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def tool_choice_checked(self) -> tuple[list[dict[str, Any]], tool_calls.ToolChoice]:
+        """The tools (checked) and what tool_choice asks of them (server/tools.py)."""
+        tools = tool_calls.check_tools(self.tools)
+        return tools, tool_calls.check_tool_choice(self.tool_choice, tools)
+
+    def grammar_params(self) -> dict[str, str]:
+        """tool_choice required or a named function: the tool-call grammar; else the
+        response_format's."""
+        tools, choice = self.tool_choice_checked()
+        if not choice.forced:
+            return response_format_params(self.response_format)
+        if response_format_params(self.response_format):
+            raise APIError(f"response_format cannot be combined with tool_choice {choice.mode}",
+                           param="response_format")  # fmt: skip
+        return tool_calls.tool_grammar(tools, choice, self.parallel_tool_calls)
 
 
 def completion_prompts(
@@ -216,11 +247,16 @@ def completion_prompts(
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None, info: ModelInfo):
     if tokenizer is None or not tokenizer.has_chat_template:
         raise APIError("this model has no tokenizer with a chat template: use /v1/completions")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    tools, choice = req.tool_choice_checked()
+    offered = tools if choice.mode != "none" else []
+    native = tool_calls.renders_tools(tokenizer.chat_template)
+    messages = tool_calls.template_messages([m.template_dict() for m in req.messages], offered,
+                                            native)  # fmt: skip
+    kwargs = dict(req.chat_template_kwargs or {})
+    if offered and native:
+        kwargs.setdefault("tools", offered)
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(req.chat_template_kwargs or {})
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise APIError(f"cannot apply the chat template: {e}") from None
     return check_input_ids(encode_text(tokenizer, text, info.context_length), info, TOKENIZED)

@@ -20,6 +20,7 @@ from breakgraph.common.sampling_params import MAX_SAMPLES as MAX_CHOICES
 from breakgraph.common.sampling_params import SamplingParams, check_logprob_args
 from breakgraph.server.errors import APIError
 from breakgraph.server.json_body import IntList, int_values
+from breakgraph.server.structured import sampling_grammar
 from breakgraph.tokenizer import Tokenizer
 
 # sampling parameters handled in the API process (detokenization), not by the engine
@@ -132,6 +133,7 @@ def sampling_from_dict(d: dict[str, Any] | None) -> tuple[SamplingParams, dict[s
             raise APIError(f"{key} must be a list, got {d[key]!r}", param=key)
     if "logit_bias" in d and not isinstance(d["logit_bias"], dict):
         raise APIError("logit_bias must be an object of token id -> bias", param="logit_bias")
+    sampling_grammar(d)  # json_schema, regex, ebnf
     try:
         params = SamplingParams.from_dict(d)
     except (ValueError, TypeError) as e:
