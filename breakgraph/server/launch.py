@@ -29,7 +29,7 @@ import uvicorn
 
 from breakgraph.common import envs, gc_watch
 from breakgraph.engine.args import EngineArgs
-from breakgraph.models.sources import BUILTIN_MODELS, EmbeddedModelMissing, find_embedded_gguf
+from breakgraph.models.model_path import ModelPathError, resolve_model_path
 from breakgraph.server.client import EngineClient
 from breakgraph.server.detokenize import load_tokenizer
 from breakgraph.server.http import create_asgi_app
@@ -51,25 +51,12 @@ class StartupProblem(Exception):
 
 
 def check_model_path(model_path: str | None) -> None:
-    """What the loaders will need, checked without loading anything."""
-    if model_path is None:
-        try:
-            find_embedded_gguf()
-        except EmbeddedModelMissing as e:
-            raise StartupProblem(str(e)) from None
-        return
-    if model_path in BUILTIN_MODELS:
-        return
-    path = Path(model_path)
-    if not path.exists():
-        raise StartupProblem(
-            f"--model-path {model_path}: no such file or directory, and not a built-in name "
-            f"({', '.join(BUILTIN_MODELS)})"
-        )
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise StartupProblem(f"--model-path {model_path}: the directory has no config.json")
-    if path.is_file() and path.suffix != ".gguf":
-        raise StartupProblem(f"--model-path {model_path}: a file must be a .gguf model")
+    """What the loaders will need, checked without loading anything (models/model_path.py:
+    the path, a config.json's architecture; the CLI has resolved a hub id already)."""
+    try:
+        resolve_model_path(model_path, load_format="dummy")  # weights: the engine's to check
+    except ModelPathError as e:
+        raise StartupProblem(str(e)) from None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
