@@ -185,3 +185,23 @@ def test_an_unsupported_architecture_is_refused_before_any_weight_is_read(tmp_pa
         (line,) = r.stderr.strip().splitlines()
         assert "architecture MambaForCausalLM is not supported; supported: " in line
         assert "Qwen3ForCausalLM" in line and "LlamaForCausalLM" in line
+
+
+def test_serve_names_the_model_by_its_hub_id(hub_cache, tmp_path, monkeypatch):
+    import httpx
+
+    from tests.support.server import ServerProcess
+
+    cache, _ = hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    srv = ServerProcess(["--model-path", REPO], tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        models = httpx.get(f"{srv.url}/v1/models", timeout=10).json()
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        answer = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert [m["id"] for m in models["data"]] == [REPO]
+    assert answer.status_code == 200 and len(answer.json()["output_ids"]) >= 1
