@@ -195,6 +195,21 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "the next step is scheduled and launched while the GPU runs this one, its sampled "
         "ids fed on the device)",
     )
+    g.add_argument(
+        "--grammar-backend",
+        choices=["xgrammar", "none"],
+        default=d.grammar_backend,
+        help="structured output (json_schema, regex, ebnf, response_format, forced tool "
+        "calls): the grammar engine; none: such requests are refused",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        metavar="SECONDS",
+        type=_positive_float,
+        default=d.grammar_compile_timeout,
+        help="a request whose grammar takes longer to compile is refused (400); compiles run "
+        "on threads, so other requests go on meanwhile",
+    )
 
 
 def _add_graph_args(g: argparse._ArgumentGroup) -> None:
@@ -388,6 +403,13 @@ def _non_negative_int(text: str) -> int:
     value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

@@ -34,9 +34,10 @@ _BITS: dict[torch.device, torch.Tensor] = {}
 
 def _bit_values(device: torch.device) -> torch.Tensor:
     bits = _BITS.get(device)
-    if bits is None:
-        bits = _BITS[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8,
-                                            device=device)  # fmt: skip
+    if bits is None:  # made by device ops: a list copied up from pageable memory would sync
+        one = torch.ones(8, dtype=torch.uint8, device=device)
+        bits = _BITS[device] = one.bitwise_left_shift(torch.arange(8, dtype=torch.uint8,
+                                                                   device=device))  # fmt: skip
     return bits
 
 
