@@ -47,6 +47,9 @@ class EngineArgs:
     # structured output (json_schema, regex, ebnf): xgrammar, or none (such requests refused)
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0  # seconds; a request whose grammar takes longer: 400
+    # speculative decoding: NGRAM (drafts from the request's own tokens) or None (off)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256

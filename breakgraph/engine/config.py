@@ -24,6 +24,9 @@ class SchedulerConfig:
     # compressors: cache_manager.py)
     prefix_align: int = 1
     prefix_recompute: int = 0
+    # speculative decoding with n-gram drafts of up to this many tokens (0: off;
+    # engine/speculative.py)
+    speculative_num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:

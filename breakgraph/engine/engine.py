@@ -35,6 +35,7 @@ from breakgraph.engine.output import finished_output
 from breakgraph.engine.rank import build_rank, claim_device, rank_device
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler
+from breakgraph.engine.speculative import draft_tokens
 from breakgraph.engine.step_timer import StepTiming
 from breakgraph.engine.tp.driver import TPDriver
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
@@ -163,6 +164,7 @@ class Engine:
                 max_prefill_tokens=args.max_prefill_tokens,
                 prefix_align=getattr(self.model, "prefix_align", 1),
                 prefix_recompute=getattr(self.model, "prefix_recompute", 0),
+                speculative_num_draft_tokens=draft_tokens(args, self.model),
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,

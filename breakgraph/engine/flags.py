@@ -196,6 +196,22 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "ids fed on the device)",
     )
     g.add_argument(
+        "--speculative-algorithm",
+        choices=["NGRAM"],
+        default=d.speculative_algorithm,
+        help="speculative decoding: NGRAM drafts each greedy request's next tokens from an "
+        "earlier occurrence of its last tokens (prompt lookup) and verifies them in one step "
+        "(the same tokens as without it); sampled, logprob, penalized and constrained "
+        "requests decode one token a step",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        metavar="K",
+        type=_positive_int,
+        default=d.speculative_num_draft_tokens,
+        help="with --speculative-algorithm: the most tokens drafted per request and step",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=["xgrammar", "none"],
         default=d.grammar_backend,

@@ -48,10 +48,10 @@ class Req:
     # tensor, which it never writes): decode's one-slot append is a numpy store
     _kv_np: np.ndarray | None = None
     cached_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
-    last_node: Any = None
     # tokens before kv_len its next prefill chunk computes again, storing no KV (KV slot 0
     # in the step): the rows that rebuild a model's per-request state over a cached prefix
     recompute: int = 0
+    last_node: Any = None
     prefix_hit_tokens: int = 0  # cached tokens reused at (first) admission, for meta_info
     generator: torch.Generator | None = None
     decoding: bool = False  # in the scheduler's running (decode) list
@@ -127,6 +127,12 @@ class Req:
             self._own_kv(n + 1)
         self._kv_np[n] = slot
         self.kv_len = n + 1
+
+    def truncate_kv(self, n: int) -> torch.Tensor:
+        """Keep the first ``n`` slots; return the others (a copy: the caller frees them)."""
+        dropped = self._kv_buf[n : self.kv_len].clone()
+        self.kv_len = n
+        return dropped
 
     def _own_kv(self, n: int) -> None:
         """Room for ``n`` slots in a buffer of the request's own (set_kv's is borrowed)."""

@@ -50,6 +50,14 @@ from breakgraph.engine.prompt_logprobs import (
 )
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
+from breakgraph.engine.speculative import (
+    NgramProposer,
+    SpecStats,
+    Verify,
+    accepted,
+    build_verify,
+    speculable,
+)
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
@@ -83,6 +91,7 @@ class Launched:
     # launched, not yet sampled: (logits, logits with the penalty pool applied or None, pool
     # rows or None); a constrained row's mask waits for the step in flight (sample_launched)
     unsampled: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    verify: Verify | None = None  # a speculative verify step: every row's greedy id
 
 
 class Scheduler:
@@ -125,6 +134,10 @@ class Scheduler:
             on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
+        k = config.speculative_num_draft_tokens
+        self.proposer = NgramProposer(k) if k else None
+        self.spec_stats = SpecStats()
+        self._verify: Verify | None = None  # the verify step being scheduled
         self.reqs: dict[str, Req] = {}
         # finished requests whose KV is not yet released (see release_finished)
         self._finished: list[Req] = []
@@ -190,7 +203,7 @@ class Scheduler:
             self.last_step_tokens = batch.num_tokens
             launched = self.launch(reqs, batch)
             self.prefill.cache_computed()  # the radix insert, while the GPU runs the step
-        if self.cfg.overlap:
+        if self.cfg.overlap and (launched is None or launched.verify is None):
             previous, self.in_flight = self.in_flight, launched
             launched = previous
         if launched is not None:
@@ -218,6 +231,11 @@ class Scheduler:
         if scheduled is not None or not self.decode.running:
             return scheduled
         stepping = self.decode.stepping()
+        if self.proposer is not None:
+            verify = self._schedule_verify(stepping, outputs)
+            if verify is not None:
+                return verify
+            stepping = self.decode.stepping()
         if self.cache.available >= len(stepping):
             return self.decode.schedule_batch(stepping)
         if self.in_flight is not None:
@@ -238,11 +256,87 @@ class Scheduler:
             return None
         return self.decode.schedule_batch(self.decode.stepping())
 
+    def _schedule_verify(
+        self, stepping: list[Req], outputs: list[TokenDelta]
+    ) -> tuple[list[Req], ForwardBatch] | None:
+        """A speculative verify step of ``stepping`` if every one of them can take it and one
+        has a draft (engine/speculative.py); None: a plain decode step. Tokens still in flight
+        are read back first (a draft continues the last token)."""
+        if not stepping or not all(speculable(r, pending_ok=True) for r in stepping):
+            return None
+        if any(r.num_pending for r in stepping):
+            outputs.extend(self.drain())
+            self.release_finished()
+            stepping = self.decode.stepping()
+            if not stepping or not all(speculable(r) for r in stepping):
+                return None
+        limit = self.cfg.max_context_len
+        drafts = [
+            self.proposer.propose(
+                r.fill_ids,
+                min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1,
+            )
+            for r in stepping
+        ]
+        need = len(stepping) + sum(len(d) for d in drafts)
+        if need == len(stepping) or self.cache.available < need:
+            return None
+        slots = self.cache.alloc(need)
+        self._verify, batch = build_verify(
+            stepping, drafts, slots, self.cache.req_pool, self.device
+        )
+        return stepping, batch
+
+    def _launch_verify(self, batch: ForwardBatch) -> Launched:
+        """Every row's logits, their greedy ids queued for the read-back (no sync)."""
+        verify, self._verify = self._verify, None
+        rb = ReadBack()
+        self.timer.forward_begin()
+        logits = self.forward(batch)
+        self.timer.forward_end()
+        launched = Launched(done=verify.reqs, readback=rb, verify=verify)
+        launched.ids = rb.add(logits.argmax(dim=-1))
+        rb.start()
+        return launched
+
+    def _process_verify(self, launched: Launched) -> list[TokenDelta]:
+        """Keep each request's agreeing draft prefix plus the target's next token; free the
+        rejected rows' slots; finish checks token by token."""
+        values = launched.readback.fetch()  # the step's one host sync
+        targets = values[launched.ids]
+        verify, stats = launched.verify, self.spec_stats
+        stats.steps += 1
+        outputs = []
+        for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
+            toks = accepted(draft, [int(t) for t in targets[start : start + 1 + len(draft)]])
+            stats.verified += 1
+            stats.drafted += len(draft)
+            stats.accepted += len(toks) - 1
+            # KV: the last token and the kept draft tokens; the rejected rows' slots go back
+            self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
+            out, reason = None, None
+            for tok in toks:
+                delta, reason = self.output.append_token(req, tok, None)
+                if out is None:
+                    out = delta
+                else:
+                    out.token_ids.append(tok)
+                if reason is not None:
+                    break
+            if reason is not None:
+                out = self._finish(req, reason, out)
+            else:
+                fill_meta(out, req)
+            outputs.append(out)
+        return outputs
+
     def launch(self, reqs: list[Req], batch: ForwardBatch) -> Launched:
         """Forward and sample on the device, queueing what the host reads back (no sync).
 
         A request mid-prefill (chunked) has no token to sample: its logits row is dropped.
         """
+        if self._verify is not None:
+            return self._launch_verify(batch)
         rb = ReadBack()
         if any(r.num_pending for r in reqs if r.decoding):
             batch.input_ids = self._resolve_pending(batch.input_ids)
@@ -339,6 +433,8 @@ class Scheduler:
     def process_outputs(self, launched: Launched) -> list[TokenDelta]:
         """Read the step back (its one host sync); append each request's sampled token,
         finish it, or move it on to decoding."""
+        if launched.verify is not None:
+            return self._process_verify(launched)
         values = launched.readback.fetch()  # the step's one host sync
         read_at = time.time()
         if launched.prompt:

@@ -1,0 +1,155 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): a decode step verifies up to k
+drafted tokens per request in one forward and keeps the longest agreeing prefix plus one.
+
+The draft of a request is what followed the most recent earlier occurrence of its last n
+tokens (n from ``max_match`` down to ``min_match``) in its prompt and output: no second
+model. A verify step is an extend step of ``1 + k_i`` rows per request (its last token, then
+its draft) at the positions its next tokens would take, with the logits of every row; row i's
+greedy token is the target's choice after the draft's first i tokens. The request keeps
+draft tokens while they equal those choices, then the target's next choice: 1 to k + 1 tokens
+per step, the same tokens as plain greedy decoding. The KV slots of rejected rows go back to
+the allocator at once.
+
+What takes the plain decode path instead (the whole step): a request that samples
+(temperature > 0), wants logprobs, has penalties, ``logit_bias``, ``min_new_tokens`` or a
+grammar, or a token still on the device; and any step without a draft. Verify steps run
+eagerly and are read back before the next step is scheduled (no overlap across them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from breakgraph.engine.request import Req
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions
+
+
+class NgramProposer:
+    """Drafts of up to ``num_draft`` tokens from a request's own tokens."""
+
+    def __init__(self, num_draft: int, min_match: int = 1, max_match: int = 4):
+        if num_draft < 1 or not 1 <= min_match <= max_match:
+            raise ValueError(
+                f"speculative draft tokens ({num_draft}) must be >= 1 and the n-gram match "
+                f"window {min_match}..{max_match} non-empty"
+            )
+        self.num_draft, self.min_match, self.max_match = num_draft, min_match, max_match
+
+    def propose(self, tokens: np.ndarray, limit: int) -> np.ndarray:
+        """The continuation (at most ``min(num_draft, limit)`` tokens) of the most recent
+        earlier occurrence of the longest suffix of ``tokens`` (n >= min_match) that occurs
+        earlier; empty if none does."""
+        k = min(self.num_draft, limit)
+        n_tok = len(tokens)
+        if k < 1 or n_tok < self.min_match + 1:
+            return tokens[:0]
+        for n in range(min(self.max_match, n_tok - 1), self.min_match - 1, -1):
+            suffix = tokens[n_tok - n :]
+            # windows starting at 0 .. n_tok - n - 1 (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + k]
+        return tokens[:0]
+
+
+def speculable(req: Req, pending_ok: bool = False) -> bool:
+    """Whether a verify step serves ``req`` exactly (see the module's docstring);
+    ``pending_ok``: but for a token still in flight (read back first)."""
+    return (
+        req.sampling.greedy
+        and not req.return_logprob
+        and req.penalty_row is None
+        and req.grammar is None
+        and (pending_ok or not req.num_pending)
+    )
+
+
+@dataclass
+class Verify:
+    """A verify step's requests, their drafts and each request's first row."""
+
+    reqs: list[Req]
+    drafts: list[np.ndarray]
+    starts: list[int]
+    rows: int
+
+
+@dataclass
+class SpecStats:
+    """Verify steps, drafted and accepted draft tokens (the mean accepted length per step
+    and request is ``1 + accepted / verified``)."""
+
+    steps: int = 0
+    verified: int = 0  # request-steps
+    drafted: int = 0
+    accepted: int = 0
+    per_step: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.verified if self.verified else 0.0
+
+
+def build_verify(
+    reqs: list[Req], drafts: list[np.ndarray], slots: torch.Tensor, req_pool, device
+) -> tuple[Verify, ForwardBatch]:
+    """The verify batch of ``reqs`` (every one with its last token on the host): rows
+    ``[last, *draft]`` at positions ``kv_len ..``, the new slots appended to each request,
+    the logits of every row."""
+    ext = [1 + len(d) for d in drafts]
+    prefixes = [r.kv_len for r in reqs]
+    parts, starts, at = [], [], 0
+    for req, draft, n in zip(reqs, drafts, ext, strict=True):
+        parts.append(np.concatenate([np.asarray([req.output_ids[-1]], np.int32), draft]))
+        starts.append(at)
+        at += n
+    at = 0
+    for req, n in zip(reqs, ext, strict=True):
+        req.append_kv(slots[at : at + n])
+        at += n
+    pre, e = np.asarray(prefixes, dtype=np.int64), np.asarray(ext, dtype=np.int64)
+    cols = token_positions(pre, e)
+    table_rows = [r.req_pool_idx for r in reqs]
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, np.concatenate(parts), slots, table_rows, pre, e, device,
+        positions=cols, table_width=req_pool.max_context_len,
+    )  # fmt: skip
+    log = None
+    if req_pool.write_log is not None:
+        log = (np.repeat(np.asarray(table_rows, dtype=np.int64), e), cols, slots)
+    req_pool.write_batch(batch, log=log)
+    batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
+    return Verify(reqs, drafts, starts, at), batch
+
+
+def accepted(draft: np.ndarray, targets: list[int]) -> list[int]:
+    """The tokens a request keeps: the draft while it equals the target's choices
+    (``targets[i]``: the choice after the draft's first i tokens), then the next choice."""
+    j = 0
+    while j < len(draft) and int(draft[j]) == targets[j]:
+        j += 1
+    return [int(t) for t in draft[:j]] + [targets[j]]
+
+
+def draft_tokens(args, model) -> int:
+    """The draft length the scheduler uses (0: speculation off); one line naming what does
+    not support it yet."""
+    if not args.speculative_algorithm:
+        return 0
+    why = None
+    if args.tp_size > 1:
+        why = "with --tp-size > 1 (the workers do not get every row's logits yet)"
+    elif getattr(model, "request_state_shapes", None) and model.request_state_shapes():
+        why = "for models with per-request state (DeepSeek V4's compressors: no rollback yet)"
+    elif getattr(model, "forward_logits_rows", None) is not None:
+        why = "for models that bound their prefill to the last rows (Gemma 4's KV sharing)"
+    if why:
+        raise ValueError(
+            f"--speculative-algorithm {args.speculative_algorithm} is not supported {why}"
+        )
+    return args.speculative_num_draft_tokens

@@ -1,0 +1,121 @@
+"""Speculative decoding with n-gram drafts (engine/speculative.py): greedy tokens equal plain
+decoding's token for token (float32, a tiny HF Llama and the embedded SmolLM2 on text that
+repeats), drafts accepted, the KV slots of rejected rows returned (no leak after many
+steps), finish checks (stop ids, lengths) inside an accepted run, and the requests it does
+not serve decoding one token a step beside it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.speculative import NgramProposer, accepted
+from tests.support.engines import assert_no_leak, make_engine
+from tests.support.hf import make_hf_model, prompts
+
+
+def test_ngram_drafts_continue_the_latest_earlier_occurrence():
+    p = NgramProposer(num_draft=3, min_match=1, max_match=3)
+    toks = np.array([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7], dtype=np.int32)
+    # "5 6 7" occurred at 0 and 5: the latest (5) continues with 1 2 5
+    assert p.propose(toks, 10).tolist() == [1, 2, 5]
+    assert p.propose(toks, 2).tolist() == [1, 2]
+    assert p.propose(np.array([1, 2, 3, 4], dtype=np.int32), 4).tolist() == []
+    assert p.propose(toks, 0).tolist() == []
+
+
+def test_accepted_keeps_the_agreeing_prefix_and_the_next_choice():
+    draft = np.array([4, 5, 6])
+    assert accepted(draft, [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accepted(draft, [4, 9, 6, 7]) == [4, 9]
+    assert accepted(draft, [3, 5, 6, 7]) == [3]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec-llama")
+    make_hf_model("llama").save_pretrained(path)
+    return path
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def repeating(seed: int, period: int, n: int) -> list[int]:
+    (base,) = prompts(1, [period], seed=seed)
+    return (base * (n // period + 1))[:n]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_tokens_equal_plain_decoding(llama_dir, overlap):
+    """With overlap scheduling a verify step first reads the step in flight back."""
+    ps = [repeating(1, 7, 40), repeating(2, 5, 23), *prompts(2, [9, 30], seed=3)]
+    plain = make_engine(llama_dir).generate(ps, greedy(24))
+    engine = make_engine(
+        llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+        overlap_schedule=overlap,
+    )  # fmt: skip
+    spec = engine.generate(ps, greedy(24))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    stats = engine.scheduler.spec_stats
+    assert stats.steps > 0 and stats.drafted > 0
+    assert_no_leak(engine)
+
+
+def test_finish_inside_an_accepted_run(llama_dir):
+    """A stop id or max_new_tokens met inside the kept tokens ends the request there."""
+    p = repeating(4, 6, 36)
+    plain = make_engine(llama_dir).generate([p], greedy(20))[0].output_ids
+    engine = make_engine(llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    stop = plain[7]
+    (r,) = engine.generate([p], greedy(20, stop_token_ids=[stop]))
+    assert r.output_ids == plain[: plain.index(stop) + 1]
+    for n in (1, 2, 6, 11):
+        (r,) = engine.generate([p], greedy(n))
+        assert r.output_ids == plain[:n]
+    assert_no_leak(engine)
+
+
+def test_unserved_requests_decode_beside_and_nothing_leaks(llama_dir):
+    """A sampled request in the batch sends the step down the plain path; many steps later
+    every slot is accounted for."""
+    engine = make_engine(llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    ps = [repeating(5, 4, 30), repeating(6, 9, 30)]
+    sampled = SamplingParams(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
+    outs = engine.generate(ps, [greedy(30), sampled])
+    assert [len(r.output_ids) for r in outs] == [30, 30]
+    for _ in range(5):
+        engine.generate(ps, greedy(40))
+    assert_no_leak(engine)
+
+
+def test_embedded_model_accepts_drafts_when_asked_to_repeat_a_text():
+    """SmolLM2 (real weights) asked to repeat a list: the same answer as plain decoding, in
+    far fewer steps (about 4 tokens a step measured)."""
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+
+    def engine(**kw):
+        return Engine(EngineArgs(device="cpu", dtype="float32", max_total_tokens=2048, **kw))
+
+    plain_engine = engine()
+    tok = plain_engine.tokenizer
+    text = "Here is a list: apples, pears, plums, figs, dates, limes, cherries, grapes, melons."
+    ask = "Repeat the following text exactly, word for word, and nothing else.\n\n" + text
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": ask}]))
+    plain = plain_engine.generate([ids], greedy(32))[0].output_ids
+    spec_engine = engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    (r,) = spec_engine.generate([ids], greedy(32))
+    assert r.output_ids == plain
+    stats = spec_engine.scheduler.spec_stats
+    assert stats.mean_accepted_length > 2.0, stats
+
+
+def test_models_it_cannot_serve_yet_are_refused_in_one_line(tmp_path):
+    from tests.support.deepseek_v4 import make_hf_deepseek_v4
+
+    make_hf_deepseek_v4().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="per-request state"):
+        make_engine(tmp_path, speculative_algorithm="NGRAM")
