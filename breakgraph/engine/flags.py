@@ -199,10 +199,10 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "--speculative-algorithm",
         choices=["NGRAM"],
         default=d.speculative_algorithm,
-        help="speculative decoding: NGRAM drafts each greedy request's next tokens from an "
-        "earlier occurrence of its last tokens (prompt lookup) and verifies them in one step "
-        "(the same tokens as without it); sampled, logprob, penalized and constrained "
-        "requests decode one token a step",
+        help="speculative decoding: NGRAM drafts each request's next tokens from an earlier "
+        "occurrence of its last tokens (prompt lookup) and verifies them in one step (greedy: "
+        "the same tokens as without it; sampled: the same distribution); requests with "
+        "logprobs, penalties or a grammar decode one token a step",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",

@@ -32,6 +32,25 @@ def sample(
 
 
 def _sample_stochastic(logits, params, generators, greedy_ids):
+    probs, greedy = filtered_probs(logits, params)
+    sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    return torch.where(greedy.bool(), greedy_ids, sampled)
+
+
+def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]):
+    """Exp(1) noise shaped like ``probs``; a seeded row draws from its own generator."""
+    noise = torch.empty_like(probs).exponential_()  # one launch for unseeded rows
+    for row, gen in enumerate(generators):
+        if gen is not None:  # seeded rows draw from their own generator, reproducibly
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+def filtered_probs(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows' sampling weights after temperature, top-k, top-p and min-p: softmax values
+    with the filtered ones zeroed, not renormalized; 1.0 where a row is greedy, else 0.0)."""
     device = logits.device
     temps, top_ps, min_ps, top_ks, greedy = upload_many(
         [
@@ -60,9 +79,4 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
     if any(p.min_p > 0 for p in params):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_ps[:, None] * max_p, 0.0)
-    noise = torch.empty_like(probs).exponential_()  # one launch for unseeded rows
-    for row, gen in enumerate(generators):
-        if gen is not None:  # seeded rows draw from their own generator, reproducibly
-            noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy.bool(), greedy_ids, sampled)
+    return probs, greedy

@@ -54,9 +54,10 @@ from breakgraph.engine.speculative import (
     NgramProposer,
     SpecStats,
     Verify,
-    accepted,
     build_verify,
+    kept,
     speculable,
+    verify_sample,
 )
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
@@ -294,21 +295,30 @@ class Scheduler:
         self.timer.forward_begin()
         logits = self.forward(batch)
         self.timer.forward_end()
+        params, gens, draft_next = [], [], []
+        for req, draft in zip(verify.reqs, verify.drafts, strict=True):
+            n = 1 + len(draft)
+            params += [req.sampling] * n
+            gens += [req.generator] * n
+            draft_next += [*draft.tolist(), -1]
+        (nxt,) = upload_many([draft_next], torch.int64, logits.device)
+        accept, choice = verify_sample(logits, params, gens, nxt)
         launched = Launched(done=verify.reqs, readback=rb, verify=verify)
-        launched.ids = rb.add(logits.argmax(dim=-1))
+        launched.ids, launched.logprobs = rb.add(choice), rb.add(accept.to(torch.int64))
         rb.start()
         return launched
 
     def _process_verify(self, launched: Launched) -> list[TokenDelta]:
-        """Keep each request's agreeing draft prefix plus the target's next token; free the
-        rejected rows' slots; finish checks token by token."""
+        """Keep each request's accepted draft prefix plus the next token; free the rejected
+        rows' slots; finish checks token by token."""
         values = launched.readback.fetch()  # the step's one host sync
-        targets = values[launched.ids]
+        choice, accept = values[launched.ids], values[launched.logprobs]
         verify, stats = launched.verify, self.spec_stats
         stats.steps += 1
         outputs = []
         for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
-            toks = accepted(draft, [int(t) for t in targets[start : start + 1 + len(draft)]])
+            rows = slice(start, start + 1 + len(draft))
+            toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
             stats.verified += 1
             stats.drafted += len(draft)
             stats.accepted += len(toks) - 1

@@ -1,19 +1,23 @@
 """Speculative decoding with n-gram drafts (prompt lookup): a decode step verifies up to k
-drafted tokens per request in one forward and keeps the longest agreeing prefix plus one.
+drafted tokens per request in one forward and keeps the longest accepted prefix plus one.
 
 The draft of a request is what followed the most recent earlier occurrence of its last n
 tokens (n from ``max_match`` down to ``min_match``) in its prompt and output: no second
 model. A verify step is an extend step of ``1 + k_i`` rows per request (its last token, then
-its draft) at the positions its next tokens would take, with the logits of every row; row i's
-greedy token is the target's choice after the draft's first i tokens. The request keeps
-draft tokens while they equal those choices, then the target's next choice: 1 to k + 1 tokens
-per step, the same tokens as plain greedy decoding. The KV slots of rejected rows go back to
-the allocator at once.
+its draft) at the positions its next tokens would take, with the logits of every row: row i
+holds the model's distribution after the draft's first i tokens.
 
-What takes the plain decode path instead (the whole step): a request that samples
-(temperature > 0), wants logprobs, has penalties, ``logit_bias``, ``min_new_tokens`` or a
-grammar, or a token still on the device; and any step without a draft. Verify steps run
-eagerly and are read back before the next step is scheduled (no overlap across them).
+Acceptance (``verify_sample``) is speculative sampling against a draft that puts all its mass
+on one token: draft token d is kept with probability p(d) under the row's sampling
+distribution (temperature, top-k, top-p, min-p), and at the first rejection the row samples
+from p with d removed; if every draft token is kept, the last row samples a bonus token. The
+emitted tokens are distributed as plain sampling's (greedy: the same tokens). The KV slots of
+rejected rows go back to the allocator at once.
+
+What takes the plain decode path instead (the whole step): a request that wants logprobs, has
+penalties, ``logit_bias``, ``min_new_tokens`` or a grammar; and any step without a draft.
+Verify steps run eagerly and are read back before the next step is scheduled (no overlap
+across them).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from breakgraph.engine.request import Req
+from breakgraph.engine.request import Req, SamplingParams
+from breakgraph.engine.sampler import exponential_noise, filtered_probs
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions
 
 
@@ -61,8 +66,7 @@ def speculable(req: Req, pending_ok: bool = False) -> bool:
     """Whether a verify step serves ``req`` exactly (see the module's docstring);
     ``pending_ok``: but for a token still in flight (read back first)."""
     return (
-        req.sampling.greedy
-        and not req.return_logprob
+        not req.return_logprob
         and req.penalty_row is None
         and req.grammar is None
         and (pending_ok or not req.num_pending)
@@ -127,13 +131,43 @@ def build_verify(
     return Verify(reqs, drafts, starts, at), batch
 
 
-def accepted(draft: np.ndarray, targets: list[int]) -> list[int]:
-    """The tokens a request keeps: the draft while it equals the target's choices
-    (``targets[i]``: the choice after the draft's first i tokens), then the next choice."""
+def kept(draft: np.ndarray, accept: list[bool], choice: list[int]) -> list[int]:
+    """The tokens a request keeps from its verify rows: the draft while its rows accept,
+    then the first rejecting row's choice (or, all accepted, the last row's)."""
     j = 0
-    while j < len(draft) and int(draft[j]) == targets[j]:
+    while j < len(draft) and accept[j]:
         j += 1
-    return [int(t) for t in draft[:j]] + [targets[j]]
+    return [int(t) for t in draft[:j]] + [int(choice[j])]
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    draft_next: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] of verify rows, each row's sampling parameters and generator, and the
+    draft token that follows it (-1 for a request's last row) -> (accept [R] bool: the draft
+    token is kept; choice [R] int64: the row's token where the run stops there). Greedy rows
+    accept a draft equal to their argmax; sampled rows keep it with probability p(d) and
+    otherwise draw from p without it. On the device, no host sync."""
+    greedy_ids = logits.argmax(dim=-1)
+    has_draft = draft_next >= 0
+    d = draft_next.clamp(min=0)
+    accept_greedy = has_draft & (greedy_ids == d)
+    if all(p.greedy for p in params):
+        return accept_greedy, greedy_ids
+    probs, greedy = filtered_probs(logits, params)
+    p_d = probs.gather(1, d[:, None]).squeeze(1)
+    u = torch.rand(probs.shape[0], device=probs.device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+    accept = has_draft & (u * probs.sum(dim=-1) < p_d)
+    residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_d)[:, None])
+    choice = (residual / exponential_noise(residual, generators)).argmax(dim=-1)
+    g = greedy.bool()
+    return torch.where(g, accept_greedy, accept), torch.where(g, greedy_ids, choice)
 
 
 def draft_tokens(args, model) -> int:

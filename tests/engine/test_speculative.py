@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from breakgraph.engine.request import SamplingParams
-from breakgraph.engine.speculative import NgramProposer, accepted
+from breakgraph.engine.speculative import NgramProposer, kept, verify_sample
 from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
@@ -25,11 +26,29 @@ def test_ngram_drafts_continue_the_latest_earlier_occurrence():
     assert p.propose(toks, 0).tolist() == []
 
 
-def test_accepted_keeps_the_agreeing_prefix_and_the_next_choice():
+def test_kept_takes_the_accepted_prefix_and_the_stopping_rows_choice():
     draft = np.array([4, 5, 6])
-    assert accepted(draft, [4, 5, 6, 7]) == [4, 5, 6, 7]
-    assert accepted(draft, [4, 9, 6, 7]) == [4, 9]
-    assert accepted(draft, [3, 5, 6, 7]) == [3]
+    assert kept(draft, [True, True, True], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert kept(draft, [True, False, True], [4, 9, 6, 7]) == [4, 9]
+    assert kept(draft, [False, True, True], [3, 5, 6, 7]) == [3]
+
+
+@pytest.mark.parametrize("draft", [0, 2, 4])
+def test_verify_sampling_keeps_the_target_distribution(draft):
+    """One verify row, a draft token of high, middle or zero (filtered by top-k) probability:
+    the token the row emits (the draft if kept, else its residual choice) is distributed as
+    plain sampling's, within 0.012 per token over 40,000 draws."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -3.0])
+    sp = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=4)
+    n = 40_000
+    rows = logits.expand(n, -1).clone()
+    accept, choice = verify_sample(rows, [sp] * n, [None] * n, torch.full((n,), draft))
+    emitted = torch.where(accept, torch.tensor(draft), choice)
+    got = torch.bincount(emitted, minlength=5).float() / n
+    want = torch.softmax(logits / 0.7, dim=0)
+    want[4] = 0.0  # top-k 4 drops the least likely
+    want /= want.sum()
+    assert (got - want).abs().max() < 0.012, (got, want)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +97,22 @@ def test_finish_inside_an_accepted_run(llama_dir):
     assert_no_leak(engine)
 
 
-def test_unserved_requests_decode_beside_and_nothing_leaks(llama_dir):
-    """A sampled request in the batch sends the step down the plain path; many steps later
-    every slot is accounted for."""
+def test_sampled_and_unserved_requests_and_nothing_leaks(llama_dir):
+    """Sampled requests verify drafts too (seeded: the same tokens run to run); a request
+    with penalties sends its steps down the plain path; many steps later every slot is
+    accounted for."""
     engine = make_engine(llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
     ps = [repeating(5, 4, 30), repeating(6, 9, 30)]
     sampled = SamplingParams(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
     outs = engine.generate(ps, [greedy(30), sampled])
     assert [len(r.output_ids) for r in outs] == [30, 30]
+    assert engine.scheduler.spec_stats.steps > 0
+    again = engine.generate(ps, [greedy(30), sampled])
+    assert [r.output_ids for r in again] == [r.output_ids for r in outs]
+    steps = engine.scheduler.spec_stats.steps
+    penalized = SamplingParams(max_new_tokens=20, repetition_penalty=1.2, ignore_eos=True)
+    engine.generate(ps, [greedy(20), penalized])
+    assert engine.scheduler.spec_stats.steps == steps  # no verify step beside it
     for _ in range(5):
         engine.generate(ps, greedy(40))
     assert_no_leak(engine)
