@@ -35,7 +35,8 @@ def generate(server, body) -> httpx.Response:
 
 
 def stream_generate(server, body) -> list:
-    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}) as r:
+    url, body = f"{server.url}/generate", {**body, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=120) as r:  # httpx's 5 s: a loaded CPU
         assert r.status_code == 200
         return sse_events(r.iter_lines())
 
