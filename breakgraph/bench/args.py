@@ -161,6 +161,16 @@ def add_host_args(p) -> None:
     _add_outputs(p)
 
 
+def add_spec_args(p) -> None:
+    p.add_argument(
+        "--model-path", default=None, help="default: the embedded SmolLM2 (real weights)"
+    )
+    p.add_argument("--output-len", type=int, default=64, help="tokens decoded per arm")
+    p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    _add_device(p, "cpu")
+    _add_outputs(p)
+
+
 def add_moe_args(p) -> None:
     _add_models(p, ["qwen3-30b-a3b"])
     p.add_argument(
@@ -301,6 +311,11 @@ BENCHES = {
         add_host_args,
         "breakgraph.bench.host:run_host_bench",
     ),
+    "spec": (
+        "speculative decoding (NGRAM) against plain decoding in-process, on a repeat prompt",
+        add_spec_args,
+        "breakgraph.bench.speculative:run_spec_bench",
+    ),
     "moe": (
         "CUDA: the fused MoE layer against dense GEMMs and the bandwidth floor; its tables",
         add_moe_args,
@@ -341,6 +356,7 @@ EXAMPLES = {
     "serving": f"{_SERVER}\nbreakgraph bench serving --concurrency 1 2 --input-len 256 "
     "--output-len 16 --requests-per-level 2 --rounds 1",
     "host": "breakgraph bench host decode --batch 1 8 --steps 8 --rounds 1",
+    "spec": "breakgraph bench spec --output-len 32",
     "moe": "CUDA only: breakgraph bench moe --models qwen3-moe-tiny --tokens 1 64",
     "gemm": "CUDA only: breakgraph bench gemm --models qwen3-0.6b --m 1",
     "kernels": "CUDA only: breakgraph bench kernels --extend-tokens 1024 --decode-context 1024",
