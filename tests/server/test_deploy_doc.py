@@ -126,6 +126,9 @@ def main(tmp_path_factory):
     assert srv.stop() == 0, srv.log_path.read_text()
 
 
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+
+
 def run_bash(line: str, srv: DocServer, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "BREAKGRAPH_API_KEY": srv.key}
     return subprocess.run(["bash", "-euo", "pipefail", "-c", adapt(line, srv.port, None)],
@@ -140,6 +143,7 @@ def test_the_first_block_starts_a_server_that_asks_for_its_key(main):
     assert "(API key required)" in main.log_path.read_text()
 
 
+@needs_curl
 @pytest.mark.parametrize("block", CLIENT_BLOCKS, ids=lambda b: commands(b)[0][:40])
 def test_client_commands(main, block):
     for line in commands(block):
@@ -344,6 +348,7 @@ def test_serve_commands(block, tiny_model_dir, tmp_path):
         assert srv.stop() == 0, srv.log_path.read_text()
 
 
+@needs_curl
 @pytest.mark.parametrize("block", SCRIPTS, ids=lambda b: commands(b)[0][:40])
 def test_scripts(block, tiny_model_dir):
     port = free_port()
