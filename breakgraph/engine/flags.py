@@ -202,7 +202,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         help="speculative decoding: NGRAM drafts each request's next tokens from an earlier "
         "occurrence of its last tokens (prompt lookup) and verifies them in one step (greedy: "
         "the same tokens as without it; sampled: the same distribution); requests with "
-        "logprobs, penalties or a grammar decode one token a step",
+        "logprobs, penalties or a grammar decode one token a step (default: off)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",
