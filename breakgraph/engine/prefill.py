@@ -222,25 +222,41 @@ class PrefillManager:
             if not req.decoding and req.kv_len < req.fill_len:
                 self.chunked = req
         all_slots = new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)
-        table_rows = [r.req_pool_idx for r in reqs]
-        pre = np.asarray(prefixes, dtype=np.int64)
-        ext = np.asarray(extends, dtype=np.int64)
-        cols = token_positions(pre, ext)
         input_ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
         req_pool = self.cache.req_pool
-        batch = ForwardBatch.build(
-            ForwardMode.EXTEND, input_ids, all_slots, table_rows, pre, ext, self.device,
-            positions=cols, table_width=req_pool.max_context_len,
+        batch = extend_batch(
+            input_ids, all_slots, [r.req_pool_idx for r in reqs], prefixes, extends, req_pool,
+            self.device,
         )  # fmt: skip
-        # the new slots into the table from the batch's own upload (one kernel); TP rank 0
-        # logs them as host rows, columns and slots for the workers
-        log = None
-        if req_pool.write_log is not None:
-            log = (np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, all_slots)
-        req_pool.write_batch(batch, log=log)
         for row, col, slots in recomputed:  # the tree's slots again where slot 0 went up
             req_pool.write(row, col, slots)
         return batch
+
+
+def extend_batch(
+    input_ids: np.ndarray,
+    slots: torch.Tensor,
+    table_rows: list[int],
+    prefixes: list[int],
+    extends: list[int],
+    req_pool,
+    device: torch.device,
+) -> ForwardBatch:
+    """An extend step's batch, uploaded, its new ``slots`` written into the request table
+    from the batch's own upload (one kernel); TP rank 0 logs them as host rows, columns and
+    slots for the workers."""
+    pre = np.asarray(prefixes, dtype=np.int64)
+    ext = np.asarray(extends, dtype=np.int64)
+    cols = token_positions(pre, ext)
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, input_ids, slots, table_rows, pre, ext, device,
+        positions=cols, table_width=req_pool.max_context_len,
+    )  # fmt: skip
+    log = None
+    if req_pool.write_log is not None:
+        log = (np.repeat(np.asarray(table_rows, dtype=np.int64), ext), cols, slots)
+    req_pool.write_batch(batch, log=log)
+    return batch
 
 
 class _PromptIndex:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
-from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions
+from breakgraph.forward_batch import ForwardBatch
 
 
 class NgramProposer:
@@ -116,17 +117,8 @@ def build_verify(
     for req, n in zip(reqs, ext, strict=True):
         req.append_kv(slots[at : at + n])
         at += n
-    pre, e = np.asarray(prefixes, dtype=np.int64), np.asarray(ext, dtype=np.int64)
-    cols = token_positions(pre, e)
     table_rows = [r.req_pool_idx for r in reqs]
-    batch = ForwardBatch.build(
-        ForwardMode.EXTEND, np.concatenate(parts), slots, table_rows, pre, e, device,
-        positions=cols, table_width=req_pool.max_context_len,
-    )  # fmt: skip
-    log = None
-    if req_pool.write_log is not None:
-        log = (np.repeat(np.asarray(table_rows, dtype=np.int64), e), cols, slots)
-    req_pool.write_batch(batch, log=log)
+    batch = extend_batch(np.concatenate(parts), slots, table_rows, prefixes, ext, req_pool, device)
     batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
     return Verify(reqs, drafts, starts, at), batch
 

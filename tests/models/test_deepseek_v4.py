@@ -17,7 +17,15 @@ from breakgraph.models.config import ModelConfig
 from breakgraph.models.deepseek_v4_config import CSA, HCA, SLIDING, v4_layout
 from tests.support.deepseek_v4 import TINY_V4, make_hf_deepseek_v4
 from tests.support.engines import assert_no_leak, make_engine
-from tests.support.hf import ATOL, LogitsTap, assert_greedy_equals_hf, one_token, prompts
+from tests.support.hf import (
+    ATOL,
+    LogitsTap,
+    assert_greedy_equals_hf,
+    assert_last_logits_hf,
+    hf_last_logits,
+    one_token,
+    prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +36,13 @@ def v4_checkpoint(tmp_path_factory):
     return model, path
 
 
-def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-
-def assert_hf(got: torch.Tensor, hf, ids: list[int]) -> None:
-    torch.testing.assert_close(got, hf_last_logits(hf, ids), atol=ATOL, rtol=1e-4)
-
-
 def test_whole_request_over_several_windows_matches_hf(v4_checkpoint):
     hf, path = v4_checkpoint
     engine = make_engine(path)
     tap = LogitsTap(engine)
     (p,) = prompts(1, [70])  # 8-token window, 17 CSA and 4 HCA entries
     engine.generate([p], one_token())
-    assert_hf(tap.steps[0][0], hf, p)
+    assert_last_logits_hf(tap.steps[0][0], hf, p)
 
 
 def test_ragged_batch_matches_hf(v4_checkpoint):
@@ -54,7 +53,7 @@ def test_ragged_batch_matches_hf(v4_checkpoint):
     engine.generate(ps, one_token())
     assert len(tap.steps) == 1, "all four prompts fit one prefill step"
     for row, p in enumerate(ps):
-        assert_hf(tap.steps[0][row], hf, p)
+        assert_last_logits_hf(tap.steps[0][row], hf, p)
 
 
 @pytest.mark.parametrize("base_len", [48, 53])
@@ -71,7 +70,7 @@ def test_cached_prefix_resumes_on_a_window_boundary(v4_checkpoint, base_len):
         extended = base + extra
         (res,) = engine.generate([extended], one_token())
         assert res.cached_tokens == 48
-        assert_hf(tap.steps[-1][0], hf, extended)
+        assert_last_logits_hf(tap.steps[-1][0], hf, extended)
     assert_no_leak(engine)
 
 

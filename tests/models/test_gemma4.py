@@ -14,7 +14,15 @@ from breakgraph.models.loader import build_model
 from breakgraph.models.sources import CONFIG_DIR
 from tests.support.engines import make_engine
 from tests.support.gemma4 import make_hf_gemma4
-from tests.support.hf import ATOL, LogitsTap, assert_greedy_equals_hf, one_token, prompts
+from tests.support.hf import (
+    ATOL,
+    LogitsTap,
+    assert_greedy_equals_hf,
+    assert_last_logits_hf,
+    hf_last_logits,
+    one_token,
+    prompts,
+)
 
 gemma4 = pytest.importorskip("transformers.models.gemma4")
 
@@ -34,15 +42,6 @@ def gemma4_text_dir(tmp_path_factory):
     return path
 
 
-def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-
-def assert_hf(got: torch.Tensor, hf, ids: list[int]) -> None:
-    torch.testing.assert_close(got, hf_last_logits(hf, ids), atol=ATOL, rtol=1e-4)
-
-
 @pytest.mark.parametrize("fast_prefill", [True, False])
 def test_whole_request_longer_than_window_matches_hf(gemma4_checkpoint, fast_prefill):
     hf, path = gemma4_checkpoint
@@ -51,7 +50,7 @@ def test_whole_request_longer_than_window_matches_hf(gemma4_checkpoint, fast_pre
     tap = LogitsTap(engine)
     (p,) = prompts(1, [37])
     engine.generate([p], one_token())
-    assert_hf(tap.steps[0][0], hf, p)
+    assert_last_logits_hf(tap.steps[0][0], hf, p)
 
 
 def test_ragged_batch_matches_hf(gemma4_checkpoint):
@@ -62,7 +61,7 @@ def test_ragged_batch_matches_hf(gemma4_checkpoint):
     engine.generate(ps, one_token())
     assert len(tap.steps) == 1, "all four prompts fit one prefill step"
     for row, p in enumerate(ps):
-        assert_hf(tap.steps[0][row], hf, p)
+        assert_last_logits_hf(tap.steps[0][row], hf, p)
 
 
 def test_cached_prefix_matches_hf(gemma4_checkpoint):
@@ -77,7 +76,7 @@ def test_cached_prefix_matches_hf(gemma4_checkpoint):
         extended = base + extra
         (res,) = engine.generate([extended], one_token())
         assert res.cached_tokens == len(base)
-        assert_hf(tap.steps[-1][0], hf, extended)
+        assert_last_logits_hf(tap.steps[-1][0], hf, extended)
 
 
 def test_chunked_prefill_matches_hf(gemma4_checkpoint):

@@ -132,3 +132,13 @@ def prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 def one_token() -> SamplingParams:
     return SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    """HF's float32 logits of the last row of ``ids``."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def assert_last_logits_hf(got: torch.Tensor, hf, ids: list[int]) -> None:
+    torch.testing.assert_close(got, hf_last_logits(hf, ids), atol=ATOL, rtol=1e-4)
