@@ -17,7 +17,7 @@ import breakgraph.engine.scheduler as scheduler_mod  # noqa: E402
 from breakgraph.engine.args import EngineArgs  # noqa: E402
 from breakgraph.engine.engine import Engine  # noqa: E402
 from breakgraph.engine.request import SamplingParams  # noqa: E402
-from tests.support.gpu import forbid_host_syncs_in_steps  # noqa: E402
+from tests.support.gpu import forbid_host_syncs_in_steps, no_host_sync  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -66,17 +66,6 @@ def _recording(seen: list, sample):
     return recorded
 
 
-def _no_sync(fn):
-    def wrapped(*a, **kw):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return fn(*a, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    return wrapped
-
-
 def test_masked_decode_graphs_equal_eager_sync_free(monkeypatch):
     """12 requests over graphs of up to 8 rows (pieces), a quarter unconstrained: the same
     tokens and masked logits as the eager steps, valid outputs."""
@@ -89,7 +78,7 @@ def test_masked_decode_graphs_equal_eager_sync_free(monkeypatch):
         monkeypatch.setattr(scheduler_mod, "sample", _recording(seen, scheduler_mod.sample))
         if graphs:  # schedule, launch and the late sample (a constrained step's) never sync
             forbid_host_syncs_in_steps(eng)
-            eng.scheduler.sample_launched = _no_sync(eng.scheduler.sample_launched)
+            eng.scheduler.sample_launched = no_host_sync(eng.scheduler.sample_launched)
         res = eng.generate(prompts, sps, chat=True)
         runs[graphs] = ([(r.output_ids, r.finish_reason) for r in res], seen, res)
         if graphs:

@@ -112,21 +112,23 @@ def assert_hf_parity(hf, path, prompts, **engine_kw):
     )
 
 
+def no_host_sync(fn):
+    """``fn`` made to raise on any host sync (sync debug mode "error") while it runs."""
+
+    def wrapped(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return wrapped
+
+
 def forbid_host_syncs_in_steps(eng: Engine) -> None:
     """Make ``schedule`` and ``launch`` raise on any host sync (sync debug mode "error")."""
     sched = eng.scheduler
-
-    def strict(fn):
-        def wrapped(*a, **kw):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*a, **kw)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        return wrapped
-
-    sched.schedule, sched.launch = strict(sched.schedule), strict(sched.launch)
+    sched.schedule, sched.launch = no_host_sync(sched.schedule), no_host_sync(sched.launch)
 
 
 WARMUP_SCRIPT = r"""
