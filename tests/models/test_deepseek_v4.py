@@ -172,3 +172,29 @@ def test_prompt_logprobs_match_hf(v4_checkpoint):
                              logprob_start_len=25, top_logprobs_num=0)  # fmt: skip
     check_prompt(hit, ref, p, 25, 0)
     assert_no_leak(engine)
+
+
+def test_tiny_builtin_runs_on_dummy_weights():
+    """``deepseek-v4-tiny``: every attention kind in 4 layers, for tests and smoke runs
+    without a checkpoint; a prompt past its 32-token HCA window and a cached hit."""
+    from breakgraph.engine.args import EngineArgs
+    from breakgraph.engine.engine import Engine
+    from breakgraph.engine.request import SamplingParams
+
+    engine = Engine(
+        EngineArgs(
+            model_path="deepseek-v4-tiny",
+            load_format="dummy",
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=2048,
+        )  # fmt: skip
+    )
+    assert (engine.model.prefix_align, engine.model.prefix_recompute) == (32, 4)
+    (p,) = prompts(1, [70], seed=8)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    (first,) = engine.generate([p], sp)
+    (again,) = engine.generate([p], sp)
+    assert again.output_ids == first.output_ids and len(first.output_ids) == 6
+    assert again.cached_tokens == 64
+    assert_no_leak(engine)
