@@ -1,0 +1,283 @@
+"""DeepSeek V4's attention (HF's DeepseekV4Attention and its compressors), over the engine's
+paged caches: the one K = V head per token slot, each compressed layer's entries in the slot
+of its window's last token, the compressors' open windows as per-request state
+(``kernels/compressed_attention.py``); the float32 norms and the interleaved rope it shares
+with the rest of the model (``deepseek_v4.py``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from breakgraph.distributed import get_tp_group
+from breakgraph.forward_batch import get_forward_context
+from breakgraph.kernels import ops
+from breakgraph.kernels.compressed_attention import CompressedStep
+from breakgraph.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+    divide_for_tp,
+    narrow,
+    sharded_param,
+)
+from breakgraph.layers.rotary import rope_inv_freq
+from breakgraph.models.config import ModelConfig
+from breakgraph.models.deepseek_v4_config import CSA, SLIDING, V4Layout
+
+
+def fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
+    """A float32 parameter whatever the model's dtype (HF keeps these in float32)."""
+    t = torch.empty(shape, dtype=torch.float32)
+    if fill is not None:
+        t.fill_(fill)
+    p = nn.Parameter(t, requires_grad=False)
+    p.weight_loader = default_weight_loader
+    p.full_shape = tuple(shape)
+    return p
+
+
+class DeepseekV4RMSNorm(nn.Module):
+    """float32 weight, normalised and scaled in float32, cast back (HF's)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = fp32_param(dim, fill=1.0)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV4UnweightedRMSNorm: the scale computed in float32, applied in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class DeepseekV4RotaryEmbedding(nn.Module):
+    """cos/sin [T, rope_dim / 2] of the ``main`` and ``compress`` ropes (one angle per
+    interleaved pair), computed from the positions as HF does: no table."""
+
+    def __init__(self, layout: V4Layout):
+        super().__init__()
+        for name, params in (("main", layout.rope_main), ("compress", layout.rope_compress)):
+            inv_freq = rope_inv_freq(layout.rope_dim, float(params["rope_theta"]), params)
+            self.register_buffer(f"{name}_inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * getattr(self, f"{kind}_inv_freq")[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, ..., D] (pairs
+    of neighbouring channels rotate; float32, cast back), cos/sin [T, r / 2]."""
+    r = 2 * cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
+    x1, x2 = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
+def _step() -> CompressedStep:
+    """The live step as the compressed-attention ops read it: built at the first layer, kept
+    on the batch (device ops only, no host sync)."""
+    ctx = get_forward_context()
+    batch = ctx.batch
+    step = batch.attention_plans.get("deepseek_v4")
+    if step is None:
+        t = batch.input_ids.shape[0]
+        b = batch.seq_lens.shape[0]
+        ext = batch.extend_lens.long()
+        row_req = torch.repeat_interleave(torch.arange(b, device=ext.device), ext, output_size=t)
+        first = batch.out_cache_loc[batch.extend_start_loc.long().clamp(max=max(t - 1, 0))]
+        step = batch.attention_plans["deepseek_v4"] = CompressedStep(
+            positions=batch.positions,
+            row_req=row_req,
+            req_rows=batch.req_pool_indices,
+            start_pos=batch.prefix_lens.long(),
+            end_pos=batch.seq_lens.long(),
+            fresh=(batch.prefix_lens == 0) | (first == 0),
+            req_to_token=ctx.req_to_token,
+            max_extend=max(batch.extend_lens_cpu) if batch.extend_lens_cpu else 1,
+            max_seq=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1,
+        )
+    return step
+
+
+class DeepseekV4GroupedLinear(nn.Module):
+    """HF's grouped output projection ``o_a_proj``: each group of heads projected on its
+    own, weight [groups * rank, in_per_group]; under TP each rank holds its heads' groups."""
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.groups = divide_for_tp(n_groups, self.tp.size, "o_groups")
+        self.out_per_group = out_features // n_groups
+        rows = self.groups * self.out_per_group
+        self.weight = sharded_param(
+            (rows, in_per_group), self.weight_loader, (out_features, in_per_group)
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        n = param.shape[0]
+        param.data.copy_(narrow(loaded, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in_per_group] -> [T, groups * out_per_group]."""
+        w = self.weight.view(self.groups, self.out_per_group, -1)
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+
+class _Compressor(nn.Module):
+    """One compressor: ``kv_proj`` / ``gate_proj`` to ``series * head_dim`` channels, a
+    float32 ``position_bias`` per slot of the window, ``kv_norm``; pools each window into an
+    entry stored (normed, roped at the window's first position) in the slot of the window's
+    last token of the per-slot buffer ``cache_name``."""
+
+    def __init__(self, config: ModelConfig, head_dim: int, ratio: int, overlap: bool, name: str):
+        super().__init__()
+        series = 2 if overlap else 1
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        self.cache_name, self.state_name = name, f"{name}_state"
+        h = config.hidden_size
+        self.kv_proj = ReplicatedLinear(h, series * head_dim)
+        self.gate_proj = ReplicatedLinear(h, series * head_dim)
+        self.position_bias = fp32_param(ratio, series * head_dim)
+        self.kv_norm = DeepseekV4RMSNorm(head_dim, config.rms_norm_eps)
+
+    def compress(self, x: torch.Tensor, rotary: DeepseekV4RotaryEmbedding) -> torch.Tensor:
+        """Pool the step's rows into the cache; return the cache buffer [slots, head_dim]."""
+        ctx, step = get_forward_context(), _step()
+        pool = ctx.kv_pool
+        kv = self.kv_proj(x)
+        score = self.gate_proj(x).float() + self.position_bias[step.positions % self.ratio]
+        state = pool.request_states[self.state_name]
+        pooled = ops.pool_windows(kv, score, state, self.ratio, self.overlap, step)
+        entry = self.kv_norm(pooled.to(kv.dtype))
+        start = (step.positions // self.ratio) * self.ratio
+        entry = apply_rope(entry, *rotary(start, "compress"))
+        cache = pool.slot_buffers[self.cache_name]
+        closes = step.positions % self.ratio == self.ratio - 1
+        dst = torch.where(closes, ctx.batch.out_cache_loc, torch.zeros_like(step.positions))
+        cache[dst] = entry.to(cache.dtype)
+        return cache
+
+
+class DeepseekV4Indexer(_Compressor):
+    """The lightning indexer: its own CSA-style compressor at ``index_head_dim`` and
+    ``index_n_heads`` query heads scoring each visible entry; keeps the top ``index_topk``."""
+
+    def __init__(self, config: ModelConfig, ratio: int, layer_id: int):
+        raw = config.raw
+        super().__init__(config, raw["index_head_dim"], ratio, True, f"index.{layer_id}")
+        self.tp = get_tp_group()
+        self.num_heads = raw["index_n_heads"]
+        self.index_topk = raw["index_topk"]
+        self.q_b_proj = ColumnParallelLinear(raw["q_lora_rank"], self.num_heads * self.head_dim)
+        self.heads_per_rank = self.q_b_proj.out_per_rank // self.head_dim
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = ColumnParallelLinear(config.hidden_size, self.num_heads)
+
+    def forward(
+        self, x: torch.Tensor, q_residual: torch.Tensor, rotary: DeepseekV4RotaryEmbedding
+    ) -> torch.Tensor:
+        """[T, k] the entries each row attends to (-1: none)."""
+        step = _step()
+        keys = self.compress(x, rotary)
+        t = x.shape[0]
+        q = self.q_b_proj(q_residual).view(t, self.heads_per_rank, self.head_dim)
+        q = apply_rope(q, *rotary(step.positions, "compress"))
+        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+        scores = ops.indexer_scores(q, weights, keys, step, self.ratio, self.head_dim**-0.5)
+        scores = self.tp.all_reduce(scores)
+        picks = scores.topk(min(self.index_topk, scores.shape[1]), dim=-1)
+        visible = (step.positions + 1) // self.ratio
+        return torch.where(picks.indices < visible[:, None], picks.indices, -1)
+
+
+class DeepseekV4HCACompressor(_Compressor):
+    """One entry per ``ratio`` (128) tokens, non-overlapping windows; all attended."""
+
+    def __init__(self, config: ModelConfig, ratio: int, layer_id: int):
+        super().__init__(config, config.head_dim, ratio, False, f"comp.{layer_id}")
+
+    def forward(self, x, q_residual, rotary) -> tuple[torch.Tensor, None]:
+        return self.compress(x, rotary), None
+
+
+class DeepseekV4CSACompressor(_Compressor):
+    """One entry per ``ratio`` (4) tokens over two overlapping series (each token's first
+    half feeds the next window's entry); the indexer picks which entries a row attends to."""
+
+    def __init__(self, config: ModelConfig, ratio: int, layer_id: int):
+        super().__init__(config, config.head_dim, ratio, True, f"comp.{layer_id}")
+        self.indexer = DeepseekV4Indexer(config, ratio, layer_id)
+
+    def forward(self, x, q_residual, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.compress(x, rotary)
+        return cache, self.indexer(x, q_residual, rotary)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layout: V4Layout, layer_id: int):
+        super().__init__()
+        raw = config.raw
+        self.layer_id = layer_id
+        self.layer_type = layout.layer_types[layer_id]
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        self.head_dim = d = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.sliding_window = raw.get("sliding_window", 128)
+        self.scaling = d**-0.5
+        h, heads, rank = config.hidden_size, config.num_attention_heads, raw["q_lora_rank"]
+        self.q_a_proj = ReplicatedLinear(h, rank)
+        self.q_a_norm = DeepseekV4RMSNorm(rank, self.eps)
+        self.q_b_proj = ColumnParallelLinear(rank, heads * d)
+        self.num_heads = self.q_b_proj.out_per_rank // d
+        self.kv_proj = ReplicatedLinear(h, d)
+        self.kv_norm = DeepseekV4RMSNorm(d, self.eps)
+        groups, o_rank = raw["o_groups"], raw["o_lora_rank"]
+        self.o_a_proj = DeepseekV4GroupedLinear(heads * d // groups, groups * o_rank, groups)
+        self.o_b_proj = RowParallelLinear(groups * o_rank, h)
+        self._tp_rank = self.q_b_proj.tp.rank
+        self.sinks = fp32_param(self.num_heads)  # this rank's heads
+        self.sinks.weight_loader, self.sinks.full_shape = self._load_sinks, (heads,)
+        ratio = layout.ratio(layer_id)
+        self.ratio = ratio
+        if self.layer_type == SLIDING:
+            self.compressor = None
+        elif self.layer_type == CSA:
+            self.compressor = DeepseekV4CSACompressor(config, ratio, layer_id)
+        else:
+            self.compressor = DeepseekV4HCACompressor(config, ratio, layer_id)
+
+    def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        n = self.num_heads
+        param.data.copy_(narrow(loaded, 0, self._tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor, rotary: DeepseekV4RotaryEmbedding) -> torch.Tensor:
+        ctx, step = get_forward_context(), _step()
+        t, d = x.shape[0], self.head_dim
+        cos, sin = rotary(step.positions, self.rope_kind)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv_cache = ctx.kv_pool.k_buffers[self.layer_id]
+        kv_cache[ctx.batch.out_cache_loc, 0] = kv.to(kv_cache.dtype)
+        comp_cache = picks = None
+        if self.compressor is not None:
+            comp_cache, picks = self.compressor(x, q_residual, rotary)
+        o = ops.sparse_attention(
+            q, kv_cache, comp_cache, step, self.sliding_window, self.ratio, picks, self.sinks,
+            self.scaling,
+        )  # fmt: skip
+        o = apply_rope(o, cos, -sin)  # V = K carries rope: undone at the query's position
+        grouped = self.o_a_proj(o.reshape(t, self.o_a_proj.groups, -1))
+        return self.o_b_proj(grouped)
