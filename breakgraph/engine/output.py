@@ -29,6 +29,20 @@ class OutputProcessor:
         out = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
         return out, self.check_finish(req, tok)
 
+    def append_tokens(self, req: Req, toks: list[int]) -> tuple[TokenDelta, dict | None]:
+        """Append several tokens (a speculative step's), checking each: one output with those
+        appended before the finish, and the finish reason (None: goes on)."""
+        out, reason = None, None
+        for tok in toks:
+            delta, reason = self.append_token(req, tok, None)
+            if out is None:
+                out = delta
+            else:
+                out.token_ids.append(tok)
+            if reason is not None:
+                break
+        return out, reason
+
     def check_finish(self, req: Req, tok: int) -> dict | None:
         sp = req.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
@@ -67,3 +81,15 @@ def finished_output(req: Req, reason: dict, last: TokenDelta | None = None) -> T
         out.input_logprobs, out.input_top_logprobs = last.input_logprobs, last.input_top_logprobs
         out.timeline = last.timeline
     return fill_meta(out, req)
+
+
+def first_token_timeline(req: Req, sampled_at: float) -> dict[str, float]:
+    """The engine's wall-clock stamps of a request, sent once with its first output."""
+    req.first_token_at = sampled_at
+    return {
+        "engine_recv": req.received_at,
+        "scheduled": req.scheduled_at or sampled_at,
+        "forward_start": req.forward_start_at or sampled_at,
+        "forward_end": req.forward_end_at or sampled_at,
+        "first_token": sampled_at,
+    }

@@ -14,18 +14,13 @@ the read-back may have run one more step: that step's token is dropped and its K
 never emitted or cached. A request that ends by length skips that step (it is known on the
 host), and retraction reads the step in flight back first, so its decisions see every token.
 
-Structured output (engine/grammar/): a constrained row's token bitmask depends on the token its
-request sampled one step earlier. Under overlap that token is still on the device when the
-next step launches, so such a step launches its forward, reads the previous step back (which
-advances the matchers), and only then fills the mask and samples: the host's fill runs while
-the GPU runs the forward, and no host sync is added inside the step.
+Structured output and speculative decoding sample in their own ways: launched.py, speculative.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -37,62 +32,34 @@ from breakgraph.engine.cache_manager import CacheManager
 from breakgraph.engine.config import SchedulerConfig, SchedulerStats
 from breakgraph.engine.decode import DecodeManager
 from breakgraph.engine.grammar import GrammarMask
-from breakgraph.engine.logprobs import ReadBack, token_logprobs
-from breakgraph.engine.output import OutputProcessor, fill_meta, finished_output
+from breakgraph.engine.launched import (
+    Launched,
+    PenalizedForward,
+    PromptForward,
+    resolve_pending,
+    sample_step,
+)
+from breakgraph.engine.logprobs import ReadBack
+from breakgraph.engine.output import (
+    OutputProcessor,
+    fill_meta,
+    finished_output,
+    first_token_timeline,
+)
 from breakgraph.engine.penalties import PenaltyPool, needs_row
 from breakgraph.engine.prefill import PrefillManager
 from breakgraph.engine.prompt_logprobs import (
-    PromptRows,
     attach_prompt,
     prompt_plan,
     prompt_rows,
     take_prompt_logprobs,
 )
 from breakgraph.engine.request import Req
-from breakgraph.engine.sampler import sample
-from breakgraph.engine.speculative import (
-    NgramProposer,
-    SpecStats,
-    Verify,
-    build_verify,
-    kept,
-    speculable,
-    verify_sample,
-)
+from breakgraph.engine.speculative import SpecDecoder, SpecStats, speculable
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
 __all__ = ["Scheduler"]
-
-# (batch, pool rows) -> (logits, logits with the penalty pool applied)
-PenalizedForward = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# (batch, prompt rows [R], their target ids [R], top-k) ->
-#   (logits [B, V] of each request's last row, logprobs [R], top-k logprobs [R, k], ids [R, k])
-PromptForward = Callable[
-    [ForwardBatch, torch.Tensor, torch.Tensor, int],
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-]
-
-
-@dataclass
-class Launched:
-    """What a launch queued on the device, read back by ``process_outputs``."""
-
-    done: list[Req]  # requests sampled this step
-    readback: ReadBack
-    sampled: torch.Tensor | None = None  # their sampled ids on the device [len(done)]
-    ids: int | None = None  # ReadBack handles
-    logprobs: int | None = None
-    top_values: int | None = None
-    top_ids: int | None = None
-    top_k: int = 0
-    prompt: list[PromptRows] | None = None
-    prompt_handles: tuple[int, int | None, int | None] | None = None
-    prompt_top_k: int = 0
-    # launched, not yet sampled: (logits, logits with the penalty pool applied or None, pool
-    # rows or None); a constrained row's mask waits for the step in flight (sample_launched)
-    unsampled: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-    verify: Verify | None = None  # a speculative verify step: every row's greedy id
 
 
 class Scheduler:
@@ -131,14 +98,13 @@ class Scheduler:
             self.decode,
             config,
             device,
-            has_room=self._has_room,
+            # room beside its KV: a penalty-pool row, where it needs one
+            has_room=lambda req: penalties is None or penalties.has_room(req),
             on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
         k = config.speculative_num_draft_tokens
-        self.proposer = NgramProposer(k) if k else None
-        self.spec_stats = SpecStats()
-        self._verify: Verify | None = None  # the verify step being scheduled
+        self.spec = SpecDecoder(k, self.cache, config.max_context_len, device) if k else None
         self.reqs: dict[str, Req] = {}
         # finished requests whose KV is not yet released (see release_finished)
         self._finished: list[Req] = []
@@ -148,6 +114,11 @@ class Scheduler:
         self.timer = StepTimer(device)  # host vs GPU time of each step; timeline stamps
 
     # ---- requests in and out ----
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculative steps, drafted and accepted tokens (zeros without speculation)."""
+        return self.spec.stats if self.spec is not None else SpecStats()
+
     def add(self, req: Req) -> None:
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
@@ -169,11 +140,7 @@ class Scheduler:
 
     def _in_flight_is_live(self) -> bool:
         """A step in flight that still has a live request to read back for."""
-        f = self.in_flight
-        if f is None:
-            return False
-        reqs = f.done + [p.req for p in f.prompt or []]
-        return any(self.reqs.get(r.rid) is r for r in reqs)
+        return self.in_flight is not None and self.in_flight.serves(self.reqs)
 
     def stats(self) -> SchedulerStats:
         pool = self.penalties
@@ -232,7 +199,7 @@ class Scheduler:
         if scheduled is not None or not self.decode.running:
             return scheduled
         stepping = self.decode.stepping()
-        if self.proposer is not None:
+        if self.spec is not None:
             verify = self._schedule_verify(stepping, outputs)
             if verify is not None:
                 return verify
@@ -271,73 +238,26 @@ class Scheduler:
             stepping = self.decode.stepping()
             if not stepping or not all(speculable(r) for r in stepping):
                 return None
-        limit = self.cfg.max_context_len
-        drafts = [
-            self.proposer.propose(
-                r.fill_ids,
-                min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1,
-            )
-            for r in stepping
-        ]
-        need = len(stepping) + sum(len(d) for d in drafts)
-        if need == len(stepping) or self.cache.available < need:
-            return None
-        slots = self.cache.alloc(need)
-        self._verify, batch = build_verify(
-            stepping, drafts, slots, self.cache.req_pool, self.device
-        )
-        return stepping, batch
+        return self.spec.schedule(stepping)
 
     def _launch_verify(self, batch: ForwardBatch) -> Launched:
-        """Every row's logits, their greedy ids queued for the read-back (no sync)."""
-        verify, self._verify = self._verify, None
+        """Every row's logits, their acceptance queued for the read-back (no sync)."""
         rb = ReadBack()
         self.timer.forward_begin()
         logits = self.forward(batch)
         self.timer.forward_end()
-        params, gens, draft_next = [], [], []
-        for req, draft in zip(verify.reqs, verify.drafts, strict=True):
-            n = 1 + len(draft)
-            params += [req.sampling] * n
-            gens += [req.generator] * n
-            draft_next += [*draft.tolist(), -1]
-        (nxt,) = upload_many([draft_next], torch.int64, logits.device)
-        accept, choice = verify_sample(logits, params, gens, nxt)
-        launched = Launched(done=verify.reqs, readback=rb, verify=verify)
-        launched.ids, launched.logprobs = rb.add(choice), rb.add(accept.to(torch.int64))
+        verify = self.spec.sample(logits, rb)
         rb.start()
-        return launched
+        return Launched(done=verify.reqs, readback=rb, verify=verify)
 
     def _process_verify(self, launched: Launched) -> list[TokenDelta]:
         """Keep each request's accepted draft prefix plus the next token; free the rejected
         rows' slots; finish checks token by token."""
         values = launched.readback.fetch()  # the step's one host sync
-        choice, accept = values[launched.ids], values[launched.logprobs]
-        verify, stats = launched.verify, self.spec_stats
-        stats.steps += 1
         outputs = []
-        for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
-            rows = slice(start, start + 1 + len(draft))
-            toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
-            stats.verified += 1
-            stats.drafted += len(draft)
-            stats.accepted += len(toks) - 1
-            # KV: the last token and the kept draft tokens; the rejected rows' slots go back
-            self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
-            out, reason = None, None
-            for tok in toks:
-                delta, reason = self.output.append_token(req, tok, None)
-                if out is None:
-                    out = delta
-                else:
-                    out.token_ids.append(tok)
-                if reason is not None:
-                    break
-            if reason is not None:
-                out = self._finish(req, reason, out)
-            else:
-                fill_meta(out, req)
-            outputs.append(out)
+        for req, toks in self.spec.accepted(launched.verify, values):
+            out, reason = self.output.append_tokens(req, toks)
+            outputs.append(self._finish(req, reason, out) if reason else fill_meta(out, req))
         return outputs
 
     def launch(self, reqs: list[Req], batch: ForwardBatch) -> Launched:
@@ -345,11 +265,11 @@ class Scheduler:
 
         A request mid-prefill (chunked) has no token to sample: its logits row is dropped.
         """
-        if self._verify is not None:
+        if self.spec is not None and self.spec.pending is not None:
             return self._launch_verify(batch)
         rb = ReadBack()
         if any(r.num_pending for r in reqs if r.decoding):
-            batch.input_ids = self._resolve_pending(batch.input_ids)
+            batch.input_ids = resolve_pending(batch.input_ids, self.in_flight)
         prompt = prompt_rows(reqs, batch)
         if prompt and self.prompt_forward is None:
             raise RuntimeError("this scheduler has no prompt_forward: prompt logprobs unavailable")
@@ -361,19 +281,14 @@ class Scheduler:
         if plan is not None:
             rows, targets, k = plan
             logits, lp, top_v, top_i = self.prompt_forward(batch, rows, targets, k)
-            launched.prompt, launched.prompt_top_k = prompt, k
-            launched.prompt_handles = (
-                rb.add(lp),
-                None if top_v is None else rb.add(top_v),
-                None if top_i is None else rb.add(top_i),
-            )
+            launched.add_prompt(prompt, k, lp, top_v, top_i)
         elif pen_rows is not None and self.penalized_forward is not None:
             logits, processed = self.penalized_forward(batch, pen_rows)
         else:
             logits = self.forward(batch)
         fwd_end = self.timer.forward_end()
         if batch.mode is not ForwardMode.DECODE:  # a request's first forward is a prefill
-            self._stamp_first_forward(reqs, fwd_start, fwd_end)
+            self.timer.stamp_first_forward(reqs, fwd_start, fwd_end)
         chunked = self.prefill.chunked
         done = launched.done = [r for r in reqs if r is not chunked]
         if not done:
@@ -403,42 +318,8 @@ class Scheduler:
         """Sample a launched step's rows on the device (the grammar's mask applied first) and
         queue its read-back (no sync). A row whose request finished meanwhile is sampled
         unmasked; its token is dropped at the read-back."""
-        logits, processed, pen_rows = launched.unsampled
-        launched.unsampled = None
-        done, rb = launched.done, launched.readback
-        if pen_rows is not None and processed is None:  # eager: the same ops as the graphs'
-            processed = self.penalties.apply(logits, pen_rows)
-        target = logits if processed is None else processed
-        if self.grammar_mask is not None and any(r.grammar is not None for r in done):
-            if target is logits and any(r.return_logprob for r in done):
-                target = logits.clone()  # logprobs stay the model's own
-            live = [r.grammar if self.reqs.get(r.rid) is r else None for r in done]
-            self.grammar_mask.apply(target, live)
-        ids, _ = sample(target, [r.sampling for r in done], [r.generator for r in done])
-        if pen_rows is not None:
-            self.penalties.record(pen_rows, ids)
-        launched.ids, launched.sampled = rb.add(ids), ids
-        if any(r.return_logprob for r in done):
-            k = max(r.top_logprobs_num if r.return_logprob else 0 for r in done)
-            lp, top_v, top_i = token_logprobs(logits, ids, k)
-            launched.logprobs, launched.top_k = rb.add(lp), k
-            if top_v is not None:
-                launched.top_values, launched.top_ids = rb.add(top_v), rb.add(top_i)
-        rb.start()
-
-    def _resolve_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Placeholder ids ``-(row + 1)`` -> that row of the step in flight's sampled ids
-        (device ops, no sync)."""
-        assert self.in_flight is not None and self.in_flight.sampled is not None
-        sampled = self.in_flight.sampled.to(input_ids.dtype)
-        rows = (-input_ids - 1).clamp_(min=0)
-        return torch.where(input_ids < 0, sampled[rows], input_ids)
-
-    def _stamp_first_forward(self, reqs: list[Req], start: float, end: float) -> None:
-        scheduled_at = self.timer.step_started_at or start  # 0 when launched outside step()
-        for r in reqs:
-            if r.scheduled_at is None:
-                r.scheduled_at, r.forward_start_at, r.forward_end_at = scheduled_at, start, end
+        live = [r.grammar if self.reqs.get(r.rid) is r else None for r in launched.done]
+        sample_step(launched, self.penalties, self.grammar_mask, live)
 
     def process_outputs(self, launched: Launched) -> list[TokenDelta]:
         """Read the step back (its one host sync); append each request's sampled token,
@@ -455,15 +336,7 @@ class Scheduler:
         reqs = launched.done
         if not reqs:
             return []
-        ids_list = [int(t) for t in values[launched.ids]]
-        lp_list = values[launched.logprobs] if launched.logprobs is not None else None
-        tops = None
-        if launched.top_values is not None:
-            k = launched.top_k
-            tv, ti = values[launched.top_values], values[launched.top_ids]
-            tops = [
-                [[tv[b * k + j], int(ti[b * k + j])] for j in range(k)] for b in range(len(reqs))
-            ]
+        ids_list, lp_list, tops = launched.tokens(values)
         outputs = []
         for b, (req, tok) in enumerate(zip(reqs, ids_list, strict=True)):
             req.num_pending -= 1
@@ -479,7 +352,7 @@ class Scheduler:
             lp = lp_list[b] if lp_list is not None and req.return_logprob else None
             out, reason = self.output.append_token(req, tok, lp)
             if req.grammar is not None:
-                reason = grammar_finish(req, tok, reason)
+                reason = req.grammar.finish(tok, reason)
             if lp is not None and req.top_logprobs_num > 0 and tops is not None:
                 top = tops[b][: req.top_logprobs_num]
                 out.top_logprobs = [top]
@@ -496,10 +369,6 @@ class Scheduler:
                 fill_meta(out, req)
             outputs.append(out)
         return outputs
-
-    def _has_room(self, req: Req) -> bool:
-        """Room for ``req`` beside its KV: a penalty-pool row, where it needs one."""
-        return self.penalties is None or self.penalties.has_room(req)
 
     def _on_admit(self, req: Req) -> None:
         """A request leaves the queue for its first prefill chunk: its penalty-pool row."""
@@ -527,26 +396,3 @@ class Scheduler:
             self.cache.release(req)
             if self.penalties is not None:
                 self.penalties.release(req)
-
-
-def grammar_finish(req: Req, tok: int, reason: dict | None) -> dict | None:
-    """Advance ``req``'s grammar by its new token ``tok``: the finish reason ``reason``, or
-    "stop" once the grammar has ended (its stop token accepted), or an abort if the grammar
-    refuses the token (the mask allowed it: only a bug gets here)."""
-    if not req.grammar.accept(tok):
-        return reason or {"type": "abort", "message": f"token {tok} breaks the {req.grammar.kind}"}
-    if reason is None and req.grammar.terminated:
-        return {"type": "stop", "matched": tok}
-    return reason
-
-
-def first_token_timeline(req: Req, sampled_at: float) -> dict[str, float]:
-    """The engine's wall-clock stamps of a request, sent once with its first output."""
-    req.first_token_at = sampled_at
-    return {
-        "engine_recv": req.received_at,
-        "scheduled": req.scheduled_at or sampled_at,
-        "forward_start": req.forward_start_at or sampled_at,
-        "forward_end": req.forward_end_at or sampled_at,
-        "first_token": sampled_at,
-    }

@@ -22,6 +22,7 @@ across them).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
-from breakgraph.forward_batch import ForwardBatch
+from breakgraph.forward_batch import ForwardBatch, upload_many
 
 
 class NgramProposer:
@@ -76,12 +77,15 @@ def speculable(req: Req, pending_ok: bool = False) -> bool:
 
 @dataclass
 class Verify:
-    """A verify step's requests, their drafts and each request's first row."""
+    """A verify step's requests, their drafts and each request's first row; once sampled,
+    the read-back handles of every row's choice and acceptance."""
 
     reqs: list[Req]
     drafts: list[np.ndarray]
     starts: list[int]
     rows: int
+    choice: int | None = None
+    accept: int | None = None
 
 
 @dataclass
@@ -179,3 +183,66 @@ def draft_tokens(args, model) -> int:
             f"--speculative-algorithm {args.speculative_algorithm} is not supported {why}"
         )
     return args.speculative_num_draft_tokens
+
+
+class SpecDecoder:
+    """A scheduler's speculative steps: drafts and the verify batch (``schedule``), the
+    acceptance queued on the device (``sample``), each request's kept tokens with its
+    rejected rows' slots freed (``accepted``); ``stats`` counts them."""
+
+    def __init__(self, num_draft: int, cache, max_context_len: int, device: torch.device):
+        self.proposer = NgramProposer(num_draft)
+        self.cache = cache
+        self.max_context_len = max_context_len
+        self.device = device
+        self.stats = SpecStats()
+        self.pending: Verify | None = None  # scheduled, not yet launched
+
+    def schedule(self, stepping: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
+        """The verify step of ``stepping`` (their last tokens on the host), or None when no
+        request has a draft or the KV pool cannot take the drafts."""
+        limit = self.max_context_len
+        drafts = [
+            self.proposer.propose(
+                r.fill_ids,
+                min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1,
+            )
+            for r in stepping
+        ]
+        need = len(stepping) + sum(len(d) for d in drafts)
+        if need == len(stepping) or self.cache.available < need:
+            return None
+        slots = self.cache.alloc(need)
+        self.pending, batch = build_verify(
+            stepping, drafts, slots, self.cache.req_pool, self.device
+        )
+        return stepping, batch
+
+    def sample(self, logits: torch.Tensor, readback) -> Verify:
+        """The pending verify step's acceptance on the device, queued for ``readback``."""
+        verify, self.pending = self.pending, None
+        params, gens, draft_next = [], [], []
+        for req, draft in zip(verify.reqs, verify.drafts, strict=True):
+            n = 1 + len(draft)
+            params += [req.sampling] * n
+            gens += [req.generator] * n
+            draft_next += [*draft.tolist(), -1]
+        (nxt,) = upload_many([draft_next], torch.int64, logits.device)
+        accept, choice = verify_sample(logits, params, gens, nxt)
+        verify.choice, verify.accept = readback.add(choice), readback.add(accept)
+        return verify
+
+    def accepted(self, verify: Verify, values) -> Iterator[tuple[Req, list[int]]]:
+        """Each request and the tokens it keeps, from the read-back ``values``; its KV cut to
+        its last token and the kept draft, the rejected rows' slots freed."""
+        choice, accept = values[verify.choice], values[verify.accept]
+        stats = self.stats
+        stats.steps += 1
+        for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
+            rows = slice(start, start + 1 + len(draft))
+            toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
+            stats.verified += 1
+            stats.drafted += len(draft)
+            stats.accepted += len(toks) - 1
+            self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
+            yield req, toks

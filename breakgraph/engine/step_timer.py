@@ -42,6 +42,13 @@ class StepTimer:
         self._recorded = False
         self.last = StepTiming()
 
+    def stamp_first_forward(self, reqs, start: float, end: float) -> None:
+        """Stamp the requests of a step whose first forward it is (their timeline)."""
+        scheduled_at = self.step_started_at or start  # 0 when launched outside step()
+        for r in reqs:
+            if r.scheduled_at is None:
+                r.scheduled_at, r.forward_start_at, r.forward_end_at = scheduled_at, start, end
+
     def forward_begin(self) -> float:
         """Before the forward; returns the wall-clock stamp for request timelines."""
         if self.cuda:

@@ -25,3 +25,13 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def finish(self, token: int, reason: dict | None) -> dict | None:
+        """Advance by the request's new ``token``: its finish reason ``reason``, or "stop" once
+        the grammar has ended (its stop token accepted), or an abort if the grammar refuses
+        the token (the mask allowed it: only a bug gets here)."""
+        if not self.accept(token):
+            return reason or {"type": "abort", "message": f"token {token} breaks the {self.kind}"}
+        if reason is None and self.terminated:
+            return {"type": "stop", "matched": token}
+        return reason
