@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import array
 import logging
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.config import SchedulerConfig
+from breakgraph.engine.generate import GenerateResult, generate
 from breakgraph.engine.grammar import (
     GrammarCompiler,
     GrammarMask,
@@ -44,21 +44,6 @@ from breakgraph.models.loader import peek_config
 from breakgraph.models.registry import check_tp_support
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateResult:
-    rid: str
-    text: str | None
-    output_ids: list[int]
-    finish_reason: dict | None
-    prompt_tokens: int
-    cached_tokens: int
-    output_logprobs: list[float]
-    e2e_latency: float
-    output_top_logprobs: list[list[list]] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list] | None] = field(default_factory=list)
 
 
 def ids_in_vocab(input_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray | None:
@@ -84,18 +69,6 @@ def _prompt_array(ids: np.ndarray) -> np.ndarray:
     arr = np.array(ids, dtype=np.int32)  # a copy: the caller's buffer may be reused
     arr.flags.writeable = False
     return arr
-
-
-def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None) -> str:
-    """Detokenize an output the way the API reports it: stop token and stop string cut off."""
-    ids = output_ids
-    matched = (finish_reason or {}).get("matched")
-    if isinstance(matched, int) and ids and ids[-1] == matched:
-        ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    if isinstance(matched, str) and matched in text:
-        text = text[: text.index(matched)]
-    return text
 
 
 class Engine:
@@ -375,48 +348,7 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> list[GenerateResult]:
-        if not isinstance(sampling, list):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        start = time.perf_counter()
-        rids = [
-            self.add_request(
-                self.encode_prompt(p, chat),
-                s,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-            )
-            for p, s in zip(prompts, sampling, strict=True)
-        ]
-        results: dict[str, GenerateResult] = {
-            rid: GenerateResult(rid, None, [], None, 0, 0, [], 0.0) for rid in rids
-        }
-        pending = set(rids)
-        while pending:
-            outs = self.step()
-            for rid, reason in self.take_rejected():
-                raise ValueError(f"request {rid}: {reason}")
-            if not outs and not self.has_work and self.compiling:
-                self.grammars.wait(0.05)
-                continue
-            if not outs and not self.has_work:
-                raise RuntimeError(
-                    f"the scheduler holds none of the {len(pending)} pending requests"
-                )
-            for out in outs:
-                res = results[out.rid]
-                res.output_ids.extend(out.token_ids)
-                res.output_logprobs.extend(out.logprobs)
-                res.output_top_logprobs.extend(out.top_logprobs)
-                if out.input_logprobs is not None:
-                    res.input_logprobs = out.input_logprobs
-                    res.input_top_logprobs = out.input_top_logprobs or []
-                if out.finished:
-                    res.finish_reason = out.finish_reason
-                    res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
-                    res.e2e_latency = time.perf_counter() - start
-                    pending.discard(out.rid)
-        if self.tokenizer is not None:
-            for res in results.values():
-                res.text = output_text(self.tokenizer, res.output_ids, res.finish_reason)
-        return [results[r] for r in rids]
+        """Run ``prompts`` to completion in-process (``generate.py``)."""
+        return generate(
+            self, prompts, sampling, chat, return_logprob, logprob_start_len, top_logprobs_num
+        )
