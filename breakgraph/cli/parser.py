@@ -16,9 +16,9 @@ from breakgraph.engine.flags import (
     SERVER,
     HelpFormatter,
     add_engine_args,
-    add_server_args,
     argument_group,
 )
+from breakgraph.engine.server_flags import add_server_args
 
 FLAGS_DOC = "Every flag, grouped: docs/flags.md. Environment variables: docs/env.md."
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-from breakgraph.engine.args import IDLE_SPIN_MS_CUDA, EngineArgs
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.flag_types import (
+    at_least_one,
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from breakgraph.models.sources import BUILTIN_MODELS, EMBEDDED_GGUF_NAME
 
 # the groups of --help and docs/flags.md, in the order they are shown
@@ -88,7 +95,7 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cpu-threads",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="on the CPU: the threads of torch's intra-op pool in each engine process (sets "
         "OMP_NUM_THREADS for them); default: OMP_NUM_THREADS if set, else one per core",
@@ -103,7 +110,7 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         "--context-length",
         "--max-model-len",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=d.context_length,
         help="the longest request, prompt and output (default: the model's "
         "max_position_embeddings; a larger value extrapolates positions past the trained "
@@ -132,7 +139,7 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--mem-fraction-static",
         metavar="FRACTION",
-        type=_fraction,
+        type=fraction,
         default=d.mem_fraction_static,
         help="CUDA: the share of the GPU's memory the weights and the KV pool may fill; the "
         "pool takes what the weights leave (graphs and activations use the rest)",
@@ -140,7 +147,7 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-total-tokens",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_total_tokens,
         help="the KV pool's size in tokens (default: from --mem-fraction-static on CUDA, "
         "16384 on the CPU)",
@@ -157,7 +164,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--chunked-prefill-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=d.chunked_prefill_size,
         help="the most tokens one prefill step computes; a longer prompt is prefilled in "
         "chunks of this size",
@@ -165,7 +172,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-prefill-tokens",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_prefill_tokens,
         help="new tokens in one prefill batch: a request that would pass it leads the next "
         "batch instead of being chunked; a batch's first request goes whatever its size "
@@ -175,7 +182,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "--max-running-requests",
         "--max-num-seqs",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_running_requests,
         help="requests running at once, admitted and not finished (default: the KV pool's "
         "tokens / 64, between 8 and 1024)",
@@ -207,7 +214,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--speculative-num-draft-tokens",
         metavar="K",
-        type=_positive_int,
+        type=positive_int,
         default=d.speculative_num_draft_tokens,
         help="with --speculative-algorithm: the most tokens drafted per request and step",
     )
@@ -221,7 +228,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--grammar-compile-timeout",
         metavar="SECONDS",
-        type=_positive_float,
+        type=positive_float,
         default=d.grammar_compile_timeout,
         help="a request whose grammar takes longer to compile is refused (400); compiles run "
         "on threads, so other requests go on meanwhile",
@@ -239,7 +246,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-max-bs",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=d.cuda_graph_max_bs,
         help="the largest decode graph's batch (default by GPU memory: 256 on an H100 or H200, "
         "512 from --tp-size 4 or past 160 GB, 160 below 60 GB); larger batches replay it in "
@@ -248,7 +255,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-penalized-requests",
         metavar="N",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.max_penalized_requests,
         help="with decode graphs: requests with penalties, logit_bias or min_new_tokens "
         "running at once, applied inside the graphs (about 10 bytes x vocabulary each on the "
@@ -265,7 +272,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-bs-prefill",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         default=d.cuda_graph_bs_prefill,
         help="prefill token buckets (default: multiples of 256 up to "
@@ -274,7 +281,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-max-tokens-prefill",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=d.cuda_graph_max_tokens_prefill,
         help="the largest prefill bucket (default: --chunked-prefill-size, at most the "
         "context length)",
@@ -282,7 +289,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--prefill-graph-max-pad-factor",
         metavar="FACTOR",
-        type=_at_least_one,
+        type=at_least_one,
         default=d.prefill_graph_max_pad_factor,
         help="a prefill step replays the smallest bucket of at most this many times its "
         "tokens (the smallest bucket takes any smaller step), else it runs eagerly",
@@ -290,7 +297,7 @@ def _add_graph_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cuda-graph-max-tokens-prefill-whole",
         metavar="TOKENS",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.cuda_graph_max_tokens_prefill_whole,
         help="prefill buckets up to this many tokens are also captured whole, attention "
         "inline, for a lone request whose context fits one (0: none)",
@@ -313,7 +320,7 @@ def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
         "--tensor-parallel-size",
         metavar="N",
         dest="tp_size",
-        type=_positive_int,
+        type=positive_int,
         default=d.tp_size,
         help="tensor parallelism: shard the model over this many ranks (one process and GPU "
         "each, NCCL; gloo on the CPU); a size the model's heads, KV heads or experts do not "
@@ -327,124 +334,3 @@ def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
         "and short prefills', run as one kernel over symmetric memory, falling back to NCCL "
         "with a warning where any rank cannot set it up)",
     )
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """``breakgraph serve``'s request limits, streaming, idle and shutdown flags (into the
-    server group, after the listening flags ``cli.py`` puts there)."""
-    d = EngineArgs()
-    g = argument_group(parser, SERVER)
-    g.add_argument(
-        "--api-key",
-        metavar="KEY",
-        default=None,
-        help="every route but /health and /health_generate needs the header 'Authorization: "
-        "Bearer KEY' (401 otherwise); default: the variable BREAKGRAPH_API_KEY (which `ps` "
-        "does not show), else no key (SGLang's and vLLM's flag)",
-    )
-    g.add_argument(
-        "--max-request-bytes",
-        metavar="BYTES",
-        type=_positive_int,
-        default=d.max_request_bytes,
-        help="a larger request body is refused (413) before it is parsed",
-    )
-    g.add_argument(
-        "--stream-interval",
-        metavar="TOKENS",
-        type=_positive_int,
-        default=d.stream_interval,
-        help="a stream sends an event once this many new tokens are in (and its first token "
-        "and its end at once): fewer, larger events, less API-process time per token at high "
-        "concurrency (SGLang's flag)",
-    )
-    g.add_argument(
-        "--incremental-streaming-output",
-        action="store_true",
-        help="/generate streams: each event carries only what is new since the last one "
-        "(text, output_ids, output logprobs; input logprobs in the first event only) instead "
-        "of everything so far (SGLang's flag)",
-    )
-    g.add_argument(
-        "--idle-spin-ms",
-        metavar="MS",
-        type=_non_negative_float,
-        default=d.idle_spin_ms,
-        help="after its last work the engine polls for new requests this long before it "
-        f"sleeps (default {IDLE_SPIN_MS_CUDA:g} on CUDA, 0 on the CPU): a request arriving "
-        "meanwhile runs its host path on a hot core; 0 always sleeps (SGLang's "
-        "--sleep-on-idle), SGLang's default never does",
-    )
-    g.add_argument(
-        "--sleep-on-idle",
-        dest="idle_spin_ms",
-        action="store_const",
-        const=0.0,
-        help="never poll when idle: --idle-spin-ms 0 (SGLang's flag)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        metavar="SECONDS",
-        type=_non_negative_float,
-        default=d.shutdown_timeout,
-        help="seconds in-flight requests may finish after SIGTERM/Ctrl-C (no new ones are "
-        "admitted); then they end with an error (503, or an error event and [DONE] in a stream)",
-    )
-    argument_group(parser, LOGGING).add_argument(
-        "--log-requests",
-        action="store_true",
-        help="log each request received and finished, and the HTTP access log",
-    )
-
-
-# flag types: a value out of range is refused when the flags are parsed, before any load
-
-
-def _number(text: str, kind: type) -> int | float:
-    try:
-        return kind(text)
-    except ValueError:
-        name = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _at_least_one(text: str) -> float:
-    value = _number(text, float)
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
