@@ -211,6 +211,8 @@ def test_openai_errors_name_the_fields_the_request_used(server, fields, message,
     error = r.json()["error"]
     assert message in error["message"] and "_new_tokens" not in error["message"], error
     assert error["param"] == param
+    after = wait_idle(server)
+    assert (after["num_inflight_requests"], after["kv_tokens_used"]) == (0, 0)
 
 
 def test_min_tokens_holds_the_stop_token_back(server):

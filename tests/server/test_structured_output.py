@@ -20,7 +20,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from tests.server.structured_schemas import SCHEMAS  # noqa: E402
 from tests.support import embedded  # noqa: E402
-from tests.support.server import post  # noqa: E402
+from tests.support.server import post, wait_idle  # noqa: E402
 
 server, client, model_name = embedded.server, embedded.client, embedded.model_name
 
@@ -233,3 +233,6 @@ def test_bad_grammar_or_tool_is_a_400_in_one_line(server, model_name, route, bod
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert says in message and "\n" not in message, message
+    after = wait_idle(server)  # nothing held: no request in flight, no KV
+    assert (after["num_inflight_requests"], after["num_running_reqs"]) == (0, 0)
+    assert after["kv_tokens_used"] == 0
