@@ -23,7 +23,7 @@ per (request, window) pair, which writes only the closing rows' entries (the oth
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,20 @@ class CompressedStep:
     req_to_token: torch.Tensor  # [R, C] int32
     max_extend: int
     max_seq: int
+    # what the layers derive from the step once and share (``derive``)
+    derived: dict = field(default_factory=dict, repr=False)
+
+    def derive(self, key, make):
+        """``make()``, computed at the first layer that asks for ``key``, kept for the step."""
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = make()
+        return value
+
+    @functools.cached_property
+    def fresh_i8(self) -> torch.Tensor:
+        """``fresh`` as int8 (what the pooling kernel reads)."""
+        return self.fresh.to(torch.int8)
 
     @functools.cached_property
     def token_rows(self) -> torch.Tensor:
@@ -486,7 +500,7 @@ def pool_windows_triton(kv, score, state, ratio, overlap, step):
     block_d = min(128, triton.next_power_of_2(d))
     _pool_kernel[(b * span, triton.cdiv(d, block_d))](
         kv, score, state, new_state, pooled, step.start_pos, step.end_pos, step.row_start,
-        step.fresh.to(torch.int8), step.req_rows, span, kv.stride(0), score.stride(0),
+        step.fresh_i8, step.req_rows, span, kv.stride(0), score.stride(0),
         state.stride(0), pooled.stride(0), D=d, RATIO=ratio, OVERLAP=overlap, BLOCK_D=block_d,
     )  # fmt: skip
     state[step.req_rows] = new_state

@@ -110,6 +110,23 @@ def _step() -> CompressedStep:
     return step
 
 
+def rows_rope(step: CompressedStep, rotary, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of rope ``kind`` at the step's rows, once per step."""
+    return step.derive(("rope", kind), lambda: rotary(step.positions, kind))
+
+
+def _windows(step: CompressedStep, ratio: int, rotary) -> tuple[torch.Tensor, ...]:
+    """What every compressor of ``ratio`` reads of the step: each row's slot in its window
+    (its position bias), cos/sin at its window's first position (the entry's rope), and
+    where a row's entry goes (its KV slot where it closes its window, else slot 0)."""
+    ctx = get_forward_context()
+    slot_in_window = step.positions % ratio
+    cos, sin = rotary(step.positions - slot_in_window, "compress")
+    closes = slot_in_window == ratio - 1
+    dst = torch.where(closes, ctx.batch.out_cache_loc, torch.zeros_like(step.positions))
+    return slot_in_window, cos, sin, dst
+
+
 class DeepseekV4GroupedLinear(nn.Module):
     """HF's grouped output projection ``o_a_proj``: each group of heads projected on its
     own, weight [groups * rank, in_per_group]; under TP each rank holds its heads' groups."""
@@ -155,16 +172,15 @@ class _Compressor(nn.Module):
         """Pool the step's rows into the cache; return the cache buffer [slots, head_dim]."""
         ctx, step = get_forward_context(), _step()
         pool = ctx.kv_pool
+        slot_in_window, cos, sin, dst = step.derive(
+            ("windows", self.ratio), lambda: _windows(step, self.ratio, rotary)
+        )
         kv = self.kv_proj(x)
-        score = self.gate_proj(x).float() + self.position_bias[step.positions % self.ratio]
+        score = self.gate_proj(x).float() + self.position_bias[slot_in_window]
         state = pool.request_states[self.state_name]
         pooled = ops.pool_windows(kv, score, state, self.ratio, self.overlap, step)
-        entry = self.kv_norm(pooled.to(kv.dtype))
-        start = (step.positions // self.ratio) * self.ratio
-        entry = apply_rope(entry, *rotary(start, "compress"))
+        entry = apply_rope(self.kv_norm(pooled.to(kv.dtype)), cos, sin)
         cache = pool.slot_buffers[self.cache_name]
-        closes = step.positions % self.ratio == self.ratio - 1
-        dst = torch.where(closes, ctx.batch.out_cache_loc, torch.zeros_like(step.positions))
         cache[dst] = entry.to(cache.dtype)
         return cache
 
@@ -192,7 +208,7 @@ class DeepseekV4Indexer(_Compressor):
         keys = self.compress(x, rotary)
         t = x.shape[0]
         q = self.q_b_proj(q_residual).view(t, self.heads_per_rank, self.head_dim)
-        q = apply_rope(q, *rotary(step.positions, "compress"))
+        q = apply_rope(q, *rows_rope(step, rotary, "compress"))
         weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
         scores = ops.indexer_scores(q, weights, keys, step, self.ratio, self.head_dim**-0.5)
         scores = self.tp.all_reduce(scores)
@@ -264,7 +280,7 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: DeepseekV4RotaryEmbedding) -> torch.Tensor:
         ctx, step = get_forward_context(), _step()
         t, d = x.shape[0], self.head_dim
-        cos, sin = rotary(step.positions, self.rope_kind)
+        cos, sin = rows_rope(step, rotary, self.rope_kind)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
