@@ -23,7 +23,7 @@ from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.config import SchedulerConfig
-from breakgraph.engine.generate import GenerateResult, generate
+from breakgraph.engine.generate import generate as _generate
 from breakgraph.engine.grammar import (
     GrammarCompiler,
     GrammarMask,
@@ -339,16 +339,5 @@ class Engine:
             )
         return self.tokenizer.encode(prompt)
 
-    def generate(
-        self,
-        prompts: list[str | list[int]],
-        sampling: SamplingParams | list[SamplingParams] | None = None,
-        chat: bool = False,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-    ) -> list[GenerateResult]:
-        """Run ``prompts`` to completion in-process (``generate.py``)."""
-        return generate(
-            self, prompts, sampling, chat, return_logprob, logprob_start_len, top_logprobs_num
-        )
+    # run prompts to completion in-process (generate.py)
+    generate = _generate
