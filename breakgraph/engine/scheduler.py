@@ -99,7 +99,7 @@ class Scheduler:
             config,
             device,
             # room beside its KV: a penalty-pool row, where it needs one
-            has_room=lambda req: penalties is None or penalties.has_room(req),
+            has_room=lambda req: self.penalties is None or self.penalties.has_room(req),
             on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
