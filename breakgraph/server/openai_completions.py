@@ -48,6 +48,14 @@ def _completion_logprobs(
     }
 
 
+def _token_ids(req: CompletionRequest, st: GenerationState, ids: list[int], opening: bool):
+    """return_token_ids (vLLM's): the output's ids, and the prompt's in a choice's first
+    chunk (a whole response: in every choice)."""
+    if not req.return_token_ids:
+        return {}
+    return {"token_ids": ids, **({"prompt_token_ids": st.input_ids} if opening else {})}
+
+
 def _prompt_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
 
@@ -95,6 +103,7 @@ async def completions(request: Request) -> Response:
                 "logprobs": logprobs,
                 "finish_reason": openai_choices.finish_reason(st),
                 "matched_stop": openai_choices.matched_stop(st),
+                **_token_ids(req, st, st.output_ids, True),
             }
         )
     return GenerationResponse(
@@ -123,14 +132,16 @@ async def _completion_events(
     k = req.logprobs or 0
     prompt_chars: dict[int, int] = {}  # echo: each choice's prompt text length, decoded once
     async for i, st in openai_choices.stream(s, gen_reqs):
-        first = req.echo and i not in echoed
+        opening = i not in echoed  # this choice's first chunk
+        first = req.echo and opening
         prefix = _prompt_text(s.tokenizer, st.input_ids) if first else ""
         if first:
             prompt_chars[i] = len(prefix)
         offset = 0 if first else sent.chars[i] + prompt_chars.get(i, 0)
         start = sent.tokens[i]
         delta, ids, lps = sent.take(i, st)
-        if not delta and not st.finished and not first:
+        # a chunk per step with new tokens, its text empty without a tokenizer (as vLLM's)
+        if not delta and not ids and not st.finished and not first:
             continue
         echoed.add(i)
         tops = st.top_logprobs[start : start + len(ids)] if k else None
@@ -144,11 +155,19 @@ async def _completion_events(
             "text": prefix + delta,
             "logprobs": logprobs,
             "finish_reason": openai_choices.finish_reason(st),
+            **_token_ids(req, st, ids, opening),
         }
         if st.finished:
             choice["matched_stop"] = openai_choices.matched_stop(st)
             final[i] = st
-        yield sse({**head, "choices": [choice]})
+        event = {**head, "choices": [choice]}
+        if req.continuous_usage:  # the choice's usage so far (vLLM's continuous_usage_stats)
+            event["usage"] = {
+                "prompt_tokens": st.prompt_tokens,
+                "completion_tokens": st.completion_tokens,
+                "total_tokens": st.prompt_tokens + st.completion_tokens,
+            }
+        yield sse(event)
     if req.include_usage:
         states = [final[i] for i in sorted(final)]
         yield sse({**head, "choices": [], "usage": openai_choices.usage(prompts, states)})

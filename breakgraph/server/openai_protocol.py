@@ -35,6 +35,8 @@ _SGLANG_NAMES = re.compile(r"\b(max_new_tokens|min_new_tokens)\b")
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every /v1/completions chunk carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -110,6 +112,10 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Any
@@ -118,6 +124,9 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
+    # vLLM's: each choice (each chunk of a stream) carries its output's token ids, and its
+    # prompt's once; the one view of the output a server without a tokenizer can stream
+    return_token_ids: StrictBool = False
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
