@@ -208,6 +208,13 @@ API_KEY = Str(
     "(server/launch.py).",
 )  # fmt: skip
 
+BENCH = Bool(
+    "BREAKGRAPH_BENCH", False, kind="setting",
+    doc="This engine serves a benchmark: benchmark aids that change outputs "
+    "(--bench-synthetic-accept-length) are refused without it. `breakgraph bench` sets it "
+    "for the engines it starts (engine/speculative.py).",
+)  # fmt: skip
+
 
 def registry() -> dict[str, EnvVar]:
     """Every knob by its attribute name here (``MOE_GEMV``), in declaration order."""

@@ -47,9 +47,15 @@ class EngineArgs:
     # structured output (json_schema, regex, ebnf): xgrammar, or none (such requests refused)
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0  # seconds; a request whose grammar takes longer: 400
-    # speculative decoding: NGRAM (drafts from the request's own tokens) or None (off)
+    # speculative decoding: NGRAM (drafts from the request's own tokens), STANDALONE (a
+    # draft model's), or None (off); engine/speculative.py
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
+    speculative_num_steps: int | None = None  # STANDALONE: draft steps (None: draft tokens)
+    speculative_draft_model_path: str | None = None
+    # a benchmark aid, refused outside one (BREAKGRAPH_BENCH): every verify step keeps this
+    # mean number of tokens per request whatever the target says (speculative.py)
+    bench_synthetic_accept_length: float | None = None
     disable_cuda_graph: bool = False
     cuda_graph_backend_prefill: str = "auto"  # breakable | disabled; auto: breakable on CUDA
     cuda_graph_bs_prefill: list[int] | None = None  # token buckets; default multiples of 256

@@ -24,9 +24,10 @@ class SchedulerConfig:
     # compressors: cache_manager.py)
     prefix_align: int = 1
     prefix_recompute: int = 0
-    # speculative decoding with n-gram drafts of up to this many tokens (0: off;
-    # engine/speculative.py)
+    # speculative decoding with drafts of up to this many tokens (0: off;
+    # engine/speculative.py); a benchmark's fixed mean accepted length (None: the target's)
     speculative_num_draft_tokens: int = 0
+    speculative_synthetic_accept_length: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:

@@ -138,6 +138,7 @@ class Engine:
                 prefix_align=getattr(self.model, "prefix_align", 1),
                 prefix_recompute=getattr(self.model, "prefix_recompute", 0),
                 speculative_num_draft_tokens=draft_tokens(args, self.model),
+                speculative_synthetic_accept_length=args.bench_synthetic_accept_length,
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,
@@ -145,6 +146,7 @@ class Engine:
             penalties=self.penalties,
             penalized_forward=self.runner.forward_penalized,
             grammar_mask=GrammarMask(self.vocab_size, device),
+            drafter=rank.drafter,
         )
         # requests whose grammar compiles (on threads), and those refused: (rid, reason)
         self.grammars = self._grammars(args)

@@ -204,12 +204,15 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--speculative-algorithm",
-        choices=["NGRAM"],
+        choices=["NGRAM", "STANDALONE", "NEXTN"],
         default=d.speculative_algorithm,
-        help="speculative decoding: NGRAM drafts each request's next tokens from an earlier "
-        "occurrence of its last tokens (prompt lookup) and verifies them in one step (greedy: "
-        "the same tokens as without it; sampled: the same distribution); requests with "
-        "logprobs, penalties or a grammar decode one token a step (default: off)",
+        help="speculative decoding: each step drafts a request's next tokens and verifies them "
+        "in one forward (greedy: the same tokens as without it; sampled: the same "
+        "distribution). NGRAM drafts from an earlier occurrence of its last tokens (prompt "
+        "lookup); STANDALONE with a smaller model of the same vocabulary "
+        "(--speculative-draft-model-path); NEXTN (the model's own MTP layers) is not built "
+        "yet. Requests with logprobs, penalties or a grammar decode one token a step "
+        "(default: off)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",
@@ -217,6 +220,30 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         type=positive_int,
         default=d.speculative_num_draft_tokens,
         help="with --speculative-algorithm: the most tokens drafted per request and step",
+    )
+    g.add_argument(
+        "--speculative-num-steps",
+        metavar="N",
+        type=positive_int,
+        default=d.speculative_num_steps,
+        help="STANDALONE: the draft model's steps per verify step, one token each (default: "
+        "--speculative-num-draft-tokens)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        metavar="PATH",
+        default=d.speculative_draft_model_path,
+        help="STANDALONE: the draft model (a directory, hub id or built-in name; with "
+        "--load-format dummy its weights are random too)",
+    )
+    g.add_argument(
+        "--bench-synthetic-accept-length",
+        metavar="L",
+        type=positive_float,
+        default=d.bench_synthetic_accept_length,
+        help="BENCHMARK AID, outputs are not the model's: every verify step keeps a mean of L "
+        "tokens per request (the bonus token included) whatever the target says, to measure "
+        "speculation's mechanics without a trained draft; refused unless BREAKGRAPH_BENCH=1",
     )
     g.add_argument(
         "--grammar-backend",

@@ -20,6 +20,7 @@ from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.common.messages import MemoryReport
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.draft import DraftModel, load_draft_model
 from breakgraph.engine.graphs.base import prefill_token_buckets
 from breakgraph.engine.memory import DeviceMemory, kv_budget_slots, tensor_bytes
 from breakgraph.engine.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class Rank:
     req_pool: ReqToTokenPool
     runner: ModelRunner
     memory: MemoryReport
+    drafter: DraftModel | None = None  # STANDALONE speculation's draft model, its KV pool
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -94,8 +96,13 @@ def build_rank(
     if loaded.tokenizer is not None:
         eos |= set(loaded.tokenizer.eos_token_ids)
     penalties = penalty_pool(args, cfg.vocab_size, device, eos)  # before the KV pool
+    draft = None
+    if args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path:
+        draft = load_draft_model(args, device, cfg, context_len)
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
-    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len, weights))
+    if draft is not None:
+        weights += tensor_bytes([*draft.parameters(), *draft.buffers()])
+    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len, weights, draft))
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_model(num_slots + 1, model, dtype, device)
     max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
@@ -104,6 +111,10 @@ def build_rank(
     kv_pool.add_request_states(max_running + 1, model)  # one row per request table row
     on_tables(req_pool)
     runner = ModelRunner(model, kv_pool, req_pool.table, penalties)
+    drafter = None
+    if draft is not None:  # its KV at the target's slots: a pool as large
+        draft_pool = KVPool.from_model(num_slots + 1, draft, dtype, device)
+        drafter = DraftModel(draft, draft_pool, req_pool, device)
     if device.type == "cuda":
         jit_watch.install()
         if getattr(model, "supports_cuda_graphs", True):
@@ -114,7 +125,7 @@ def build_rank(
     return Rank(
         model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
         num_slots, kv_pool, max_running, req_pool, runner,
-        memory_report(weights, kv_pool, penalties, runner),
+        memory_report(weights, kv_pool, penalties, runner), drafter,
     )  # fmt: skip
 
 
@@ -149,16 +160,20 @@ def num_kv_slots(
     device: torch.device,
     context_len: int,
     weights_bytes: int,
+    draft=None,
 ) -> int:
     """KV slots this rank's pool holds: ``--max-total-tokens``, else what the memory budget
-    leaves (at least one request of the full context: memory.py)."""
+    leaves (at least one request of the full context: memory.py); a ``draft`` model keeps
+    its KV at the same slots."""
     if args.max_total_tokens:
         return args.max_total_tokens
     if device.type != "cuda":
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
     return kv_budget_slots(
         DeviceMemory.of(device), args.mem_fraction_static,
-        KVPool.model_slot_bytes(model, dtype), context_len, weights_bytes,
+        KVPool.model_slot_bytes(model, dtype)
+        + (KVPool.model_slot_bytes(draft, dtype) if draft is not None else 0),
+        context_len, weights_bytes,
     )  # fmt: skip
 
 

@@ -60,6 +60,9 @@ class Req:
     num_pending: int = 0
     pending_row: int = 0
     num_retractions: int = 0
+    # speculative decoding with a draft model: the position whose draft KV is not yet
+    # written (-1: none; engine/draft.py)
+    draft_hole: int = -1
     # timeline, wall clock (time.time: comparable with the API process's stamps)
     received_at: float = field(default_factory=time.time)
     scheduled_at: float | None = None  # first scheduled

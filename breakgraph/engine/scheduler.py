@@ -76,6 +76,7 @@ class Scheduler:
         penalties: PenaltyPool | None = None,
         penalized_forward: PenalizedForward | None = None,
         grammar_mask: GrammarMask | None = None,
+        drafter=None,  # speculative decoding's draft model (engine/draft.py)
     ):
         self.forward = forward  # batch -> logits [batch size, vocab] of each request's last row
         self.prompt_forward = prompt_forward  # for steps with prompt rows (prompt logprobs)
@@ -103,8 +104,7 @@ class Scheduler:
             on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
-        k = config.speculative_num_draft_tokens
-        self.spec = SpecDecoder(k, self.cache, config.max_context_len, device) if k else None
+        self.spec = SpecDecoder.of(config, self.cache, device, drafter)  # None: off
         self.reqs: dict[str, Req] = {}
         # finished requests whose KV is not yet released (see release_finished)
         self._finished: list[Req] = []
@@ -241,12 +241,11 @@ class Scheduler:
         return self.spec.schedule(stepping)
 
     def _launch_verify(self, batch: ForwardBatch) -> Launched:
-        """Every row's logits, their acceptance queued for the read-back (no sync)."""
+        """Drafts, every row's logits, their acceptance queued for the read-back (no sync)."""
         rb = ReadBack()
         self.timer.forward_begin()
-        logits = self.forward(batch)
+        verify = self.spec.launch(batch, self.forward, rb)
         self.timer.forward_end()
-        verify = self.spec.sample(logits, rb)
         rb.start()
         return Launched(done=verify.reqs, readback=rb, verify=verify)
 
@@ -286,6 +285,8 @@ class Scheduler:
             logits, processed = self.penalized_forward(batch, pen_rows)
         else:
             logits = self.forward(batch)
+        if self.spec is not None:  # a draft model's KV for the same rows
+            self.spec.mirror(batch)
         fwd_end = self.timer.forward_end()
         if batch.mode is not ForwardMode.DECODE:  # a request's first forward is a prefill
             self.timer.stamp_first_forward(reqs, fwd_start, fwd_end)

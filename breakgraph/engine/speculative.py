@@ -1,18 +1,20 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): a decode step verifies up to k
-drafted tokens per request in one forward and keeps the longest accepted prefix plus one.
+"""Speculative decoding: a decode step verifies up to k drafted tokens per request in one
+forward and keeps the longest accepted prefix plus one.
 
-The draft of a request is what followed the most recent earlier occurrence of its last n
-tokens (n from ``max_match`` down to ``min_match``) in its prompt and output: no second
-model. A verify step is an extend step of ``1 + k_i`` rows per request (its last token, then
-its draft) at the positions its next tokens would take, with the logits of every row: row i
+Drafts come from the request's own tokens (NGRAM, ``NgramProposer``: what followed the most
+recent earlier occurrence of its last n tokens, n from ``max_match`` down to ``min_match``)
+or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on the device). A
+verify step is an extend step of ``1 + k_i`` rows per request (its last token, then its
+draft) at the positions its next tokens would take, with the logits of every row: row i
 holds the model's distribution after the draft's first i tokens.
 
 Acceptance (``verify_sample``) is speculative sampling against a draft that puts all its mass
-on one token: draft token d is kept with probability p(d) under the row's sampling
-distribution (temperature, top-k, top-p, min-p), and at the first rejection the row samples
-from p with d removed; if every draft token is kept, the last row samples a bonus token. The
-emitted tokens are distributed as plain sampling's (greedy: the same tokens). The KV slots of
-rejected rows go back to the allocator at once.
+on one token (both proposers are deterministic): draft token d is kept with probability p(d)
+under the row's sampling distribution (temperature, top-k, top-p, min-p), and at the first
+rejection the row samples from p with d removed; if every draft token is kept, the last row
+samples a bonus token. The emitted tokens are distributed as plain sampling's (greedy: the
+same tokens). The KV slots of rejected rows go back to the allocator at once. A benchmark
+may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
 
 What takes the plain decode path instead (the whole step): a request that wants logprobs, has
 penalties, ``logit_bias``, ``min_new_tokens`` or a grammar; and any step without a draft.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from breakgraph.common import envs
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
@@ -84,8 +87,10 @@ class Verify:
     drafts: list[np.ndarray]
     starts: list[int]
     rows: int
+    prefixes: list[int] = field(default_factory=list)  # each request's KV length before
     choice: int | None = None
     accept: int | None = None
+    draft_ids: int | None = None  # a draft model's drafts, read back with the step
 
 
 @dataclass
@@ -169,66 +174,159 @@ def verify_sample(
 def draft_tokens(args, model) -> int:
     """The draft length the scheduler uses (0: speculation off); one line naming what does
     not support it yet."""
-    if not args.speculative_algorithm:
+    algorithm = args.speculative_algorithm
+    synthetic = args.bench_synthetic_accept_length
+    if synthetic is not None and not (algorithm and envs.BENCH.get()):
+        raise ValueError(
+            "--bench-synthetic-accept-length is a benchmark aid (its outputs are not the "
+            "model's): it needs --speculative-algorithm and BREAKGRAPH_BENCH=1"
+        )
+    if not algorithm:
         return 0
     why = None
-    if args.tp_size > 1:
+    if algorithm == "NEXTN":
+        why = "yet (the target's own MTP layers: STANDALONE or NGRAM meanwhile)"
+    elif algorithm == "STANDALONE" and not args.speculative_draft_model_path:
+        why = "without --speculative-draft-model-path (the draft model)"
+    elif args.tp_size > 1:
         why = "with --tp-size > 1 (the workers do not get every row's logits yet)"
     elif getattr(model, "request_state_shapes", None) and model.request_state_shapes():
         why = "for models with per-request state (DeepSeek V4's compressors: no rollback yet)"
     elif getattr(model, "forward_logits_rows", None) is not None:
         why = "for models that bound their prefill to the last rows (Gemma 4's KV sharing)"
     if why:
-        raise ValueError(
-            f"--speculative-algorithm {args.speculative_algorithm} is not supported {why}"
-        )
+        raise ValueError(f"--speculative-algorithm {algorithm} is not supported {why}")
+    if algorithm == "STANDALONE" and args.speculative_num_steps:
+        return args.speculative_num_steps
     return args.speculative_num_draft_tokens
+
+
+class SyntheticAcceptance:
+    """A benchmark aid, not decoding: each request keeps a drawn number of its draft tokens
+    whatever the target says, so that a step's mechanics (draft, verify, rollback) can be
+    measured at a fixed mean accepted length (tokens kept per request and verify step,
+    the bonus token included) without a trained draft. Seeded: runs repeat."""
+
+    def __init__(self, mean_length: float, num_draft: int):
+        if not 1.0 <= mean_length <= num_draft + 1:
+            raise ValueError(
+                f"a synthetic mean accepted length must lie in [1, draft tokens + 1 = "
+                f"{num_draft + 1}], got {mean_length}"
+            )
+        self.mean_length = mean_length
+        self.rng = np.random.default_rng(0)
+
+    def draw(self) -> int:
+        """Draft tokens kept: floor or ceil of ``mean_length - 1``, in the ratio that gives
+        it as the mean."""
+        a = self.mean_length - 1.0
+        return int(a) + int(self.rng.random() < a - int(a))
 
 
 class SpecDecoder:
     """A scheduler's speculative steps: drafts and the verify batch (``schedule``), the
-    acceptance queued on the device (``sample``), each request's kept tokens with its
-    rejected rows' slots freed (``accepted``); ``stats`` counts them."""
+    drafts (a draft model's, on the device), the verify forward and its acceptance queued
+    on the device (``launch``), each request's kept tokens with its rejected rows' slots
+    freed (``accepted``); ``stats`` counts them. ``drafter``: a draft model
+    (engine/draft.py; None: n-gram drafts); ``synthetic``: a benchmark's fixed mean accepted
+    length (``SyntheticAcceptance``)."""
 
-    def __init__(self, num_draft: int, cache, max_context_len: int, device: torch.device):
-        self.proposer = NgramProposer(num_draft)
+    def __init__(
+        self,
+        num_draft: int,
+        cache,
+        max_context_len: int,
+        device: torch.device,
+        drafter=None,
+        synthetic: float | None = None,
+    ):
+        self.num_draft = num_draft
+        self.proposer = NgramProposer(num_draft) if drafter is None else None
+        self.drafter = drafter
+        self.synthetic = None if synthetic is None else SyntheticAcceptance(synthetic, num_draft)
         self.cache = cache
         self.max_context_len = max_context_len
         self.device = device
         self.stats = SpecStats()
         self.pending: Verify | None = None  # scheduled, not yet launched
 
+    @classmethod
+    def of(cls, config, cache, device: torch.device, drafter=None) -> SpecDecoder | None:
+        """A scheduler's speculative decoder (None: speculation off)."""
+        k = config.speculative_num_draft_tokens
+        if not k:
+            return None
+        synthetic = config.speculative_synthetic_accept_length
+        return cls(k, cache, config.max_context_len, device, drafter, synthetic)
+
+    def mirror(self, batch: ForwardBatch) -> None:
+        """A target step that is not a verify step: the draft model writes its KV too."""
+        if self.drafter is not None:
+            self.drafter.mirror(batch)
+
+    def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
+        """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
+        drafts them on the device); padded to full length for synthetic acceptance."""
+        k, limit = self.num_draft, self.max_context_len
+        limits = [
+            min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1
+            for r in stepping
+        ]
+        if self.proposer is None:
+            return [np.zeros(max(0, min(k, n)), dtype=np.int32) for n in limits]
+        drafts = [
+            self.proposer.propose(r.fill_ids, n) for r, n in zip(stepping, limits, strict=True)
+        ]
+        if self.synthetic is not None:  # any tokens: the benchmark keeps them regardless
+            drafts = [
+                np.resize(np.append(d, r.output_ids[-1]), max(0, min(k, n))).astype(np.int32)
+                for d, r, n in zip(drafts, stepping, limits, strict=True)
+            ]
+        return drafts
+
     def schedule(self, stepping: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
         """The verify step of ``stepping`` (their last tokens on the host), or None when no
         request has a draft or the KV pool cannot take the drafts."""
-        limit = self.max_context_len
-        drafts = [
-            self.proposer.propose(
-                r.fill_ids,
-                min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1,
-            )
-            for r in stepping
-        ]
+        drafts = self._drafts(stepping)
         need = len(stepping) + sum(len(d) for d in drafts)
         if need == len(stepping) or self.cache.available < need:
             return None
         slots = self.cache.alloc(need)
+        prefixes = [r.kv_len for r in stepping]
         self.pending, batch = build_verify(
             stepping, drafts, slots, self.cache.req_pool, self.device
         )
+        self.pending.prefixes = prefixes
         return stepping, batch
 
-    def sample(self, logits: torch.Tensor, readback) -> Verify:
-        """The pending verify step's acceptance on the device, queued for ``readback``."""
+    def launch(self, batch: ForwardBatch, forward, readback) -> Verify:
+        """The pending verify step on the device: a draft model's drafts into its rows, the
+        target's forward, the acceptance queued for ``readback``. No host sync."""
         verify, self.pending = self.pending, None
-        params, gens, draft_next = [], [], []
+        rows = [
+            verify.starts[i] + 1 + j for i, d in enumerate(verify.drafts) for j in range(len(d))
+        ]
+        if self.drafter is not None:
+            lens = [len(d) for d in verify.drafts]
+            table = self.drafter.propose(verify.reqs, lens, verify.prefixes)
+            cells = [i * table.shape[1] + j for i, n in enumerate(lens) for j in range(n)]
+            at, cell = upload_many([rows, cells], torch.int64, batch.input_ids.device)
+            flat = table.view(-1)[cell]
+            batch.input_ids[at] = flat
+            draft_next = torch.full((verify.rows,), -1, dtype=torch.int64, device=flat.device)
+            draft_next[at - 1] = flat
+            verify.draft_ids = readback.add(flat)
+        else:
+            nxt = [-1] * verify.rows
+            for r, t in zip(rows, np.concatenate(verify.drafts).tolist(), strict=True):
+                nxt[r - 1] = t
+            (draft_next,) = upload_many([nxt], torch.int64, batch.input_ids.device)
+        logits = forward(batch)
+        params, gens = [], []
         for req, draft in zip(verify.reqs, verify.drafts, strict=True):
-            n = 1 + len(draft)
-            params += [req.sampling] * n
-            gens += [req.generator] * n
-            draft_next += [*draft.tolist(), -1]
-        (nxt,) = upload_many([draft_next], torch.int64, logits.device)
-        accept, choice = verify_sample(logits, params, gens, nxt)
+            params += [req.sampling] * (1 + len(draft))
+            gens += [req.generator] * (1 + len(draft))
+        accept, choice = verify_sample(logits, params, gens, draft_next)
         verify.choice, verify.accept = readback.add(choice), readback.add(accept)
         return verify
 
@@ -236,13 +334,23 @@ class SpecDecoder:
         """Each request and the tokens it keeps, from the read-back ``values``; its KV cut to
         its last token and the kept draft, the rejected rows' slots freed."""
         choice, accept = values[verify.choice], values[verify.accept]
+        drafts = verify.drafts
+        if verify.draft_ids is not None:  # a draft model's, read back with the step
+            flat = np.asarray(values[verify.draft_ids], dtype=np.int32)
+            drafts = np.split(flat, np.cumsum([len(d) for d in drafts])[:-1])
         stats = self.stats
         stats.steps += 1
-        for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
+        for req, draft, start in zip(verify.reqs, drafts, verify.starts, strict=True):
             rows = slice(start, start + 1 + len(draft))
-            toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
+            if self.synthetic is not None:
+                j = min(self.synthetic.draw(), len(draft))
+                toks = [*draft[:j].tolist(), int(choice[start + j])]
+            else:
+                toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
             stats.verified += 1
             stats.drafted += len(draft)
             stats.accepted += len(toks) - 1
             self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
+            if self.drafter is not None and draft.size and len(toks) > len(draft):
+                req.draft_hole = req.kv_len - 1  # its last draft token's draft KV
             yield req, toks
