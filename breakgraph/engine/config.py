@@ -48,3 +48,9 @@ class SchedulerStats:
     # when the decode graphs apply them (0: no bound, the pool grows)
     penalized_reqs: int = 0
     penalized_reqs_max: int = 0
+    # speculative decoding (engine/speculative.py SpecStats.totals): verify steps, draft
+    # tokens verified and kept, tokens kept per request and verify step (0: none yet)
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accept_length: float = 0.0

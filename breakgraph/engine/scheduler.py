@@ -136,11 +136,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return self.prefill.has_work or bool(self.decode.running) or self._in_flight_is_live()
-
-    def _in_flight_is_live(self) -> bool:
-        """A step in flight that still has a live request to read back for."""
-        return self.in_flight is not None and self.in_flight.serves(self.reqs)
+        """Requests to prefill or decode, or a step in flight with a live one to read back."""
+        live = self.in_flight is not None and self.in_flight.serves(self.reqs)
+        return self.prefill.has_work or bool(self.decode.running) or live
 
     def stats(self) -> SchedulerStats:
         pool = self.penalties
@@ -153,6 +151,7 @@ class Scheduler:
             num_retractions=self.decode.num_retractions,
             penalized_reqs=0 if pool is None else pool.rows_in_use,
             penalized_reqs_max=pool.capacity if pool is not None and pool.fixed else 0,
+            **self.spec_stats.totals(),
         )
 
     # ---- one step ----

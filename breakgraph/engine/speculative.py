@@ -102,11 +102,19 @@ class SpecStats:
     verified: int = 0  # request-steps
     drafted: int = 0
     accepted: int = 0
-    per_step: list[int] = field(default_factory=list, repr=False)
 
     @property
     def mean_accepted_length(self) -> float:
         return 1.0 + self.accepted / self.verified if self.verified else 0.0
+
+    def totals(self) -> dict[str, int | float]:
+        """As the scheduler's live stats name them (/metrics, /get_server_info)."""
+        return {
+            "spec_verify_steps": self.steps,
+            "spec_draft_tokens": self.drafted,
+            "spec_accepted_tokens": self.accepted,
+            "spec_accept_length": self.mean_accepted_length,
+        }
 
 
 def build_verify(

@@ -50,6 +50,17 @@ GAUGES = {
         "Penalty-pool rows when the decode graphs apply them (--max-penalized-requests; "
         "0: unbounded); a request needing one waits while all are held.",
     ),
+    "spec_verify_steps": (
+        "spec_verify_steps_total",
+        "Speculative verify steps (--speculative-algorithm).",
+    ),
+    "spec_draft_tokens": ("spec_draft_tokens_total", "Draft tokens verified."),
+    "spec_accepted_tokens": ("spec_accepted_tokens_total", "Draft tokens kept."),
+    "spec_accept_length": (
+        "spec_accept_length",
+        "Mean tokens kept per request and verify step, the bonus token included (SGLang's "
+        "accept length; 0 before the first verify step).",
+    ),
     "kernel_compilations_after_ready": (
         "kernel_compilations_after_ready",
         "JIT kernel compilations (Triton) since the server became ready: each is a stall.",

@@ -1,6 +1,7 @@
 """Speculative decoding served: a verify step hands the API process several tokens of a
 request at once; the streamed events carry them all, and the stream, the non-streamed answer
-and a server without speculation agree token for token."""
+and a server without speculation agree token for token; /metrics counts the verify steps and
+the accept length."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_streamed_tokens_equal_plain_decoding(tiny_model_dir, tmp_path):
             assert len(want) == 24
             assert generate(spec, p, stream=False) == want
             assert generate(spec, p, stream=True) == want
+        metrics = httpx.get(f"{spec.url}/metrics", timeout=10).text
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("breakgraph_spec_")
+        }
+        assert values["breakgraph_spec_verify_steps_total"] > 0
+        assert (
+            values["breakgraph_spec_draft_tokens_total"]
+            >= (values["breakgraph_spec_accepted_tokens_total"])
+        )
+        assert values["breakgraph_spec_accept_length"] > 1.0
     finally:
         plain.stop()
         spec.stop()
