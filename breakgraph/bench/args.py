@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from breakgraph.bench.peers import PEERS_EXAMPLE, PEERS_HELP, add_peers_args
+
 DEFAULT_URL = "http://127.0.0.1:30000"
 
 
@@ -167,6 +169,18 @@ def add_spec_args(p) -> None:
     )
     p.add_argument("--output-len", type=int, default=64, help="tokens decoded per arm")
     p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    p.add_argument(
+        "--algorithm", nargs="+", choices=["NGRAM", "STANDALONE"], default=["NGRAM"],
+        help="the arms beside plain decoding",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-model-path", default=None, help="STANDALONE's draft (default: the model)"
+    )
+    p.add_argument(
+        "--synthetic-accept-length", type=float, default=None,
+        help="keep this mean number of tokens per verify step whatever the model says "
+        "(--bench-synthetic-accept-length: the mechanics, not the model)",
+    )  # fmt: skip
     _add_device(p, "cpu")
     _add_outputs(p)
 
@@ -312,7 +326,8 @@ BENCHES = {
         "breakgraph.bench.host:run_host_bench",
     ),
     "spec": (
-        "speculative decoding (NGRAM) against plain decoding in-process, on a repeat prompt",
+        "speculative decoding (NGRAM, STANDALONE) against plain decoding in-process, on a "
+        "repeat prompt",
         add_spec_args,
         "breakgraph.bench.speculative:run_spec_bench",
     ),
@@ -336,6 +351,7 @@ BENCHES = {
         add_allreduce_args,
         "breakgraph.bench.allreduce:run_allreduce_bench",
     ),
+    "peers": (PEERS_HELP, add_peers_args, "breakgraph.bench.peers:run_peers_bench"),
     "plot": (
         "redraw saved --json results, several runs in one figure",
         add_plot_args,
@@ -361,6 +377,7 @@ EXAMPLES = {
     "gemm": "CUDA only: breakgraph bench gemm --models qwen3-0.6b --m 1",
     "kernels": "CUDA only: breakgraph bench kernels --extend-tokens 1024 --decode-context 1024",
     "allreduce": "CUDA, 2 GPUs: breakgraph bench allreduce --tp 2 --kib 8 64",
+    "peers": PEERS_EXAMPLE,
     "plot": "breakgraph bench step --models smollm2-135m -N 64 --reps 2 --no-hf --json a.json\n"
     "breakgraph bench plot step a.json -o step.png",
 }
