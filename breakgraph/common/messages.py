@@ -62,8 +62,8 @@ class Shutdown:
 # ---- engine -> API ----
 @dataclass
 class MemoryReport:
-    """Where the engine's device memory went at startup (rank 0's), bytes; ``free_bytes`` and
-    ``total_bytes`` are 0 on the CPU (not measured)."""
+    """Where the engine's device memory went at startup (rank 0's), bytes; ``free_bytes``,
+    ``total_bytes`` and the measured reserves are 0 on the CPU (not measured)."""
 
     weights_bytes: int
     kv_bytes: int
@@ -72,6 +72,10 @@ class MemoryReport:
     graph_pool_bytes: dict[str, int]  # per bank: what its capture reserved
     free_bytes: int
     total_bytes: int
+    # kept beside the KV pool for the largest eager step (the memory profile's peak)
+    activation_reserve_bytes: int = 0
+    graph_pool_estimate_bytes: int = 0  # the plan's estimate of every bank's pool, pre-capture
+    request_table_bytes: int = 0  # the request table (per-request model state: in kv_bytes)
 
 
 @dataclass

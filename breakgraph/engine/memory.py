@@ -1,17 +1,40 @@
 """Where a rank's device memory goes: the KV pool's size from the budget
-``--mem-fraction-static`` leaves, the one-line refusal when that budget cannot hold one
-request of the full context, and the split (weights, KV, graph pools, the penalty pool, free)
-that the startup log and ``/get_server_info`` report (``common.messages.MemoryReport``)."""
+``--mem-fraction-static`` leaves once the weights are loaded and room is kept for the largest
+step's activations, the graph pools and the request table (``Reserve``, from the measured
+``StepPeaks``: engine/memory_profile.py); the one-line refusal when that budget cannot hold
+one request of the full context; and the split the startup log and ``/get_server_info``
+report (``common.messages.MemoryReport``).
+
+The plan, in bytes, on a device of ``total`` with ``used`` in use after the profile freed
+its pools (the weights, the penalty pool, the CUDA context and library handles)::
+
+    KV = total x fraction - used - activations - graph pools - request table
+    activations = max(step peaks measured by the profile)
+    graph pools = capture activations + sum over graphs of their outputs
+                  + GRAPH_OVERHEAD_BYTES per graph
+
+All banks share one pool and capture one graph at a time, so what a capture frees (its
+intermediates) the next one reuses: the pool holds the largest capture's activations once.
+What a graph keeps for its replays (its outputs: a decode graph's logits, a prefill graph's
+hidden states) is held per graph. The overhead covers each graph's kept blocks beyond its
+outputs (the allocator's rounding, a break's returned tensor, library workspaces).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from breakgraph.common.messages import MemoryReport
+from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, PREFILL
 
 GIB = 2**30
+# the most running requests a default --max-running-requests allows (max_running_requests)
+MAX_RUNNING_DEFAULT_CAP = 1024
+GRAPH_OVERHEAD_BYTES = 4 << 20  # per captured graph, beside its outputs (module docstring)
+TABLE_CELL_BYTES = 4  # the request table's int32 slot ids
 
 
 class MemoryPlanError(RuntimeError):
@@ -32,26 +55,110 @@ class DeviceMemory:
         return cls(free, total)
 
 
+def max_running_requests(explicit: int | None, num_slots: int) -> int:
+    """``--max-running-requests``, else one per 64 KV slots, between 8 and the cap."""
+    return explicit or min(MAX_RUNNING_DEFAULT_CAP, max(8, num_slots // 64))
+
+
+@dataclass(frozen=True)
+class StepPeaks:
+    """What the memory profile measured (engine/memory_profile.py), bytes above what was
+    allocated before each step; all 0 on the CPU (nothing measured)."""
+
+    prefill_forward: int  # the largest captured prefill forward (a full chunk), run eagerly
+    prompt_step: int  # a full chunk with every row's prompt logprobs (eager, all layers)
+    decode_forward: int  # the largest decode batch's forward with the penalty pool applied
+    decode_step: int  # ... and its sampling (top-k/top-p sort) and top logprobs
+    decode_rows: int  # that batch's rows
+    prefill_out_row_bytes: int  # what the captured prefill forward returns, per token row
+    logits_row_bytes: int  # one row of logits
+
+    @property
+    def activations(self) -> int:
+        """The eager steps run one at a time: the largest one's peak."""
+        return max(self.prefill_forward, self.prompt_step, self.decode_step)
+
+    @classmethod
+    def none(cls) -> StepPeaks:
+        return cls(0, 0, 0, 0, 0, 0, 0)
+
+
+def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:
+    """The graph pools of ``banks`` (name -> buckets) before they are captured: the largest
+    capture's activations (a prefill bucket of the full chunk; a decode bucket's forward,
+    scaled by rows from the profiled batch) plus each graph's outputs plus
+    ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring)."""
+    if not banks:
+        return 0
+    capture = 0
+    if PREFILL in banks:
+        capture = peaks.prefill_forward
+    decode_max = max((max(banks[b]) for b in (DECODE, DECODE_PENALIZED) if b in banks), default=0)
+    if decode_max and peaks.decode_rows:
+        capture = max(capture, math.ceil(peaks.decode_forward * decode_max / peaks.decode_rows))
+    outputs = 0
+    for name, sizes in banks.items():
+        rows = sum(sizes)
+        if name in (DECODE, DECODE_LONG):
+            outputs += rows * peaks.logits_row_bytes
+        elif name == DECODE_PENALIZED:  # the logits and the penalized logits
+            outputs += 2 * rows * peaks.logits_row_bytes
+        else:  # prefill, whole prefill, tail: hidden rows (the tail's fewer: an upper bound)
+            outputs += rows * peaks.prefill_out_row_bytes
+    graphs = sum(len(sizes) for sizes in banks.values())
+    return capture + outputs + graphs * GRAPH_OVERHEAD_BYTES
+
+
+def request_table_bytes(rows: int, context_len: int, model) -> int:
+    """The request table (``rows`` x ``context_len`` int32) and the per-request state a
+    model keeps per table row (DeepSeek V4's compressor windows, float32)."""
+    fn = getattr(model, "request_state_shapes", None)
+    state = sum(math.prod(s) for s in (fn() if fn is not None else {}).values()) * 4
+    return rows * (context_len * TABLE_CELL_BYTES + state)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What the KV pool leaves room for beside it, bytes (all measured or derived before the
+    pool is sized)."""
+
+    activations: int  # the largest eager step's peak
+    graph_pools: int  # the estimate of every bank's pool
+    tables: int  # the request table at the most running requests the flags allow
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.graph_pools + self.tables
+
+
+NO_RESERVE = Reserve(0, 0, 0)
+
+
 def kv_budget_slots(
     mem: DeviceMemory,
     fraction: float,
     slot_bytes: int,
     context_len: int,
     weights_bytes: int,
+    reserve: Reserve = NO_RESERVE,
 ) -> int:
     """KV slots the budget holds: ``total x fraction`` less what is in use now (the weights
-    and everything loaded with them); at least one request of ``context_len`` tokens, else a
-    ``MemoryPlanError``."""
+    and everything loaded with them) and the ``reserve``; at least one request of
+    ``context_len`` tokens, else a ``MemoryPlanError`` naming every number."""
     used = mem.total - mem.free
-    budget = mem.total * fraction - used
+    budget = mem.total * fraction - used - reserve.total
     need = slot_bytes * context_len
     if budget < need:
         raise MemoryPlanError(
             f"the KV cache for one {context_len}-token request needs {need / GIB:.2f} GiB, but "
             f"--mem-fraction-static {fraction} of {mem.total / GIB:.1f} GiB leaves "
             f"{max(budget, 0) / GIB:.2f} GiB beside the {used / GIB:.2f} GiB in use "
-            f"(weights {weights_bytes / GIB:.2f} GiB; {mem.free / GIB:.2f} GiB free): raise "
-            "--mem-fraction-static, lower --context-length, or set --max-total-tokens"
+            f"(weights {weights_bytes / GIB:.2f} GiB), peak activations "
+            f"{reserve.activations / GIB:.2f} GiB, graph pools (estimate) "
+            f"{reserve.graph_pools / GIB:.2f} GiB and the request table "
+            f"{reserve.tables / GIB:.2f} GiB ({mem.free / GIB:.2f} GiB free): raise "
+            "--mem-fraction-static, lower --context-length (or --max-running-requests, "
+            "--cuda-graph-max-bs, --chunked-prefill-size), or set --max-total-tokens"
         )
     return int(budget // slot_bytes)
 
@@ -66,8 +173,11 @@ def memory_log_line(m: MemoryReport) -> str:
     banks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.graph_pool_bytes.items() if v)
     line = (
         f"memory: weights {m.weights_bytes / GIB:.2f} GiB, KV {m.kv_bytes / GIB:.2f} GiB "
-        f"({m.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB"
-        + (f" ({banks})" if banks else "")
+        f"({m.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB "
+        f"(estimated {m.graph_pool_estimate_bytes / GIB:.2f}"
+        + (f"; {banks})" if banks else ")")
+        + f", activation reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
+        + f", request table {m.request_table_bytes / GIB:.2f} GiB"
         + f", penalty pool {m.penalty_pool_bytes / GIB:.2f} GiB"
     )
     if m.total_bytes:

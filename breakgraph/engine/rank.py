@@ -21,8 +21,16 @@ from breakgraph.common.messages import MemoryReport
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.draft import DraftModel, load_draft_model
-from breakgraph.engine.graphs.base import prefill_token_buckets
-from breakgraph.engine.memory import DeviceMemory, kv_budget_slots, tensor_bytes
+from breakgraph.engine.graph_plan import graph_sizes
+from breakgraph.engine.memory import (
+    NO_RESERVE,
+    DeviceMemory,
+    Reserve,
+    kv_budget_slots,
+    max_running_requests,
+    tensor_bytes,
+)
+from breakgraph.engine.memory_profile import plan_reserve
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.kernels import jit_watch
@@ -102,10 +110,14 @@ def build_rank(
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     if draft is not None:
         weights += tensor_bytes([*draft.parameters(), *draft.buffers()])
-    num_slots = agree_slots(num_kv_slots(args, model, dtype, device, context_len, weights, draft))
+    # the largest steps, measured before the KV pool takes what is left (memory_profile.py)
+    reserve = plan_reserve(args, model, penalties, dtype, device, context_len)
+    num_slots = agree_slots(
+        num_kv_slots(args, model, dtype, device, context_len, weights, draft, reserve)
+    )
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_model(num_slots + 1, model, dtype, device)
-    max_running = args.max_running_requests or min(1024, max(8, num_slots // 64))
+    max_running = max_running_requests(args.max_running_requests, num_slots)
     # + 1: the padding row graph steps use
     req_pool = ReqToTokenPool(max_running + 1, context_len, device)
     kv_pool.add_request_states(max_running + 1, model)  # one row per request table row
@@ -125,7 +137,7 @@ def build_rank(
     return Rank(
         model, cfg, loaded.tokenizer, loaded.source, device, dtype, context_len, eos, penalties,
         num_slots, kv_pool, max_running, req_pool, runner,
-        memory_report(weights, kv_pool, penalties, runner), drafter,
+        memory_report(weights, kv_pool, penalties, runner, reserve), drafter,
     )  # fmt: skip
 
 
@@ -161,10 +173,11 @@ def num_kv_slots(
     context_len: int,
     weights_bytes: int,
     draft=None,
+    reserve: Reserve = NO_RESERVE,
 ) -> int:
     """KV slots this rank's pool holds: ``--max-total-tokens``, else what the memory budget
-    leaves (at least one request of the full context: memory.py); a ``draft`` model keeps
-    its KV at the same slots."""
+    leaves beside the ``reserve`` (at least one request of the full context: memory.py); a
+    ``draft`` model keeps its KV at the same slots."""
     if args.max_total_tokens:
         return args.max_total_tokens
     if device.type != "cuda":
@@ -173,14 +186,19 @@ def num_kv_slots(
         DeviceMemory.of(device), args.mem_fraction_static,
         KVPool.model_slot_bytes(model, dtype)
         + (KVPool.model_slot_bytes(draft, dtype) if draft is not None else 0),
-        context_len, weights_bytes,
+        context_len, weights_bytes, reserve,
     )  # fmt: skip
 
 
 def memory_report(
-    weights_bytes: int, kv_pool: KVPool, penalties: PenaltyPool, runner: ModelRunner
+    weights_bytes: int,
+    kv_pool: KVPool,
+    penalties: PenaltyPool,
+    runner: ModelRunner,
+    reserve: Reserve = NO_RESERVE,
 ) -> MemoryReport:
-    """Where this rank's memory went, once its graphs exist (free and total: 0 on the CPU)."""
+    """Where this rank's memory went, once its graphs exist (free and total: 0 on the CPU),
+    beside what the plan reserved for the largest step and estimated for the graph pools."""
     device = kv_pool.device
     mem = DeviceMemory.of(device) if device.type == "cuda" else DeviceMemory(0, 0)
     return MemoryReport(
@@ -191,19 +209,10 @@ def memory_report(
         graph_pool_bytes={name: bank.reserved_bytes for name, bank in runner.banks().items()},
         free_bytes=mem.free,
         total_bytes=mem.total,
+        activation_reserve_bytes=reserve.activations,
+        graph_pool_estimate_bytes=reserve.graph_pools,
+        request_table_bytes=tensor_bytes([runner.req_to_token]),
     )
-
-
-def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:
-    """The largest decode graph by GPU memory, SGLang's tiers: 256 rows on an 80-160 GB GPU
-    (H100, H200), 512 from four TP ranks or on a larger GPU, 160 below 60 GB. Above it a
-    decode step replays the largest graph in pieces (graphs/decode.py)."""
-    gib = total_memory / 2**30
-    if gib < 60:
-        return 160
-    if gib < 160 and tp_size < 4:
-        return 256
-    return 512
 
 
 def capture_graphs(
@@ -216,20 +225,9 @@ def capture_graphs(
     """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
     # padding rows of graph steps read this table row: all zeros, i.e. slot 0
     pad_req_idx = req_pool.alloc()
-    graph_max_bs = args.cuda_graph_max_bs
-    if graph_max_bs is None:
-        total = torch.cuda.get_device_properties(runner.kv_pool.device).total_memory
-        graph_max_bs = default_cuda_graph_max_bs(total, args.tp_size)
-    decode_bs = None if args.disable_cuda_graph else min(graph_max_bs, max_running)
-    buckets = None
-    if args.cuda_graph_backend_prefill in ("auto", "breakable"):
-        max_tokens = min(
-            args.cuda_graph_max_tokens_prefill or args.chunked_prefill_size, context_len
-        )
-        buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
-        buckets = [b for b in buckets if b <= context_len]
+    sizes = graph_sizes(args, max_running, context_len, runner.kv_pool.device)
     runner.capture_graphs(
-        pad_req_idx, decode_bs, buckets, max_pad_factor=args.prefill_graph_max_pad_factor,
-        tail_max_rows=min(graph_max_bs, max_running),
-        whole_max_tokens=args.cuda_graph_max_tokens_prefill_whole,
+        pad_req_idx, sizes.decode_max_bs, sizes.prefill_buckets,
+        max_pad_factor=args.prefill_graph_max_pad_factor, tail_max_rows=sizes.tail_max_rows,
+        whole_max_tokens=sizes.whole_max_tokens,
     )  # fmt: skip

@@ -1,6 +1,8 @@
-"""The KV pool's size from the memory budget, the one-line refusal when it cannot hold one
-request of the full context, and the split the startup log reports (engine/memory.py), on a
-device with given totals."""
+"""The memory plan (engine/memory.py): the KV pool's size from the budget left beside what is in
+use and the reserve (the largest step's measured peak, the graph pools' estimate, the request
+table), on a device with given totals and given peaks; the one-line refusal; the split the
+startup log reports. The profile (engine/memory_profile.py) on the embedded model: it leaves
+the engine's pools, its runner and the random state as they were, and changes no output."""
 
 from __future__ import annotations
 
@@ -9,16 +11,42 @@ import torch
 
 from breakgraph.common.messages import MemoryReport
 from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.engine.graph_plan import GraphSizes, default_cuda_graph_max_bs, graph_sizes
+from breakgraph.engine.graphs.key import (
+    DECODE,
+    DECODE_LONG,
+    DECODE_PENALIZED,
+    PREFILL,
+    PREFILL_WHOLE,
+    TAIL,
+)
 from breakgraph.engine.memory import (
     GIB,
+    GRAPH_OVERHEAD_BYTES,
+    MAX_RUNNING_DEFAULT_CAP,
     DeviceMemory,
     MemoryPlanError,
+    Reserve,
+    StepPeaks,
+    graph_pool_estimate,
     kv_budget_slots,
+    max_running_requests,
     memory_log_line,
+    request_table_bytes,
 )
+from breakgraph.engine.memory_profile import CPU_ROWS, profile_steps
 from breakgraph.engine.rank import CPU_DEFAULT_MAX_TOTAL_TOKENS, num_kv_slots
+from breakgraph.engine.request import SamplingParams
 
 SLOT = 28 * 2 * 8 * 128 * 2  # Qwen3-0.6B's bf16 KV per token: 28 layers, k and v, 8 x 128
+MIB = 2**20
+# a Gemma-4-E2B-like profile: 1 MiB of float32 logits per row (262,144-token vocabulary)
+PEAKS = StepPeaks(
+    prefill_forward=900 * MIB, prompt_step=1400 * MIB, decode_forward=2300 * MIB,
+    decode_step=7 * GIB, decode_rows=1024, prefill_out_row_bytes=21 * 1024,
+    logits_row_bytes=MIB,
+)  # fmt: skip
 
 
 def test_slots_are_the_budget_left_beside_what_is_in_use():
@@ -27,6 +55,51 @@ def test_slots_are_the_budget_left_beside_what_is_in_use():
     assert slots == int((140 * 0.85 - 10) * GIB // SLOT)
     # a smaller fraction: fewer slots, same arithmetic
     assert kv_budget_slots(mem, 0.5, SLOT, 40960, 2 * GIB) == int((70 - 10) * GIB // SLOT)
+
+
+def test_the_reserve_comes_out_of_the_kv_budget():
+    mem = DeviceMemory(free=130 * GIB, total=140 * GIB)
+    reserve = Reserve(activations=7 * GIB, graph_pools=5 * GIB, tables=GIB // 2)
+    slots = kv_budget_slots(mem, 0.85, SLOT, 40960, 2 * GIB, reserve)
+    assert slots == int((140 * 0.85 - 10 - 12.5) * GIB // SLOT)
+
+
+def test_the_graph_pool_estimate_is_one_capture_plus_each_graphs_outputs_and_overhead():
+    banks = {
+        PREFILL: [256, 512],
+        DECODE: [1, 2, 4, 8],
+        DECODE_LONG: [1],
+        DECODE_PENALIZED: [1, 2, 4, 8],
+    }
+    # captures: the chunk's prefill forward (900 MiB) against 8 decode rows' forward (2300
+    # MiB x 8 / 1024): the prefill one; outputs: 15 rows of logits, 1, twice 15 (logits and
+    # penalized logits), and 768 prefill rows of hidden states
+    outputs = (15 + 1 + 2 * 15) * MIB + 768 * 21 * 1024
+    assert graph_pool_estimate(PEAKS, banks) == 900 * MIB + outputs + 11 * GRAPH_OVERHEAD_BYTES
+    # decode graphs alone: the largest decode bucket's share of the profiled decode forward
+    decode_only = {DECODE: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]}
+    expected = -(-2300 * MIB * 64 // 1024) + 295 * MIB + 11 * GRAPH_OVERHEAD_BYTES
+    assert graph_pool_estimate(PEAKS, decode_only) == expected
+    assert graph_pool_estimate(PEAKS, {}) == 0  # the CPU, or a model that runs eagerly
+
+
+def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
+    """The whole plan on a 140 GiB device with 12 GiB in use after the profile: KV is what
+    the fraction leaves beside it, the largest step, the graph pools and the table."""
+    mem = DeviceMemory(free=128 * GIB, total=140 * GIB)
+    banks = GraphSizes(256, [256 * i for i in range(1, 33)], 256, 2048).banks(
+        model=object(), penalized=True
+    )
+    tables = request_table_bytes(MAX_RUNNING_DEFAULT_CAP + 1, 131072, object())
+    assert tables == 1025 * 131072 * 4
+    reserve = Reserve(PEAKS.activations, graph_pool_estimate(PEAKS, banks), tables)
+    assert reserve.activations == 7 * GIB  # the decode step's sampling is the largest
+    slots = kv_budget_slots(mem, 0.85, SLOT, 131072, 9 * GIB, reserve)
+    budget = 140 * GIB * 0.85 - 12 * GIB - reserve.total
+    assert slots == int(budget // SLOT) > 131072
+    # the decode banks' logits outputs dominate the graph pools of a large vocabulary
+    decode_rows = sum(banks[DECODE])
+    assert reserve.graph_pools > 3 * decode_rows * MIB
 
 
 def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_numbers():
@@ -45,6 +118,22 @@ def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_n
     assert fits == 4 * GIB // SLOT
 
 
+def test_the_refusal_names_the_reserve_it_kept():
+    """Gemma 4 E2B on a device where the reserve leaves too little: the line names the peak
+    activations, the graph pools' estimate, the table and the flags to change."""
+    mem = DeviceMemory(free=120 * GIB, total=140 * GIB)
+    reserve = Reserve(activations=7 * GIB, graph_pools=13 * GIB, tables=GIB // 2)
+    with pytest.raises(MemoryPlanError) as err:
+        kv_budget_slots(mem, 0.3, SLOT, 131072, 10 * GIB, reserve)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for part in ("peak activations 7.00 GiB", "graph pools (estimate) 13.00 GiB",
+                 "request table 0.50 GiB", "weights 10.00 GiB", "120.00 GiB free",
+                 "leaves 1.50 GiB", "raise --mem-fraction-static", "--max-running-requests",
+                 "--cuda-graph-max-bs"):  # fmt: skip
+        assert part in msg, (part, msg)
+
+
 def test_explicit_tokens_and_the_cpu_default_need_no_budget():
     model = torch.nn.Linear(2, 2)
     model.kv_cache_shapes = lambda: [(8, 128)] * 28
@@ -56,14 +145,105 @@ def test_explicit_tokens_and_the_cpu_default_need_no_budget():
     )
 
 
+def test_max_running_requests_default_and_its_cap():
+    assert max_running_requests(None, 100) == 8
+    assert max_running_requests(None, 64 * 300) == 300
+    assert max_running_requests(None, 10**8) == MAX_RUNNING_DEFAULT_CAP
+    assert max_running_requests(5, 10**8) == 5
+
+
+class _Bounded:
+    bounded_prefill = True  # Gemma 4's KV-shared tail: a tail bank, no whole prefill graphs
+
+
+def test_the_planned_banks_are_the_ones_the_runner_captures():
+    sizes = GraphSizes(16, [256, 512, 768], 16, 512)
+    assert sizes.banks(object(), penalized=False) == {
+        PREFILL: [256, 512, 768],
+        PREFILL_WHOLE: [256, 512],
+        DECODE: [1, 2, 4, 8, 16],
+        DECODE_LONG: [1],
+    }
+    banks = sizes.banks(_Bounded(), penalized=True)
+    assert banks[TAIL] == [1, 2, 4, 8, 16] and PREFILL_WHOLE not in banks
+    assert banks[DECODE_PENALIZED] == banks[DECODE]
+    assert GraphSizes(None, None, 16, 512).banks(object(), penalized=True) == {}
+    # the flags' sizes: the decode graphs up to the running requests, buckets to the context
+    args = EngineArgs(cuda_graph_max_bs=256, chunked_prefill_size=1024)
+    got = graph_sizes(args, max_running=100, context_len=600, device=torch.device("cpu"))
+    assert got == GraphSizes(100, [256, 512, 600], 100, 2048)
+    no_graphs = EngineArgs(
+        cuda_graph_max_bs=16, disable_cuda_graph=True, cuda_graph_backend_prefill="disabled"
+    )
+    assert graph_sizes(no_graphs, 8, 600, torch.device("cpu")) == GraphSizes(None, None, 8, 2048)
+    assert default_cuda_graph_max_bs(141 * GIB, 1) == 256
+    assert default_cuda_graph_max_bs(40 * GIB, 1) == 160
+    assert default_cuda_graph_max_bs(141 * GIB, 4) == 512
+
+
 def test_the_split_reports_every_part_and_the_graph_pools_by_bank():
     report = MemoryReport(
         weights_bytes=int(1.5 * GIB), kv_bytes=int(60 * GIB), kv_tokens=549_000,
         penalty_pool_bytes=GIB // 10,
         graph_pool_bytes={"prefill": GIB // 2, "decode": GIB // 4, "prefill_whole": 0},
         free_bytes=int(20.5 * GIB), total_bytes=140 * GIB,
+        activation_reserve_bytes=3 * GIB, graph_pool_estimate_bytes=GIB,
+        request_table_bytes=GIB // 4,
     )  # fmt: skip
     assert memory_log_line(report) == (
         "memory: weights 1.50 GiB, KV 60.00 GiB (549000 tokens), graph pools 0.75 GiB "
-        "(prefill 0.50, decode 0.25), penalty pool 0.10 GiB, free 20.50 of 140.0 GiB"
+        "(estimated 1.00; prefill 0.50, decode 0.25), activation reserve 3.00 GiB, "
+        "request table 0.25 GiB, penalty pool 0.10 GiB, free 20.50 of 140.0 GiB"
     )
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(EngineArgs(device="cpu", max_total_tokens=4096, max_running_requests=16))
+    yield eng
+    eng.shutdown()
+
+
+def _state(eng: Engine):
+    pen = eng.penalties
+    return (
+        eng.allocator.available,
+        eng.req_pool.available,
+        list(pen.free),
+        float(pen.counts.abs().sum()),
+        eng.kv_pool.num_slots,
+        [b.data_ptr() for b in eng.kv_pool.k_buffers],
+        dict(eng.runner.step_counts),
+        eng.scheduler.stats(),
+    )
+
+
+def test_the_profile_leaves_the_engine_and_its_outputs_as_they_were(engine):
+    """The profile of the rank (run at startup) once more, on the embedded model: every pool,
+    table row, penalty row, runner count and the random state are as before, and a seeded
+    sampled output (the logits and the sampler both) is the same."""
+    prompts = [engine.encode_prompt("The capital of France is", True), [5, 6, 7, 8, 9]]
+    seeded = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=3)
+    before = [r.output_ids for r in engine.generate(prompts, seeded)]
+    assert engine.flush_cache()
+    state = _state(engine)
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+
+    peaks = profile_steps(engine.model, engine.penalties, engine.dtype, engine.device, 8192, 1024)
+    # nothing is measured on the CPU; the path ran at its CPU sizes
+    assert peaks.activations == 0 and peaks.decode_rows == CPU_ROWS
+    assert peaks.logits_row_bytes == engine.vocab_size * 4
+    assert peaks.prefill_out_row_bytes == engine.model_config.hidden_size * 4  # float32
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert _state(engine) == state
+    assert [r.output_ids for r in engine.generate(prompts, seeded)] == before
+
+
+def test_the_rank_reports_its_reserve_and_table(engine):
+    """On the CPU the plan measures nothing (no reserve, no graph pools) and the table is the
+    rank's: its running requests plus the padding row, a context's int32 slots each."""
+    mem = engine.rank.memory
+    assert mem.activation_reserve_bytes == 0 and mem.graph_pool_estimate_bytes == 0
+    assert mem.request_table_bytes == (16 + 1) * engine.context_len * 4
+    assert "activation reserve 0.00 GiB" in memory_log_line(mem)

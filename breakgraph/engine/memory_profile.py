@@ -1,0 +1,205 @@
+"""The memory profile: before the KV pool is sized, the largest steps the flags allow run once
+through the real runner, on a temporary KV pool and request table just large enough for
+them, and the caching allocator reports each step's peak (vLLM profiles a dummy forward of
+its largest batch the same way). What it measured becomes the ``Reserve`` the KV pool
+leaves room for (engine/memory.py has the arithmetic).
+
+The steps, each measured from what was allocated before it:
+
+- the largest captured prefill step: a full ``--chunked-prefill-size`` chunk through what the
+  prefill graphs capture (``model(...)``, or ``forward_head`` for a model with a bounded
+  prefill tail), run eagerly; its peak bounds a capture's activations, and its output per
+  row is what each prefill graph keeps;
+- the same chunk with every row's prompt logprobs and the top 20 (the eager step through
+  all layers and the chunked LM head: the largest prefill step serving runs);
+- the largest decode batch (``--max-running-requests``, else the default's cap) with the
+  penalty pool applied, then sampled with top-k, top-p and min-p (a sort over the
+  vocabulary per row) and its top-20 logprobs.
+
+The profile leaves nothing behind: its pools, table rows and runner are dropped, the
+penalty pool is read on its neutral row only, and the random number generators are
+restored, so later outputs are what they would have been without it. On the CPU nothing is
+measured (there is no device allocator to ask): the steps still run, at ``CPU_TOKENS``
+tokens and ``CPU_ROWS`` rows, so the CPU tests cover the path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from breakgraph.cache.kv_pool import KVPool
+from breakgraph.cache.req_to_token import ReqToTokenPool
+from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.graph_plan import planned_banks
+from breakgraph.engine.logprobs import token_logprobs
+from breakgraph.engine.memory import (
+    GIB,
+    MAX_RUNNING_DEFAULT_CAP,
+    DeviceMemory,
+    MemoryPlanError,
+    Reserve,
+    StepPeaks,
+    graph_pool_estimate,
+    request_table_bytes,
+    tensor_bytes,
+)
+from breakgraph.engine.model_runner import ModelRunner
+from breakgraph.engine.prefill import extend_batch
+from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.sampler import sample
+from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
+
+logger = logging.getLogger(__name__)
+
+CPU_TOKENS = 32  # the chunk the CPU profiles: nothing is measured there, the path runs
+CPU_ROWS = 4
+# the sampling that allocates the most: every filter on, so the sort over the vocabulary runs
+HEAVIEST_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05)
+
+
+def plan_reserve(
+    args: EngineArgs, model, penalties, dtype: torch.dtype, device: torch.device, context_len: int
+) -> Reserve:
+    """Profile the largest steps ``args`` allows, then what the KV pool must leave beside it:
+    their peak, the graph pools' estimate and the request table (at the most running
+    requests the flags allow: ``--max-running-requests``, else the default's cap)."""
+    rows = args.max_running_requests or MAX_RUNNING_DEFAULT_CAP
+    chunk = min(args.chunked_prefill_size, context_len)
+    try:
+        peaks = profile_steps(model, penalties, dtype, device, chunk, rows)
+    except torch.OutOfMemoryError as e:  # the steps alone do not fit beside the model
+        mem = DeviceMemory.of(device)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MemoryPlanError(
+            f"the largest steps (a {chunk}-token chunk with prompt logprobs, {rows} decode "
+            f"rows sampled) ran out of memory beside the model ({why}; "
+            f"{mem.free / GIB:.2f} of {mem.total / GIB:.1f} GiB free): lower "
+            "--chunked-prefill-size or --max-running-requests"
+        ) from None
+    banks = planned_banks(args, model, penalties, rows, context_len, device)
+    reserve = Reserve(
+        peaks.activations,
+        graph_pool_estimate(peaks, banks),
+        request_table_bytes(rows + 1, context_len, model),  # + the padding row
+    )
+    if device.type == "cuda":
+        logger.info(
+            "memory profile: a %d-token chunk %.2f GiB (with prompt logprobs %.2f), %d decode "
+            "rows %.2f GiB; graph pools estimated at %.2f GiB over %d graphs",
+            chunk, peaks.prefill_forward / GIB, peaks.prompt_step / GIB, rows,
+            peaks.decode_step / GIB, reserve.graph_pools / GIB,
+            sum(len(s) for s in banks.values()),
+        )  # fmt: skip
+    return reserve
+
+
+class _Peak:
+    """A step's peak device memory above what was allocated when it began (0 on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._allocated = self._reserved = 0
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the reserved peak then counts this step's segments
+            self._allocated = torch.cuda.memory_allocated(self.device)
+            self._reserved = torch.cuda.memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> int:
+        """The peak so far: what the step allocated at most, or the segments the allocator
+        took for it (its rounding and fragmentation) if more."""
+        if not self.cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return max(
+            torch.cuda.max_memory_allocated(self.device) - self._allocated,
+            torch.cuda.max_memory_reserved(self.device) - self._reserved,
+        )
+
+
+@torch.inference_mode()
+def profile_steps(
+    model, penalties, dtype: torch.dtype, device: torch.device, chunk: int, rows: int
+) -> StepPeaks:
+    """Run the module docstring's steps for a ``chunk``-token prefill and ``rows`` decode
+    rows on temporary pools, dropped before returning; their peaks."""
+    cuda = device.type == "cuda"
+    if not cuda:
+        chunk, rows = min(chunk, CPU_TOKENS), min(rows, CPU_ROWS)
+    kv = KVPool.from_model(max(chunk, rows) + 1, model, dtype, device)  # + slot 0
+    kv.add_request_states(rows, model)
+    table = ReqToTokenPool(rows, max(chunk, 2), device)
+    runner = ModelRunner(model, kv, table.table, penalties)
+    peak = _Peak(device)
+    vocab = runner.vocab_size
+    try:
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            ids = (np.arange(chunk + 1, dtype=np.int64) * 7919) % (vocab - 1) + 1
+            batch = extend_batch(
+                ids[:chunk].astype(np.int32), torch.arange(1, chunk + 1), [0], [0], [chunk],
+                table, device,
+            )  # fmt: skip
+
+            peak.start()
+            out = _captured_prefill(model, kv, table, batch)
+            parts = out if isinstance(out, tuple) else (out,)
+            out_row_bytes = tensor_bytes(t for t in parts if t is not None) // chunk
+            del out, parts
+            prefill_forward = peak.read()
+
+            peak.start()
+            rows_t = torch.arange(chunk, device=device)
+            targets = torch.from_numpy(ids[1:]).to(device)
+            runner.forward_prompt(batch, rows_t, targets, MAX_TOP_LOGPROBS)
+            prompt_step = peak.read()
+            del rows_t, targets, batch
+
+            decode_forward, decode_step, logits_row_bytes = _decode(
+                runner, penalties, table, device, rows, ids, peak
+            )
+    finally:
+        del runner, kv, table
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+    return StepPeaks(
+        prefill_forward, prompt_step, decode_forward, decode_step, rows, out_row_bytes,
+        logits_row_bytes,
+    )  # fmt: skip
+
+
+def _captured_prefill(model, kv: KVPool, table: ReqToTokenPool, batch: ForwardBatch):
+    """What a prefill graph captures (graphs/prefill.py), run eagerly -> its output."""
+    ctx = ForwardContext(batch=batch, kv_pool=kv, req_to_token=table.table)
+    with forward_context(ctx):
+        if getattr(model, "bounded_prefill", False):
+            return model.forward_head(batch.input_ids, batch.positions)
+        return model(batch.input_ids, batch.positions)
+
+
+def _decode(runner, penalties, table, device, rows: int, ids: np.ndarray, peak: _Peak):
+    """The decode batch of ``rows`` one-token requests (table row i, KV slot i + 1) through
+    the penalized forward, the heaviest sampling and the top logprobs -> (the forward's peak,
+    the step's peak, the bytes of one logits row)."""
+    batch = ForwardBatch.build(
+        ForwardMode.DECODE, ids[np.arange(rows) % len(ids)], np.arange(1, rows + 1),
+        list(range(rows)), [0] * rows, [1] * rows, device, table_width=table.max_context_len,
+    )  # fmt: skip
+    table.write_batch(batch)
+    pen_rows = torch.zeros(rows, dtype=torch.int64, device=device)  # the neutral row
+    peak.start()
+    logits, processed = runner.forward_penalized(batch, pen_rows)
+    forward = peak.read()
+    sampled, _ = sample(processed, [HEAVIEST_SAMPLING] * rows, [None] * rows)
+    penalties.record(pen_rows, sampled)  # the neutral row stays zero
+    token_logprobs(logits, sampled, MAX_TOP_LOGPROBS)
+    step = peak.read()
+    return forward, step, logits.shape[-1] * logits.element_size()
