@@ -35,6 +35,11 @@ def load_draft_model(args, device: torch.device, target_config, context_len: int
     """The draft model ``--speculative-draft-model-path`` names, checked against the target:
     the same vocabulary, a context as long, no per-request state; one line if not."""
     path = args.speculative_draft_model_path
+    if not path:
+        raise ValueError(
+            "--speculative-algorithm STANDALONE is not supported without "
+            "--speculative-draft-model-path (the draft model)"
+        )
     loaded = load_model(path, args.load_format, args.dtype, device, args.seed, context_len)
     model, cfg = loaded.model, loaded.config
     why = None

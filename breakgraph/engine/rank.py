@@ -105,7 +105,8 @@ def build_rank(
         eos |= set(loaded.tokenizer.eos_token_ids)
     penalties = penalty_pool(args, cfg.vocab_size, device, eos)  # before the KV pool
     draft = None
-    if args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path:
+    # the draft runs whole on rank 0 only: its steps involve no other rank
+    if args.speculative_algorithm == "STANDALONE" and tp_group.rank == 0:
         draft = load_draft_model(args, device, cfg, context_len)
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     if draft is not None:

@@ -196,8 +196,6 @@ def draft_tokens(args, model) -> int:
         why = "yet (the target's own MTP layers: STANDALONE or NGRAM meanwhile)"
     elif algorithm == "STANDALONE" and not args.speculative_draft_model_path:
         why = "without --speculative-draft-model-path (the draft model)"
-    elif args.tp_size > 1:
-        why = "with --tp-size > 1 (the workers do not get every row's logits yet)"
     elif getattr(model, "request_state_shapes", None) and model.request_state_shapes():
         why = "for models with per-request state (DeepSeek V4's compressors: no rollback yet)"
     elif getattr(model, "forward_logits_rows", None) is not None:

@@ -164,6 +164,28 @@ def test_tp2_prompt_logprobs_equal_tp1(checkpoints):
         assert_prompt_logprobs_equal(tp1, tp2, prompts([12, 30], seed=6), top_k=3)
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_tp2_speculative_decoding_equals_tp1_plain(checkpoints, algorithm):
+    """Verify steps under TP: the workers compute every row's logits as rank 0 does (the LM
+    head's gather is collective); a draft model runs whole on rank 0 only."""
+    base = prompts([7], seed=4)[0]
+    ps = [(base * 6)[:40], *prompts([9, 21], seed=5)]
+    path = checkpoints["llama"]
+    plain = Engine(make_args(path)).generate(ps, greedy(20))
+    tp2 = Engine(
+        make_args(
+            path, tp_size=2, speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+            speculative_draft_model_path=str(path),
+        )
+    )  # fmt: skip
+    try:
+        spec = tp2.generate(ps, greedy(20))
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+        assert tp2.scheduler.spec_stats.accepted > 0
+    finally:
+        tp2.shutdown()
+
+
 def test_dummy_weights_equal_and_dead_worker_fails_cleanly(checkpoints):
     """Dummy TP2 weights are TP1's; then a killed worker makes the next step raise naming
     its rank (no hang), and shutdown leaves no child process."""

@@ -179,6 +179,7 @@ class TPDriver:
             write_slots=slots_w,
             prompt_rows=-1 if rows is None else rows.shape[0],
             top_k=top_k,
+            all_rows=batch.logits_rows.shape[0] != batch.batch_size,
         )
         msg.sent_at = time.perf_counter()
         self._send(msg)

@@ -30,6 +30,7 @@ class StepMessage:
     write_slots: np.ndarray | None = field(default=None, metadata=PACKED_INT32)
     prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
     top_k: int = 0
+    all_rows: bool = False  # logits of every row (a speculative verify step), not each last
     sent_at: float = 0.0  # rank 0's time.perf_counter() at sending (CLOCK_MONOTONIC: host-wide)
 
     @property

@@ -122,6 +122,8 @@ def run_step(msg: wire.StepMessage, rank: Rank, group: TPGroup, trace: StepTrace
         table_width=req_pool.max_context_len if decode else None,
     )
     batch.input_ids = torch.empty(n, dtype=torch.int64, device=device)
+    if msg.all_rows:  # the LM head's gather is collective: rank 0's rows exactly
+        batch.logits_rows = torch.arange(n, dtype=torch.int64, device=device)
     if decode:  # rank 0's scheduler wrote its own copy likewise
         req_pool.write_batch(batch)
     with torch.inference_mode():
