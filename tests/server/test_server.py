@@ -413,6 +413,10 @@ def test_server_info_reports_where_the_memory_went(server):
     per_token = mem["kv_bytes"] / (mem["kv_tokens"] + 1)
     assert per_token == int(per_token) > 0
     assert mem["graph_pool_bytes"] == {} and mem["free_bytes"] == mem["total_bytes"] == 0
+    # the plan's reserve: nothing measured on the CPU; the request table is the rank's
+    assert mem["activation_reserve_bytes"] == mem["graph_pool_estimate_bytes"] == 0
+    table = (i["max_running_requests"] + 1) * i["context_length"] * 4  # + the padding row
+    assert mem["request_table_bytes"] == table
 
 
 def test_both_processes_freeze_startup_objects_out_of_gc(server):
