@@ -93,7 +93,10 @@ async def run_prefill(
     warmup_waves: int = 2,
     waves: int = 5,
     seed: int = 0,
+    client_factory=None,
 ) -> PrefillResult:
+    """``client_factory(url, max_connections=...)``: the client (default ``ServerClient``,
+    breakgraph's /generate; ``bench peers`` passes its OpenAI one)."""
     from breakgraph.bench.http_client import (
         BenchError,
         ServerClient,
@@ -106,7 +109,7 @@ async def run_prefill(
     if min(tokens, concurrency, waves, hit_new_tokens) < 1 or warmup_waves < 0:
         raise BenchError("TOKENS, CONCURRENCY, --waves and --hit-new-tokens must be positive")
     rng = random.Random(seed)
-    async with ServerClient(url, max_connections=concurrency) as client:
+    async with (client_factory or ServerClient)(url, max_connections=concurrency) as client:
         vocab = await client.vocab_size()
         res = PrefillResult(
             mode=mode,

@@ -119,16 +119,17 @@ async def run_serving(
     rounds: int = 2,
     seed: int = 0,
     on_level=None,
+    client_factory=None,
 ) -> list[LevelResult]:
     """Every level of every round; ``on_level(round, level_or_None)`` reports progress
-    (None: a round starts)."""
+    (None: a round starts). ``client_factory``: as ``prefill.run_prefill``'s."""
     from breakgraph.bench.http_client import BenchError, ServerClient, random_ids
 
     if min(concurrencies, default=0) < 1 or min(input_len, output_len, rounds) < 1:
         raise BenchError("--concurrency, --input-len, --output-len and --rounds must be positive")
     rng = random.Random(seed)
     levels: list[LevelResult] = []
-    async with ServerClient(url, max_connections=max(concurrencies)) as client:
+    async with (client_factory or ServerClient)(url, max_connections=max(concurrencies)) as client:
         vocab = await client.vocab_size()
         await client.generate(random_ids(rng, input_len, vocab), min(output_len, 16))  # warm-up
         for rnd in range(1, rounds + 1):

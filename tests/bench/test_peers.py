@@ -1,0 +1,136 @@
+"""``breakgraph bench peers`` on the CPU: the whole harness against a second ``breakgraph serve``
+standing in for the peer (the ``command`` preset; the embedded SmolLM2's shapes on dummy
+weights, tiny workloads), and the ``vllm`` preset's command line and environment as the vLLM
+tree's README gives them (vLLM itself runs on the GPU machine only)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import pytest
+
+from breakgraph.bench import peer_engines as pe
+from breakgraph.cli import build_parser
+
+pytest.importorskip("aiohttp")
+
+PEER_COMMAND = (
+    "{python} -m breakgraph.cli serve --model-path {model_dir} --load-format dummy "
+    "--host {host} --port {port} --context-length {context_length}"
+)
+
+
+def test_vllm_preset_starts_vllm_as_its_readme_says(tmp_path):
+    site = tmp_path / "site"
+    spec = pe.vllm_spec(str(site), "/tmp/vllm-cache", [], None)
+    model_dir, config, raised = pe.write_model_dir("qwen3-0.6b", tmp_path, 70000)
+    assert raised and json.loads((model_dir / "config.json").read_text()) == config
+    assert config["max_position_embeddings"] == 70000  # vLLM sizes its rotary cache by it
+    assert spec.argv(model_dir, 8000, 70000, "default", config) == [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        "--load-format", "dummy", "--skip-tokenizer-init", "--generation-config", "vllm",
+        "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "70000",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    latency = spec.argv(model_dir, 8000, 70000, "latency", config)
+    assert latency[-2:] == ["--max-num-batched-tokens", "16384"]
+    env = spec.added_env(raised)
+    assert env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "1"
+    assert env["PYTHONPATH"].split(":")[0] == str(site)
+    assert {k: env[k] for k in ("VLLM_USE_FLASHINFER_SAMPLER", "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "VLLM_CACHE_ROOT")} == {
+        "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
+    }  # fmt: skip
+
+    # a config long enough already is left alone, and needs no long-context switch
+    _, llama, raised = pe.write_model_dir("llama-3.1-8b", tmp_path, 70000)
+    assert not raised and "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in spec.added_env(raised)
+    # Gemma 4 against vLLM's trim of its KV-shared layers; breakgraph's is its default
+    _, gemma, _ = pe.write_model_dir("gemma-4-e2b", tmp_path, 70000)
+    assert "--kv-sharing-fast-prefill" in spec.argv(model_dir, 1, 70000, "default", gemma)
+    bg = pe.breakgraph_spec([], [])
+    assert "--kv-sharing-fast-prefill" not in bg.argv(model_dir, 1, 70000, "default", gemma)
+    assert not bg.has_setting("latency")  # breakgraph's latency setting is its defaults
+
+    # what the GPU machine must hold, said before minutes of start-up
+    assert "no vLLM tree" in spec.preflight(config)
+    (site / "vllm").mkdir(parents=True)
+    assert spec.preflight(config) is None
+    _, moe, _ = pe.write_model_dir("qwen3-30b-a3b", tmp_path, 70000)
+    assert "_moe_C_stable_libtorch.abi3.so is missing" in spec.preflight(moe)
+    (site / pe.VLLM_MOE_LIBRARY).touch()
+    assert spec.preflight(moe) is None
+
+
+def test_an_engine_that_does_not_start_is_reported_with_its_log(tmp_path):
+    from breakgraph.bench.peers import measure
+
+    command = "{python} -c \"print('no such engine'); raise SystemExit(3)\""
+    spec = pe.command_spec("broken", command, ["A=1"], "/health", None, [], [])
+    args = build_parser().parse_args(["bench", "peers", "--cold-start"])
+    model_dir, config, raised = pe.write_model_dir("smollm2-135m", tmp_path, 512)
+    run = measure(spec, "smollm2-135m", "default", model_dir, config, raised, args, tmp_path)
+    assert "broken exited (3)" in run.error and "no such engine" in run.error
+    assert run.startup_s is None and run.startup_cold_s is None and run.env == {"A": "1"}
+
+
+def test_harness_end_to_end_against_a_second_breakgraph(tmp_path):
+    """Both servers start one after the other, each driven through /v1/completions: startup,
+    the first requests after ready, a cold and a hit prefill workload, two serving levels;
+    then a table with both engines' values and their ratios, the JSON and the plot."""
+    from breakgraph.bench.peers import run_peers_bench
+
+    argv = [
+        "bench", "peers", "--models", "smollm2-135m", "--peer", "command",
+        "--peer-name", "stand-in", "--peer-command", PEER_COMMAND,
+        "--peer-flush-path", "/flush_cache", "--context-length", "256",
+        "--first-tokens", "16", "--first-waves", "2",
+        "--prefill", "cold 16 2", "hit 32 1", "--hit-new-tokens", "8",
+        "--warmup-waves", "0", "--waves", "1",
+        "--concurrency", "1", "2", "--input-len", "16", "--output-len", "4",
+        "--requests-per-level", "2", "--rounds", "1",
+        "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "peers.json"),
+    ]  # fmt: skip
+    plot = None
+    if __import__("importlib").util.find_spec("matplotlib") is not None:
+        plot = tmp_path / "peers.png"
+        argv += ["--plot", str(plot)]
+    args = build_parser().parse_args(argv)
+    result = run_peers_bench(args)
+
+    runs = {run["engine"]: run for run in result["runs"]}
+    assert sorted(runs) == ["breakgraph", "stand-in"]
+    for name, run in runs.items():
+        assert run["error"] is None, (name, run["error"])
+        assert run["startup_s"] > 0 and run["version"] == __import__("breakgraph").__version__
+        assert str(tmp_path / "logs" / "models" / "smollm2-135m") in run["command"]
+        assert len(run["first"]["ttfts_ms"]) == 2
+        cold, hit = run["prefill"]
+        assert (cold["label"], hit["label"]) == ("cold 16 x2", "hit 32+8 x1")
+        # the prefix's tokens came back cached, as the OpenAI usage reports them
+        assert hit["cached_tokens_per_req"] == 32 and cold["cached_tokens_per_req"] == 0
+        levels = {row["concurrency"]: row for row in run["serving"]}
+        assert sorted(levels) == [1, 2]
+        # a chunk per token: decode steps were timed (one final chunk would leave none)
+        assert all(row["decode_step_p50_ms"] > 0 for row in levels.values())
+        assert all(row["output_tok_s"] > 0 for row in levels.values())
+        # stopped: nothing answers on its port any more
+        port = int(run["command"][run["command"].index("--port") + 1])
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    assert runs["stand-in"]["command"][:3] == [sys.executable, "-m", "breakgraph.cli"]
+
+    (table,) = result["tables"]
+    assert (table["model"], table["setting"]) == ("smollm2-135m", "default")
+    rows = {row["metric"]: row for row in table["rows"]}
+    for metric in ("startup to ready (s)", "cold 16 x2: TTFT p50 (ms)",
+                   "hit 32+8 x1: TTFT p50 (ms)", "serving, concurrency 2: output tok/s"):  # fmt: skip
+        row = rows[metric]
+        assert row["ratio"] == pytest.approx(row["breakgraph"] / row["peer"])
+    assert rows["serving, concurrency 2: output tok/s"]["higher_is_better"]
+    assert json.loads((tmp_path / "peers.json").read_text())["tables"] == result["tables"]
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
