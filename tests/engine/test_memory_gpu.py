@@ -1,0 +1,138 @@
+"""The memory plan on the GPU (engine/memory.py, engine/memory_profile.py): every built-in
+config starts at default flags and answers a request, with graph pools no larger than the
+plan's estimate; the largest request the server accepts runs after ready; the planned banks
+are the ones the runner captures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from breakgraph.engine.args import EngineArgs
+from breakgraph.engine.engine import Engine
+from breakgraph.engine.graph_plan import planned_banks
+from breakgraph.engine.memory import GIB
+from breakgraph.models.sources import BUILTIN_MODELS
+from tests.support.server import ServerProcess, info, post
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+# weights beyond one GPU (its 32-expert cut, deepseek-v4-flash-e32, is the one that fits)
+NOT_ONE_GPU = {"deepseek-v4-flash"}
+STARTUP_S = 900.0  # dummy weights of a 30B model, the graphs and the serving warm-up
+
+
+def _start(name: str, log_dir, *flags: str) -> ServerProcess:
+    log = log_dir / f"{name}.log"
+    args = ["--model-path", name, "--load-format", "dummy", *flags]
+    return ServerProcess(args, log).wait_ready(timeout_s=STARTUP_S)
+
+
+def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
+    """One after another, as a new user would (`breakgraph serve --model-path NAME
+    --load-format dummy`): each is ready, answers one request, and its measured graph pools
+    fit the plan's estimate (a larger pool would have come out of the KV pool's margin).
+    Every model is tried before the test fails, which names each one's outcome."""
+    outcomes: dict[str, str] = {}
+    for name in sorted(set(BUILTIN_MODELS) - NOT_ONE_GPU):
+        try:
+            srv = _start(name, tmp_path)
+        except (RuntimeError, TimeoutError) as e:
+            outcomes[name] = f"did not start: {str(e).splitlines()[0]}"
+            continue
+        try:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+            r = post(srv, "/generate", body, timeout=300)
+            mem = info(srv)["memory"]
+            graphs = sum(mem["graph_pool_bytes"].values())
+            estimate = mem["graph_pool_estimate_bytes"]
+            summary = (
+                f"graph pools {graphs / GIB:.2f} of an estimated {estimate / GIB:.2f} GiB, "
+                f"activation reserve {mem['activation_reserve_bytes'] / GIB:.2f} GiB, "
+                f"KV {mem['kv_tokens']} tokens"
+            )
+            if r.status_code != 200:
+                outcomes[name] = f"answered {r.status_code}: {r.text[:200]}"
+            elif graphs > estimate:
+                outcomes[name] = f"graph pools over the estimate: {summary}"
+            else:
+                outcomes[name] = f"ok: {summary}"
+        finally:
+            code = srv.stop()
+        if code != 0 and outcomes[name].startswith("ok"):
+            outcomes[name] = f"exited {code}"
+    table = "\n".join(f"{name}: {what}" for name, what in outcomes.items())
+    assert all(what.startswith("ok") for what in outcomes.values()), table
+
+
+async def _largest_load(url: str, ctx: int, max_running: int) -> list[httpx.Response]:
+    """A full-context prompt with every row's prompt logprobs (top 20) and n = 2, beside
+    enough sampled requests (some with penalties) to fill every running slot."""
+    prompt = [5 + (7919 * i) % 30000 for i in range(ctx - 16)]
+    sampled = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.05, "ignore_eos": True}
+    big = {
+        "input_ids": prompt,
+        "sampling_params": {**sampled, "n": 2, "max_new_tokens": 8, "frequency_penalty": 0.5},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 20,
+    }
+    small = [
+        {
+            "input_ids": [3 + i % 97, 11, 13 + i % 5],
+            "sampling_params": {
+                **sampled,
+                "max_new_tokens": 64,
+                **({"presence_penalty": 0.3} if i % 4 == 0 else {}),
+            },
+        }
+        for i in range(max_running - 2)
+    ]
+    limits = httpx.Limits(max_connections=max_running + 1)  # every request at once
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+        return await asyncio.gather(*(client.post("/generate", json=b) for b in [big, *small]))
+
+
+@pytest.mark.parametrize("name", ["gemma-4-e2b", "qwen3-0.6b"])
+def test_the_largest_accepted_request_runs_after_ready(tmp_path, name):
+    """At default flags, after ready: a prompt of the whole context with prompt logprobs and
+    two samples, while every other running slot decodes a sampled request: all answered,
+    and the server still up (nothing ran out of memory in traffic)."""
+    srv = _start(name, tmp_path)
+    try:
+        i = info(srv)
+        ctx, max_running = i["context_length"], i["max_running_requests"]
+        replies = asyncio.run(_largest_load(srv.url, ctx, max_running))
+        assert all(r.status_code == 200 for r in replies), [
+            r.text[:300] for r in replies if r.status_code != 200
+        ]
+        big = replies[0].json()
+        assert len(big) == 2
+        assert len(big[0]["meta_info"]["input_top_logprobs"]) == ctx - 16
+        assert srv.proc.poll() is None and httpx.get(f"{srv.url}/health").status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_the_planned_banks_are_the_captured_ones():
+    """The plan estimates the banks the runner then captures: the same names and buckets, for
+    a model with whole prefill graphs (Qwen3) and one with a bounded tail (Gemma 4)."""
+    for name in ("qwen3-0.6b", "gemma-4-e2b"):
+        eng = Engine(EngineArgs(model_path=name, load_format="dummy", max_total_tokens=65536))
+        try:
+            planned = planned_banks(
+                eng.args, eng.model, eng.penalties, eng.max_running_requests, eng.context_len,
+                eng.device,
+            )  # fmt: skip
+            assert planned == {n: b.sizes for n, b in eng.runner.banks().items()}, name
+            mem = eng.rank.memory
+            assert sum(mem.graph_pool_bytes.values()) <= mem.graph_pool_estimate_bytes, mem
+        finally:
+            eng.shutdown()
+            del eng
+            torch.cuda.empty_cache()
