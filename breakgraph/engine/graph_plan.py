@@ -20,6 +20,11 @@ from breakgraph.engine.graphs.key import (
     TAIL,
 )
 
+# speculative decoding's verify steps (1 + k rows per request) and a draft model's first
+# step (1 or 2 rows per request) are extend steps of a few tokens: buckets below the
+# prefill ones, each at most twice the tokens of the steps it takes
+SPEC_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
+
 
 def default_cuda_graph_max_bs(total_memory: int, tp_size: int) -> int:
     """The largest decode graph by GPU memory, SGLang's tiers: 256 rows on an 80-160 GB GPU
@@ -83,6 +88,8 @@ def graph_sizes(
         )
         buckets = args.cuda_graph_bs_prefill or prefill_token_buckets(max_tokens)
         buckets = [b for b in buckets if b <= context_len]
+        if args.speculative_algorithm and buckets:
+            buckets = sorted({*buckets, *(b for b in SPEC_BUCKETS if b < min(buckets))})
     return GraphSizes(
         decode_bs, buckets, min(graph_max_bs, max_running), args.cuda_graph_max_tokens_prefill_whole
     )

@@ -131,7 +131,7 @@ def build_rank(
     if device.type == "cuda":
         jit_watch.install()
         if getattr(model, "supports_cuda_graphs", True):
-            capture_graphs(args, runner, req_pool, max_running, context_len)
+            capture_graphs(args, runner, req_pool, max_running, context_len, drafter)
         else:
             logger.warning("%s runs eagerly: its attention is not captured in graphs yet",
                            cfg.architecture)  # fmt: skip
@@ -222,13 +222,16 @@ def capture_graphs(
     req_pool: ReqToTokenPool,
     max_running: int,
     context_len: int,
+    drafter: DraftModel | None = None,
 ) -> None:
-    """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same)."""
+    """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same;
+    rank 0's draft model the same sizes, over the same padding row)."""
     # padding rows of graph steps read this table row: all zeros, i.e. slot 0
     pad_req_idx = req_pool.alloc()
     sizes = graph_sizes(args, max_running, context_len, runner.kv_pool.device)
-    runner.capture_graphs(
-        pad_req_idx, sizes.decode_max_bs, sizes.prefill_buckets,
-        max_pad_factor=args.prefill_graph_max_pad_factor, tail_max_rows=sizes.tail_max_rows,
-        whole_max_tokens=sizes.whole_max_tokens,
-    )  # fmt: skip
+    for r in (runner,) if drafter is None else (runner, drafter.runner):
+        r.capture_graphs(
+            pad_req_idx, sizes.decode_max_bs, sizes.prefill_buckets,
+            max_pad_factor=args.prefill_graph_max_pad_factor, tail_max_rows=sizes.tail_max_rows,
+            whole_max_tokens=sizes.whole_max_tokens,
+        )  # fmt: skip

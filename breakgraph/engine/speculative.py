@@ -18,8 +18,9 @@ may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
 
 What takes the plain decode path instead (the whole step): a request that wants logprobs, has
 penalties, ``logit_bias``, ``min_new_tokens`` or a grammar; and any step without a draft.
-Verify steps run eagerly and are read back before the next step is scheduled (no overlap
-across them).
+On CUDA a verify step replays the prefill graphs (their small buckets,
+graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs; a verify step is read back
+before the next step is scheduled (no overlap across them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,55 @@
+"""Speculative decoding on the GPU: verify steps replay the small prefill buckets
+(graph_plan.SPEC_BUCKETS: a lone request's whole graph, a batch's breakable one), a draft
+model's steps replay its own graphs (no eager step on either); greedy tokens equal plain decoding's with graphs
+(float32), no host sync inside a step, nothing leaked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from breakgraph.engine.graphs.key import DECODE, EAGER, PREFILL_WHOLE
+from breakgraph.engine.request import SamplingParams
+from tests.support.engines import assert_no_leak
+from tests.support.gpu import engine, forbid_host_syncs_in_steps
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(5, 1000, (9,), generator=g).tolist()
+    return [(base * 5)[:40], *(torch.randint(5, 1000, (n,), generator=g).tolist() for n in (7, 33))]
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
+    """The draft is the target itself (the same dummy weights): every draft token kept."""
+    ps = prompts()
+    plain = engine(small_dir, graphs=True).generate(ps, greedy(24))
+    spec = engine(
+        small_dir, graphs=True, speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+        speculative_draft_model_path=str(small_dir), load_format="dummy",
+    )  # fmt: skip
+    forbid_host_syncs_in_steps(spec)
+    runner = spec.runner
+    for lone in ps:  # a lone request's verify steps: the whole graph of a small bucket
+        (r,) = spec.generate([lone], greedy(24))
+        assert r.output_ids == plain[ps.index(lone)].output_ids
+    assert runner.count(PREFILL_WHOLE) > 0
+    outs = spec.generate(ps, greedy(24))  # a batch's: the breakable bank
+    assert [r.output_ids for r in outs] == [r.output_ids for r in plain]
+    assert spec.scheduler.spec_stats.steps > 0
+    assert runner.count(EAGER) == 0, runner.step_counts  # every step a graph's
+    if algorithm == "STANDALONE":
+        drafter = spec.scheduler.spec.drafter.runner
+        assert drafter.count(DECODE) > 0 and drafter.count(EAGER) == 0, drafter.step_counts
+        stats = spec.scheduler.spec_stats
+        assert stats.accepted >= 0.9 * stats.drafted, stats
+    assert_no_leak(spec)
