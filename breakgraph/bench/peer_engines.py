@@ -156,7 +156,12 @@ def vllm_spec(
     return EngineSpec(
         name="vllm",
         command=command,
-        env={**VLLM_ENV, "VLLM_CACHE_ROOT": cache_root},
+        # its own Triton cache: not breakgraph's (device_env.sh carries that one between runs)
+        env={
+            **VLLM_ENV,
+            "VLLM_CACHE_ROOT": cache_root,
+            "TRITON_CACHE_DIR": os.path.join(cache_root, "triton"),
+        },
         flush_path="/reset_prefix_cache",
         settings={"latency": VLLM_LATENCY_FLAGS if latency_flags is None else latency_flags},
         cold_cache_env=("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"),

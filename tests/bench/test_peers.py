@@ -44,6 +44,7 @@ def test_vllm_preset_starts_vllm_as_its_readme_says(tmp_path):
         "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
     }  # fmt: skip
+    assert env["TRITON_CACHE_DIR"] == "/tmp/vllm-cache/triton"  # not breakgraph's, carried
 
     # a config long enough already is left alone, and needs no long-context switch
     _, llama, raised = pe.write_model_dir("llama-3.1-8b", tmp_path, 70000)
