@@ -141,8 +141,9 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
         metavar="FRACTION",
         type=fraction,
         default=d.mem_fraction_static,
-        help="CUDA: the share of the GPU's memory the weights and the KV pool may fill; the "
-        "pool takes what the weights leave (graphs and activations use the rest)",
+        help="CUDA: the share of the GPU's memory the engine plans for: the weights, room for "
+        "the largest step's activations (measured at start-up), the graph pools (estimated) "
+        "and the request table; the KV pool takes what is left",
     )
     g.add_argument(
         "--max-total-tokens",
