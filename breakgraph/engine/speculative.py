@@ -199,8 +199,6 @@ def draft_tokens(args, model) -> int:
         why = "without --speculative-draft-model-path (the draft model)"
     elif getattr(model, "request_state_shapes", None) and model.request_state_shapes():
         why = "for models with per-request state (DeepSeek V4's compressors: no rollback yet)"
-    elif getattr(model, "forward_logits_rows", None) is not None:
-        why = "for models that bound their prefill to the last rows (Gemma 4's KV sharing)"
     if why:
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported {why}")
     if algorithm == "STANDALONE" and args.speculative_num_steps:

@@ -38,7 +38,7 @@ class Gemma4BoundedPrefill:
         return self.kv_sharing_fast_prefill
 
     def forward_logits_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, hidden] of the step's ``logits_rows`` (each request's last).
+        """Final hidden states [R, hidden] of the step's ``logits_rows`` (each request's last).
 
         With ``kv_sharing_fast_prefill`` in an extend step, the KV-shared layers run on those
         rows only, attending over each request's whole context (``ForwardBatch.tail``); the
@@ -46,7 +46,10 @@ class Gemma4BoundedPrefill:
         """
         ctx = get_forward_context()
         batch = ctx.batch
-        if not (self.kv_sharing_fast_prefill and batch.mode is ForwardMode.EXTEND):
+        # a step that wants more rows than one per request (a speculative verify step: every
+        # row) runs every layer on every row
+        every_row = batch.logits_rows.shape[0] != batch.batch_size
+        if not (self.kv_sharing_fast_prefill and batch.mode is ForwardMode.EXTEND) or every_row:
             return self.model(input_ids, positions)[batch.logits_rows]
         hidden, per_layer_inputs = self.forward_head(input_ids, positions)
         rows, tail = batch.logits_rows, batch.tail()

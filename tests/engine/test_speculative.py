@@ -146,3 +146,22 @@ def test_models_it_cannot_serve_yet_are_refused_in_one_line(tmp_path):
     make_hf_deepseek_v4().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="per-request state"):
         make_engine(tmp_path, speculative_algorithm="NGRAM")
+
+
+@pytest.mark.parametrize("fast_prefill", [True, False])
+def test_gemma4_verify_steps_run_every_layer_on_every_row(tmp_path, fast_prefill):
+    """Gemma 4's bounded prefill runs its KV-shared layers on each request's last row; a
+    verify step wants every row's logits, so there it runs them on every row: greedy tokens
+    equal plain decoding's with KV sharing's fast prefill on and off."""
+    pytest.importorskip("transformers.models.gemma4")
+    from tests.support.gemma4 import make_hf_gemma4
+
+    make_hf_gemma4("text").save_pretrained(tmp_path)
+    ps = [repeating(7, 6, 30), repeating(8, 11, 40), *prompts(1, [13], seed=9)]
+    kw = {"kv_sharing_fast_prefill": fast_prefill}
+    plain = make_engine(tmp_path, **kw).generate(ps, greedy(20))
+    engine = make_engine(tmp_path, speculative_algorithm="NGRAM", **kw)
+    spec = engine.generate(ps, greedy(20))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert engine.scheduler.spec_stats.steps > 0
+    assert_no_leak(engine)

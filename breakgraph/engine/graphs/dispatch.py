@@ -79,6 +79,9 @@ class StepDispatcher:
         if size is None:
             return eager("over the largest bucket" if n > sizes[-1] else "padding")
         tail = 0
+        if graphs.tail is not None and batch.logits_rows.shape[0] != batch.batch_size:
+            # the bank holds the head layers only; every row's logits need every layer there
+            return eager("every row's logits (bounded prefill)")
         if graphs.tail is not None:  # more tail rows than its largest bucket: an eager tail
             tail = smallest_bucket(graphs.tail.bank.sizes, batch.batch_size) or 0
         return StepKey(PREFILL, size, tail=tail)
