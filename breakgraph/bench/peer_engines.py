@@ -15,6 +15,7 @@ stopping it stops every process it started before the next engine takes the GPU.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shlex
@@ -263,6 +264,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _die_with_this_process() -> None:
+    """In the engine's leader before exec: SIGKILL when the bench dies (a device run's time
+    limit kills it), so no engine outlives it holding the GPU; its own children follow it
+    (vLLM's engine core and breakgraph's engine process exit when their API process does)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
 def start_engine(
     spec: EngineSpec,
     argv: list[str],
@@ -273,31 +284,33 @@ def start_engine(
 ) -> Running:
     """Start ``argv`` and wait until ``spec.ready_path`` answers 200: ``startup_s`` is from
     the launch to that answer. Raises RuntimeError (with its log's tail) if it exits first
-    or is not ready in ``timeout_s``."""
+    or is not ready in ``timeout_s``; stops it on any error or interruption."""
     log = open(log_path, "w")  # noqa: SIM115 (the child holds it; closed here after the fork)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_this_process,
     )  # fmt: skip
     log.close()
     run = Running(spec, proc, f"http://127.0.0.1:{port}", argv, env, log_path)
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            run.stop()
-            raise RuntimeError(f"{spec.name} exited ({proc.returncode}):\n{run.log_tail()}")
-        try:
-            with urllib.request.urlopen(run.url + spec.ready_path, timeout=2) as r:
-                if r.status == 200:
-                    run.startup_s = time.perf_counter() - t0
-                    return run
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            run.stop()
-            raise RuntimeError(f"{spec.name} not ready in {timeout_s:.0f} s:\n{run.log_tail()}")
-        time.sleep(0.1)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{spec.name} exited ({proc.returncode}):\n{run.log_tail()}")
+            try:
+                with urllib.request.urlopen(run.url + spec.ready_path, timeout=2) as r:
+                    if r.status == 200:
+                        run.startup_s = time.perf_counter() - t0
+                        return run
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{spec.name} not ready in {timeout_s:.0f} s:\n{run.log_tail()}")
+            time.sleep(0.1)
+    except BaseException:
+        run.stop()
+        raise
 
 
 def cold_cache_env(spec: EngineSpec, root: Path) -> dict[str, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import shlex
+import signal
 import subprocess
 import tempfile
 from dataclasses import asdict
@@ -115,6 +116,8 @@ def specs(args):
     split = shlex.split
     bg = pe.breakgraph_spec(split(args.engine_flags), split(args.latency_flags))
     peer_latency = None if args.peer_latency_flags is None else split(args.peer_latency_flags)
+    if args.peer_name == bg.name:
+        raise SystemExit("error: --peer-name must differ from breakgraph")
     if args.peer == "vllm":
         peer = pe.vllm_spec(args.vllm_site, args.vllm_cache, split(args.peer_flags), peer_latency)
     else:
@@ -159,22 +162,23 @@ async def _workloads(run, url: str, client_factory, args) -> None:
         run.serving = [asdict(level) for level in levels]
 
 
-def measure(spec, model: str, setting: str, model_dir, config: dict, raised: bool, args, logs):
-    """Start ``spec``'s engine on the model (cold first with ``--cold-start``), run the
-    workloads, stop it. Failures are recorded in the run, not raised."""
+def measure(run, spec, model_dir, config: dict, raised: bool, args, logs) -> None:
+    """Start ``spec``'s engine on ``run``'s model under its setting (cold first with
+    ``--cold-start``), run the workloads into ``run``, stop it. Failures are recorded in the
+    run, not raised."""
     from breakgraph.bench import peer_engines as pe
     from breakgraph.bench.host_api import free_port
     from breakgraph.bench.http_client import BenchError
     from breakgraph.bench.openai_client import OpenAIClient
 
-    run = pe.EngineRun(engine=spec.name, model=model, setting=setting)
+    model, setting = run.model, run.setting
     env = spec.added_env(raised)
     stem = f"{model}-{setting}-{spec.name}"
     problem = spec.preflight(config)
     if problem:
         run.error = problem
         print(f"{spec.name}: {problem}", flush=True)
-        return run
+        return
 
     def start(log_name: str):
         port = free_port()
@@ -210,7 +214,6 @@ def measure(spec, model: str, setting: str, model_dir, config: dict, raised: boo
         run.error = str(e)
     if run.error:
         print(f"{spec.name} ({model}, {setting}) failed: {run.error}", flush=True)
-    return run
 
 
 def breakgraph_commit() -> str | None:
@@ -226,6 +229,10 @@ def breakgraph_commit() -> str | None:
     return rev + ("+" if dirty else "")
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds: each running engine is stopped on the way out
+
+
 def run_peers_bench(args) -> dict:
     from breakgraph.bench import peer_engines as pe
     from breakgraph.bench import peers_report as report
@@ -238,20 +245,34 @@ def run_peers_bench(args) -> dict:
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"bench peers: breakgraph against {peer.name}; engine logs under {logs}", flush=True)
+    commit = breakgraph_commit()
     runs: dict[tuple[str, str, str], pe.EngineRun] = {}
     tables = []
-    for model in args.models:
-        model_dir, config, raised = pe.write_model_dir(model, logs / "models", args.context_length)
-        for setting in args.settings:
-            pair = []
-            for spec in (bg, peer):
-                own = setting if spec.has_setting(setting) else "default"
-                key = (model, spec.name, own)
-                if key not in runs:
-                    runs[key] = measure(spec, model, own, model_dir, config, raised, args, logs)
-                pair.append(runs[key])
-            tables.append(report.Table(model, setting, *pair))
-    result = report.result(args, peer.name, breakgraph_commit(), list(runs.values()), tables)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        for model in args.models:
+            model_dir, config, raised = pe.write_model_dir(model, logs / "models",
+                                                           args.context_length)  # fmt: skip
+            for setting in args.settings:
+                pair = []
+                for spec in (bg, peer):
+                    own = setting if spec.has_setting(setting) else "default"
+                    key = (model, spec.name, own)
+                    if key not in runs:
+                        runs[key] = pe.EngineRun(engine=spec.name, model=model, setting=own)
+                        measure(runs[key], spec, model_dir, config, raised, args, logs)
+                        # what is measured so far, in case a time limit ends the run
+                        report.save(report.result(args, peer.name, commit, list(runs.values()),
+                                                  tables), args.json, None)  # fmt: skip
+                    pair.append(runs[key])
+                tables.append(report.Table(model, setting, *pair))
+    except BaseException:  # interrupted (SIGTERM, Ctrl-C): keep the engine in progress's part
+        partial = report.result(args, peer.name, commit, list(runs.values()), tables)
+        report.save({**partial, "interrupted": True}, args.json, None)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result = report.result(args, peer.name, commit, list(runs.values()), tables)
     print(report.format_report(result, tables), flush=True)
-    report.save(result, tables, args.json, args.plot)
+    report.save(result, args.json, args.plot)
     return result

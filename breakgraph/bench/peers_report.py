@@ -137,7 +137,7 @@ def format_report(res: dict, tables: list[Table]) -> str:
     return "\n\n".join([head, "\n".join(configs), *(format_table(t) for t in tables)])
 
 
-def save(res: dict, tables: list[Table], json_path: str | None, plot_path: str | None) -> None:
+def save(res: dict, json_path: str | None, plot_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
 from breakgraph.bench import peer_engines as pe
 from breakgraph.cli import build_parser
+from tests.support.server import pid_alive
 
 pytest.importorskip("aiohttp")
 
@@ -73,9 +76,35 @@ def test_an_engine_that_does_not_start_is_reported_with_its_log(tmp_path):
     spec = pe.command_spec("broken", command, ["A=1"], "/health", None, [], [])
     args = build_parser().parse_args(["bench", "peers", "--cold-start"])
     model_dir, config, raised = pe.write_model_dir("smollm2-135m", tmp_path, 512)
-    run = measure(spec, "smollm2-135m", "default", model_dir, config, raised, args, tmp_path)
+    run = pe.EngineRun(engine="broken", model="smollm2-135m", setting="default")
+    measure(run, spec, model_dir, config, raised, args, tmp_path)
     assert "broken exited (3)" in run.error and "no such engine" in run.error
     assert run.startup_s is None and run.startup_cold_s is None and run.env == {"A": "1"}
+
+
+def test_no_engine_outlives_the_bench(tmp_path):
+    """A bench killed outright (a device run's time limit) takes its engine with it, so the
+    next run finds the GPU free."""
+    code = (
+        "import sys, time; from pathlib import Path; from breakgraph.bench import peer_engines "
+        "as pe; from breakgraph.bench.host_api import free_port\n"
+        "spec = pe.command_spec('http', '{python} -m http.server {port} --bind {host}', [], '/',"
+        " None, [], [])\nport = free_port()\n"
+        "run = pe.start_engine(spec, spec.argv(Path('.'), port, 0, 'default', {}), {}, port, "
+        "Path(sys.argv[1]), 60)\nprint(run.proc.pid, flush=True); time.sleep(120)"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "http.log")],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        engine = int(bench.stdout.readline())
+        assert pid_alive(engine)
+    finally:
+        bench.kill()
+        bench.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(engine)
 
 
 def test_harness_end_to_end_against_a_second_breakgraph(tmp_path):
