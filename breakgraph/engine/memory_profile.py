@@ -55,7 +55,7 @@ from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, 
 
 logger = logging.getLogger(__name__)
 
-CPU_TOKENS = 32  # the chunk the CPU profiles: nothing is measured there, the path runs
+CPU_TOKENS = 16  # the chunk the CPU profiles: nothing is measured there, the path runs
 CPU_ROWS = 4
 # the sampling that allocates the most: every filter on, so the sort over the vocabulary runs
 HEAVIEST_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05)
