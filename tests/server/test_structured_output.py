@@ -18,7 +18,7 @@ pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from tests.server.structured_schemas import SCHEMAS  # noqa: E402
+from breakgraph.bench.grammar_schemas import SCHEMAS  # noqa: E402
 from tests.support import embedded  # noqa: E402
 from tests.support.server import post, wait_idle  # noqa: E402
 
