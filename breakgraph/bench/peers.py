@@ -56,7 +56,7 @@ def add_peers_args(p) -> None:
     g.add_argument("--vllm-cache", default="/tmp/vllm-cache", help="vllm: VLLM_CACHE_ROOT")
     g.add_argument("--peer-name", default="peer", help="command: the peer's name in the tables")
     g.add_argument("--peer-command", help="command: its command line, with {python}, "
-                   "{model_dir}, {host}, {port} and {context_length} filled in")  # fmt: skip
+                   "{model_dir}, {host}, {port} and {context_length} filled in (default: none)")  # fmt: skip
     g.add_argument("--peer-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="command: its environment on top of this one's")  # fmt: skip
     g.add_argument("--peer-ready-path", default="/health", help="command: 200 once ready")
@@ -71,7 +71,7 @@ def add_peers_args(p) -> None:
     g.add_argument("--latency-flags", default="", help="breakgraph's latency setting (default: "
                    "none: its defaults)")  # fmt: skip
     g.add_argument("--peer-latency-flags", default=None, help="the peer's latency setting "
-                   "(vllm: --max-num-batched-tokens 16384)")  # fmt: skip
+                   "(default: vllm's --max-num-batched-tokens 16384; none)")  # fmt: skip
     g.add_argument("--context-length", type=int, default=70000, help="both engines' longest "
                    "request (the hit workload needs 65536 + 1024 + 1)")  # fmt: skip
     g.add_argument("--cold-start", action="store_true", help="first also a start with empty "
