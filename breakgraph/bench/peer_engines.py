@@ -245,7 +245,8 @@ class Running:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the engine's process group, SIGKILL if it outlives ``timeout_s``, then
-        SIGKILL to whatever of the group is left (a worker its leader did not wait for)."""
+        SIGKILL to whatever of the group is left (a worker its leader did not wait for), and
+        wait until the group is gone: the next engine checks the GPU's free memory at start."""
         pgid = self.proc.pid
         if self.proc.poll() is None:
             _signal_group(pgid, signal.SIGTERM)
@@ -254,14 +255,18 @@ class Running:
             except subprocess.TimeoutExpired:
                 _signal_group(pgid, signal.SIGKILL)
                 self.proc.wait()
-        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _signal_group(pgid, signal.SIGKILL) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a process group; False when none of it is left."""
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
+    return True
 
 
 def _die_with_this_process() -> None:
