@@ -72,15 +72,14 @@ class StepPeaks:
     decode_rows: int  # that batch's rows
     prefill_out_row_bytes: int  # what the captured prefill forward returns, per token row
     logits_row_bytes: int  # one row of logits
+    # speculative decoding: that batch's verify step (every row's logits, each request's
+    # last token and k drafts, all sampled); 0 without speculation
+    verify_step: int = 0
 
     @property
     def activations(self) -> int:
         """The eager steps run one at a time: the largest one's peak."""
-        return max(self.prefill_forward, self.prompt_step, self.decode_step)
-
-    @classmethod
-    def none(cls) -> StepPeaks:
-        return cls(0, 0, 0, 0, 0, 0, 0)
+        return max(self.prefill_forward, self.prompt_step, self.decode_step, self.verify_step)
 
 
 def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:

@@ -14,7 +14,9 @@ The steps, each measured from what was allocated before it:
   all layers and the chunked LM head: the largest prefill step serving runs);
 - the largest decode batch (``--max-running-requests``, else the default's cap) with the
   penalty pool applied, then sampled with top-k, top-p and min-p (a sort over the
-  vocabulary per row) and its top-20 logprobs.
+  vocabulary per row) and its top-20 logprobs;
+- with speculative decoding, that batch's verify step: each request's last token and its
+  ``--speculative-num-draft-tokens`` drafts, every row's logits, every row sampled.
 
 The profile leaves nothing behind: its pools, table rows and runner are dropped, the
 penalty pool is read on its neutral row only, and the random number generators are
@@ -51,6 +53,7 @@ from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import SamplingParams
 from breakgraph.engine.sampler import sample
+from breakgraph.engine.speculative import verify_sample
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 
 logger = logging.getLogger(__name__)
@@ -69,8 +72,12 @@ def plan_reserve(
     requests the flags allow: ``--max-running-requests``, else the default's cap)."""
     rows = args.max_running_requests or MAX_RUNNING_DEFAULT_CAP
     chunk = min(args.chunked_prefill_size, context_len)
+    drafts = 0  # draft tokens a verify step checks per request (speculative.draft_tokens)
+    if args.speculative_algorithm:
+        steps = args.speculative_algorithm == "STANDALONE" and args.speculative_num_steps
+        drafts = steps or args.speculative_num_draft_tokens
     try:
-        peaks = profile_steps(model, penalties, dtype, device, chunk, rows)
+        peaks = profile_steps(model, penalties, dtype, device, chunk, rows, drafts)
     except torch.OutOfMemoryError as e:  # the steps alone do not fit beside the model
         mem = DeviceMemory.of(device)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -89,9 +96,10 @@ def plan_reserve(
     if device.type == "cuda":
         logger.info(
             "memory profile: a %d-token chunk %.2f GiB (with prompt logprobs %.2f), %d decode "
-            "rows %.2f GiB; graph pools estimated at %.2f GiB over %d graphs",
+            "rows %.2f GiB (verifying drafts %.2f); graph pools estimated at %.2f GiB over %d "
+            "graphs",
             chunk, peaks.prefill_forward / GIB, peaks.prompt_step / GIB, rows,
-            peaks.decode_step / GIB, reserve.graph_pools / GIB,
+            peaks.decode_step / GIB, peaks.verify_step / GIB, reserve.graph_pools / GIB,
             sum(len(s) for s in banks.values()),
         )  # fmt: skip
     return reserve
@@ -127,16 +135,24 @@ class _Peak:
 
 @torch.inference_mode()
 def profile_steps(
-    model, penalties, dtype: torch.dtype, device: torch.device, chunk: int, rows: int
+    model,
+    penalties,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk: int,
+    rows: int,
+    drafts: int = 0,
 ) -> StepPeaks:
     """Run the module docstring's steps for a ``chunk``-token prefill and ``rows`` decode
-    rows on temporary pools, dropped before returning; their peaks."""
+    rows (verifying ``drafts`` tokens each, if any) on temporary pools, dropped before
+    returning; their peaks."""
     cuda = device.type == "cuda"
     if not cuda:
         chunk, rows = min(chunk, CPU_TOKENS), min(rows, CPU_ROWS)
-    kv = KVPool.from_model(max(chunk, rows) + 1, model, dtype, device)  # + slot 0
+    slots = max(chunk, rows * (1 + drafts))
+    kv = KVPool.from_model(slots + 1, model, dtype, device)  # + slot 0
     kv.add_request_states(rows, model)
-    table = ReqToTokenPool(rows, max(chunk, 2), device)
+    table = ReqToTokenPool(rows, max(chunk, 2 + drafts), device)
     runner = ModelRunner(model, kv, table.table, penalties)
     peak = _Peak(device)
     vocab = runner.vocab_size
@@ -165,6 +181,7 @@ def profile_steps(
             decode_forward, decode_step, logits_row_bytes = _decode(
                 runner, penalties, table, device, rows, ids, peak
             )
+            verify_step = _verify(runner, table, device, rows, drafts, ids, peak) if drafts else 0
     finally:
         del runner, kv, table
         if cuda:
@@ -172,7 +189,7 @@ def profile_steps(
             torch.cuda.empty_cache()
     return StepPeaks(
         prefill_forward, prompt_step, decode_forward, decode_step, rows, out_row_bytes,
-        logits_row_bytes,
+        logits_row_bytes, verify_step,
     )  # fmt: skip
 
 
@@ -203,3 +220,20 @@ def _decode(runner, penalties, table, device, rows: int, ids: np.ndarray, peak: 
     token_logprobs(logits, sampled, MAX_TOP_LOGPROBS)
     step = peak.read()
     return forward, step, logits.shape[-1] * logits.element_size()
+
+
+def _verify(runner, table, device, rows: int, drafts: int, ids: np.ndarray, peak: _Peak) -> int:
+    """The verify step of ``rows`` requests of ``1 + drafts`` rows each (speculative.py's
+    ``build_verify`` shape: every row's logits) through the forward and ``verify_sample``
+    with the heaviest sampling -> its peak."""
+    n = rows * (1 + drafts)
+    batch = extend_batch(
+        ids[np.arange(n) % len(ids)].astype(np.int32), torch.arange(1, n + 1),
+        list(range(rows)), [0] * rows, [1 + drafts] * rows, table, device,
+    )  # fmt: skip
+    batch.logits_rows = torch.arange(n, dtype=torch.int64, device=device)
+    draft_next = torch.ones(n, dtype=torch.int64, device=device)
+    peak.start()
+    logits = runner.forward(batch)
+    verify_sample(logits, [HEAVIEST_SAMPLING] * n, [None] * n, draft_next)
+    return peak.read()

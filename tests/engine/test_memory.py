@@ -6,6 +6,8 @@ the engine's pools, its runner and the random state as they were, and changes no
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,6 +96,8 @@ def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
     assert tables == 1025 * 131072 * 4
     reserve = Reserve(PEAKS.activations, graph_pool_estimate(PEAKS, banks), tables)
     assert reserve.activations == 7 * GIB  # the decode step's sampling is the largest
+    # with speculation, a verify step of every row's logits may be larger still
+    assert dataclasses.replace(PEAKS, verify_step=9 * GIB).activations == 9 * GIB
     slots = kv_budget_slots(mem, 0.85, SLOT, 131072, 9 * GIB, reserve)
     budget = 140 * GIB * 0.85 - 12 * GIB - reserve.total
     assert slots == int(budget // SLOT) > 131072
@@ -230,7 +234,10 @@ def test_the_profile_leaves_the_engine_and_its_outputs_as_they_were(engine):
     torch.manual_seed(11)
     rng = torch.get_rng_state()
 
-    peaks = profile_steps(engine.model, engine.penalties, engine.dtype, engine.device, 8192, 1024)
+    # with a speculative verify step of 4 drafts per request too
+    peaks = profile_steps(
+        engine.model, engine.penalties, engine.dtype, engine.device, 8192, 1024, drafts=4
+    )
     # nothing is measured on the CPU; the path ran at its CPU sizes
     assert peaks.activations == 0 and peaks.decode_rows == CPU_ROWS
     assert peaks.logits_row_bytes == engine.vocab_size * 4
