@@ -67,6 +67,7 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
         if code != 0 and outcomes[name].startswith("ok"):
             outcomes[name] = f"exited {code}"
     table = "\n".join(f"{name}: {what}" for name, what in outcomes.items())
+    print(table)  # estimate against measured per model: `pytest -rP` shows it on a pass too
     assert all(what.startswith("ok") for what in outcomes.values()), table
 
 
