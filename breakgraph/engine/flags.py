@@ -235,7 +235,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         metavar="PATH",
         default=d.speculative_draft_model_path,
         help="STANDALONE: the draft model (a directory, hub id or built-in name; with "
-        "--load-format dummy its weights are random too)",
+        "--load-format dummy its weights are random too; default: none)",
     )
     g.add_argument(
         "--bench-synthetic-accept-length",
@@ -244,7 +244,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         default=d.bench_synthetic_accept_length,
         help="BENCHMARK AID, outputs are not the model's: every verify step keeps a mean of L "
         "tokens per request (the bonus token included) whatever the target says, to measure "
-        "speculation's mechanics without a trained draft; refused unless BREAKGRAPH_BENCH=1",
+        "speculation's mechanics without a trained draft; refused unless BREAKGRAPH_BENCH=1 "
+        "(default: off)",
     )
     g.add_argument(
         "--grammar-backend",

@@ -30,11 +30,14 @@ class OutputProcessor:
         return out, self.check_finish(req, tok)
 
     def append_tokens(self, req: Req, toks: list[int]) -> tuple[TokenDelta, dict | None]:
-        """Append several tokens (a speculative step's), checking each: one output with those
-        appended before the finish, and the finish reason (None: goes on)."""
+        """Append several tokens (a speculative step's), checking each (and advancing the
+        request's grammar by each): one output with those appended before the finish, and
+        the finish reason (None: goes on)."""
         out, reason = None, None
         for tok in toks:
             delta, reason = self.append_token(req, tok, None)
+            if req.grammar is not None:
+                reason = req.grammar.finish(tok, reason)
             if out is None:
                 out = delta
             else:

@@ -243,7 +243,7 @@ class Scheduler:
         """Drafts, every row's logits, their acceptance queued for the read-back (no sync)."""
         rb = ReadBack()
         self.timer.forward_begin()
-        verify = self.spec.launch(batch, self.forward, rb)
+        verify = self.spec.launch(batch, self.forward, rb, self.grammar_mask)
         self.timer.forward_end()
         rb.start()
         return Launched(done=verify.reqs, readback=rb, verify=verify)

@@ -16,8 +16,11 @@ samples a bonus token. The emitted tokens are distributed as plain sampling's (g
 same tokens). The KV slots of rejected rows go back to the allocator at once. A benchmark
 may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
 
-What takes the plain decode path instead (the whole step): a request that wants logprobs, has
-penalties, ``logit_bias``, ``min_new_tokens`` or a grammar; and any step without a draft.
+A constrained request's verify rows are masked by its grammar after each prefix of its draft
+(``RequestGrammar.fill_draft_rows``): a draft token the grammar refuses has probability 0 and
+is never kept. What takes the plain decode path instead (the whole step): a request that
+wants logprobs, has penalties, ``logit_bias`` or ``min_new_tokens``; and any step without a
+draft.
 On CUDA a verify step replays the prefill graphs (their small buckets,
 graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs; a verify step is read back
 before the next step is scheduled (no overlap across them).
@@ -72,10 +75,7 @@ def speculable(req: Req, pending_ok: bool = False) -> bool:
     """Whether a verify step serves ``req`` exactly (see the module's docstring);
     ``pending_ok``: but for a token still in flight (read back first)."""
     return (
-        not req.return_logprob
-        and req.penalty_row is None
-        and req.grammar is None
-        and (pending_ok or not req.num_pending)
+        not req.return_logprob and req.penalty_row is None and (pending_ok or not req.num_pending)
     )
 
 
@@ -304,9 +304,11 @@ class SpecDecoder:
         self.pending.prefixes = prefixes
         return stepping, batch
 
-    def launch(self, batch: ForwardBatch, forward, readback) -> Verify:
+    def launch(self, batch: ForwardBatch, forward, readback, grammar_mask=None) -> Verify:
         """The pending verify step on the device: a draft model's drafts into its rows, the
-        target's forward, the acceptance queued for ``readback``. No host sync."""
+        target's forward, constrained rows masked (``grammar_mask``), the acceptance queued
+        for ``readback``. No host sync, but for a draft model's drafts of a constrained
+        request (its masks need them on the host)."""
         verify, self.pending = self.pending, None
         rows = [
             verify.starts[i] + 1 + j for i, d in enumerate(verify.drafts) for j in range(len(d))
@@ -327,6 +329,15 @@ class SpecDecoder:
                 nxt[r - 1] = t
             (draft_next,) = upload_many([nxt], torch.int64, batch.input_ids.device)
         logits = forward(batch)
+        constrained = [i for i, r in enumerate(verify.reqs) if r.grammar is not None]
+        if constrained and grammar_mask is not None:
+            drafts = verify.drafts
+            if self.drafter is not None:  # the host needs them: the one sync of such a step
+                drafts = np.split(flat.cpu().numpy(), np.cumsum(lens)[:-1])
+            host = grammar_mask.host_rows(verify.rows)
+            for i in constrained:
+                verify.reqs[i].grammar.fill_draft_rows(host, verify.starts[i], drafts[i])
+            grammar_mask.apply_host(logits, host)
         params, gens = [], []
         for req, draft in zip(verify.reqs, verify.drafts, strict=True):
             params += [req.sampling] * (1 + len(draft))

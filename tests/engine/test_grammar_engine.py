@@ -126,3 +126,45 @@ def test_abort_while_compiling(engines):
     assert not eng.compiling and eng.abort("gone") is None
     eng.grammars.wait(5.0)
     assert eng.step() == [] and eng.take_rejected() == []
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_speculative_drafts_checked_against_the_grammar(engines, algorithm):
+    """Verify rows masked by the grammar after each prefix of their draft: greedy outputs
+    equal plain constrained decoding's token for token, drafts were kept, a sampled one
+    stays valid (a draft the grammar refuses has probability 0: never kept). STANDALONE's
+    draft is the model itself, on the greedy request only (CPU time)."""
+    from breakgraph.models.sources import find_embedded_gguf
+
+    spec = Engine(
+        EngineArgs(
+            device="cpu", overlap_schedule=False, speculative_algorithm=algorithm,
+            speculative_draft_model_path=str(find_embedded_gguf()),
+        )
+    )  # fmt: skip
+    try:
+        ask = 'Repeat exactly: {"name": "Ann", "age": 31, "city": "Rome"} and 555-1234'
+        schema = json.dumps(PERSON)
+        prompts = [ask, "Write a phone number like 555-1234.", ask]
+        sps = [
+            SamplingParams(max_new_tokens=30, temperature=0.0, json_schema=schema),
+            SamplingParams(max_new_tokens=10, temperature=0.0, regex=PHONE),
+            SamplingParams(max_new_tokens=30, temperature=0.8, seed=2, json_schema=schema),
+        ]
+        if algorithm == "STANDALONE":
+            prompts, sps = prompts[:1], sps[:1]
+        want = engines[False].generate(prompts, sps, chat=True)
+        got = spec.generate(prompts, sps, chat=True)
+        for r, w, sp in zip(got, want, sps, strict=True):
+            if sp.temperature == 0.0:
+                assert r.output_ids == w.output_ids
+            if sp.json_schema:
+                jsonschema.validate(json.loads(r.text), PERSON)
+                assert r.finish_reason == {"type": "stop", "matched": 2}, r.finish_reason
+            else:
+                assert re.fullmatch(PHONE, r.text), r.text
+        stats = spec.scheduler.spec_stats
+        assert stats.steps > 0 and stats.accepted > 0, stats
+        assert_no_leak(spec)
+    finally:
+        spec.shutdown()

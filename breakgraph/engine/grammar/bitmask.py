@@ -63,7 +63,17 @@ class GrammarMask:
         if free:
             host[free] = NEUTRAL
         self._fill(host, [grammars[i].matcher for i in held], held)
-        rows = self._rows(n)
+        self.apply_host(logits, host)
+        return True
+
+    def host_rows(self, n: int) -> torch.Tensor:
+        """``n`` neutral host rows (pinned on CUDA) for a caller that fills them itself."""
+        pin = self.device.type == "cuda"
+        return torch.full((n, self.words), NEUTRAL, dtype=torch.int32, pin_memory=pin)
+
+    def apply_host(self, logits: torch.Tensor, host: torch.Tensor) -> None:
+        """Upload the filled ``host`` rows (one non-blocking copy) and mask ``logits``."""
+        rows = self._rows(host.shape[0])
         rows.copy_(host, non_blocking=True)
         if logits.device.type == "cpu":  # xgrammar's C++ kernel: ~5x the device ops there
             import xgrammar as xgr
@@ -71,7 +81,6 @@ class GrammarMask:
             xgr.apply_token_bitmask_inplace(logits, rows)
         else:
             apply_token_bitmask(logits, rows)
-        return True
 
     def _fill(self, host: torch.Tensor, matchers: list, indices: list[int]) -> None:
         if len(matchers) == 1:

@@ -22,6 +22,23 @@ class RequestGrammar:
         as it was)."""
         return self.matcher.accept_token(token)
 
+    def fill_draft_rows(self, host, first_row: int, draft) -> None:
+        """Rows ``first_row ..`` of ``host``: the mask after each prefix of ``draft`` (a
+        speculative verify step's rows), as far as the grammar accepts the draft and has not
+        ended; the rows past that stay as they are (their tokens are never kept). The
+        matcher is left as it was."""
+        taken = 0
+        self.matcher.fill_next_token_bitmask(host, first_row)
+        for tok in draft:
+            if not self.matcher.accept_token(int(tok)):
+                break
+            taken += 1
+            if self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(host, first_row + taken)
+        if taken:
+            self.matcher.rollback(taken)
+
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
