@@ -185,6 +185,28 @@ def add_spec_args(p) -> None:
     _add_outputs(p)
 
 
+def add_grammar_args(p) -> None:
+    p.add_argument(
+        "--models", nargs="+", default=None,
+        help="built-in configs (their shapes, dummy weights) with the embedded SmolLM2 "
+        "tokenizer's vocabulary (default: llama-3.1-8b on CUDA, smollm2-135m on the CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="requests"
+    )
+    p.add_argument("--steps", type=int, default=200, help="timed full-batch steps per arm")
+    p.add_argument("--warmup-steps", type=int, default=20, help="untimed ones first, per arm")
+    p.add_argument("--rounds", type=int, default=2, help="the arms alternate this many times")
+    p.add_argument("--output-len", type=int, default=1024, help="a request's max new tokens")
+    p.add_argument("--prompt-len", type=int, default=32, help="a request's prompt tokens")
+    p.add_argument(
+        "--schema", default=None, metavar="FILE", help="a JSON schema (default: a catalog)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
+    _add_device(p)
+    _add_outputs(p)
+
+
 def add_moe_args(p) -> None:
     _add_models(p, ["qwen3-30b-a3b"])
     p.add_argument(
@@ -331,6 +353,12 @@ BENCHES = {
         add_spec_args,
         "breakgraph.bench.speculative:run_spec_bench",
     ),
+    "grammar": (
+        "the decode step with every request held to a JSON schema against unconstrained, "
+        "in-process; grammar compile times",
+        add_grammar_args,
+        "breakgraph.bench.grammar:run_grammar_bench",
+    ),
     "moe": (
         "CUDA: the fused MoE layer against dense GEMMs and the bandwidth floor; its tables",
         add_moe_args,
@@ -373,6 +401,8 @@ EXAMPLES = {
     "--output-len 16 --requests-per-level 2 --rounds 1",
     "host": "breakgraph bench host decode --batch 1 8 --steps 8 --rounds 1",
     "spec": "breakgraph bench spec --output-len 32",
+    "grammar": "breakgraph bench grammar --batch-sizes 1 8 --steps 10 --warmup-steps 3 "
+    "--output-len 128",
     "moe": "CUDA only: breakgraph bench moe --models qwen3-moe-tiny --tokens 1 64",
     "gemm": "CUDA only: breakgraph bench gemm --models qwen3-0.6b --m 1",
     "kernels": "CUDA only: breakgraph bench kernels --extend-tokens 1024 --decode-context 1024",
