@@ -86,12 +86,15 @@ def pool_windows_torch(
     ratio: int,
     overlap: bool,
     step: CompressedStep,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kv, score [T, C] (C = D, or 2D with ``overlap``), state [R, S, 3, D] float32 (S = 2
     with overlap: the open window's entry and the next one's) -> each row's pooled window
     [T, D] float32: for a row that closes its window, that window's entry before the norm;
     other rows get their partial window (the caller stores only the closing rows').
-    ``state`` rows of the step's requests are read (unless ``fresh``) and rewritten."""
+    ``state`` rows of the step's requests are read (unless ``fresh``) and rewritten.
+    ``out``: written and returned instead of a new tensor (the kernel leaves the rows that
+    close no window as they are)."""
     t_rows, c = kv.shape
     d = c // 2 if overlap else c
     b = step.start_pos.shape[0]
@@ -128,6 +131,8 @@ def pool_windows_torch(
     end_seg = (torch.arange(b, device=kv.device) * span + step.end_pos // ratio - base)[:, None]
     new_seg = end_seg + torch.arange(n_state, device=kv.device)
     state[step.req_rows] = torch.stack([peak[new_seg], total[new_seg], acc[new_seg]], dim=2)
+    if out is not None:
+        return out.copy_(pooled)
     return pooled
 
 
@@ -177,13 +182,14 @@ def sparse_attention_torch(
     picks: torch.Tensor | None,
     sinks: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over each row's last ``window`` keys of ``kv_cache`` [slots, 1, D] (K = V)
     and, with ``comp_cache`` [slots, D], its visible compressed entries (``picks`` [T, k]:
     the indexer's, -1 for none; None: all visible), softmax with a sink logit per head
-    (``sinks`` [H]) -> [T, H, D] in q's dtype."""
+    (``sinks`` [H]) -> [T, H, D] in q's dtype (into ``out`` where given)."""
     t_rows, heads, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     offs = torch.arange(window, device=q.device)
     width = step.req_to_token.shape[1]
     for lo in range(0, t_rows, ROW_CHUNK):
@@ -320,14 +326,17 @@ def _sparse_attention_kernel(
     tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
 
 
-def sparse_attention_triton(q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale):
+def sparse_attention_triton(
+    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None
+):
     """Triton twin of :func:`sparse_attention_torch`: a program per row and block of 16
     heads (the one K = V head's tiles shared by them), an online softmax over the window's
     keys and the entries, the sink last. No host sync: every bound is a device value or a
     shape."""
     t_rows, heads, d = q.shape
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1 and d & (d - 1) == 0
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.stride(2) == 1 and out.stride()[:2] == q.stride()[:2]
     if t_rows == 0:
         return out
     mode = 0 if comp_cache is None else (1 if picks is None else 2)
@@ -374,23 +383,29 @@ def _indexer_scores_kernel(
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     d = tl.arange(0, D)
     pos = tl.load(positions + t)
-    visible = e < (pos + 1) // RATIO
-    table = req_to_token + tl.load(token_rows + t).to(tl.int64) * stride_table
-    last = tl.minimum(e * RATIO + RATIO - 1, table_width - 1)
-    slot = tl.load(table + last, mask=visible, other=0).to(tl.int64)
-    keys = tl.load(
-        index_cache + slot[:, None] * stride_k + d[None, :], mask=visible[:, None], other=0.0
-    )
+    n_visible = (pos + 1) // RATIO
+    visible = e < n_visible
     total = tl.zeros((BLOCK_E,), tl.float32)
-    for h0 in range(0, heads, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < heads
-        q_tile = tl.load(
-            q + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
+    # a block past the row's visible entries scores nothing: under a decode graph the grid
+    # covers every entry the request table can hold, most of them not there yet
+    if tl.program_id(1) * BLOCK_E < n_visible:
+        table = req_to_token + tl.load(token_rows + t).to(tl.int64) * stride_table
+        last = tl.minimum(e * RATIO + RATIO - 1, table_width - 1)
+        slot = tl.load(table + last, mask=visible, other=0).to(tl.int64)
+        keys = tl.load(
+            index_cache + slot[:, None] * stride_k + d[None, :], mask=visible[:, None], other=0.0
         )
-        dots = tl.maximum(_dot(q_tile, tl.trans(keys), IEEE), 0.0) * scale
-        w = tl.load(weights + t * stride_w + h, mask=h_ok, other=0.0)
-        total += tl.sum(dots * w[:, None], 0)
+        for h0 in range(0, heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < heads
+            q_tile = tl.load(
+                q + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None],
+                other=0.0,
+            )
+            dots = tl.maximum(_dot(q_tile, tl.trans(keys), IEEE), 0.0) * scale
+            w = tl.load(weights + t * stride_w + h, mask=h_ok, other=0.0)
+            total += tl.sum(dots * w[:, None], 0)
     total = tl.where(visible, total, float("-inf"))
     tl.store(out + t * stride_o + e, total, mask=e < n_entries)
 
@@ -485,15 +500,18 @@ def _pool_kernel(
         tl.store(dst + 2 * D + c, a_i, mask=c_ok)
 
 
-def pool_windows_triton(kv, score, state, ratio, overlap, step):
+def pool_windows_triton(kv, score, state, ratio, overlap, step, out=None):
     """Triton twin of :func:`pool_windows_torch`: each (request, window) pair's entry as an
     online softmax over its rows in the step and the carried state; a closing row gets its
-    entry, other rows 0; the new state is written beside the old, then copied over it."""
+    entry, other rows 0 (``out``'s other rows are left as they are); the new state is written
+    beside the old, then copied over it."""
     t_rows, c = kv.shape
     d = c // 2 if overlap else c
     b = step.start_pos.shape[0]
     n_state = state.shape[1]
-    pooled = torch.zeros((t_rows, d), dtype=torch.float32, device=kv.device)
+    if out is None:
+        out = torch.zeros((t_rows, d), dtype=torch.float32, device=kv.device)
+    pooled = out
     new_state = torch.empty((b, n_state, 3, d), dtype=torch.float32, device=kv.device)
     span = step.max_extend // ratio + 3
     score = score.contiguous()

@@ -61,6 +61,7 @@ from breakgraph.models.deepseek_v4_attention import (
     fp32_param,
 )
 from breakgraph.models.deepseek_v4_config import V4Layout, v4_layout
+from breakgraph.models.deepseek_v4_step import begin_rows
 
 
 class DeepseekV4HyperConnection(nn.Module):
@@ -227,6 +228,7 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = DeepseekV4HyperHead(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        begin_rows(self.rotary_emb, positions)  # the layers' rope and windows, from these
         hidden = self.embed_tokens(input_ids)
         streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
@@ -237,8 +239,11 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     # K is V: the pool holds one buffer per layer for both
     kv_k_is_v = True
-    # the compressed attention's steps are not captured yet: the engine runs it eagerly
-    supports_cuda_graphs = False
+    # prefill graphs break at the compressors' pooling and the attention, decode graphs
+    # capture the whole step (deepseek_v4_attention.py)
+    supports_cuda_graphs = True
+    # a whole prefill graph would bake in the entries' bounds of its capture (not built)
+    supports_whole_prefill_graphs = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()

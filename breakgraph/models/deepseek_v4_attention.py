@@ -2,7 +2,18 @@
 paged caches: the one K = V head per token slot, each compressed layer's entries in the slot
 of its window's last token, the compressors' open windows as per-request state
 (``kernels/compressed_attention.py``); the float32 norms and the interleaved rope it shares
-with the rest of the model (``deepseek_v4.py``)."""
+with the rest of the model (``deepseek_v4.py``).
+
+Under a prefill graph, what reads the step's requests runs as two eager breaks per
+compressed layer (one per sliding layer), each reading the live step
+(``deepseek_v4_step.live_step``) and slicing its bucket-sized tensors to the live rows:
+``compress_windows`` (the compressors' pooling, which carries each request's open window) and
+``compressed_attention`` (the indexer's scores and top-k, and the attention over the window
+and the entries). Everything else reads only the rows' positions and KV slots
+(``V4Rows``) and is captured: the projections, norms and rope, the KV store, the entries'
+norm, rope and store. Padding rows store their KV and entries in the reserved slot 0, and the
+breaks leave their outputs zero.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ from torch import nn
 
 from breakgraph.distributed import get_tp_group
 from breakgraph.forward_batch import get_forward_context
+from breakgraph.graph import eager_break
 from breakgraph.kernels import ops
 from breakgraph.kernels.compressed_attention import CompressedStep
 from breakgraph.layers.linear import (
@@ -25,6 +37,7 @@ from breakgraph.layers.linear import (
 from breakgraph.layers.rotary import rope_inv_freq
 from breakgraph.models.config import ModelConfig
 from breakgraph.models.deepseek_v4_config import CSA, SLIDING, V4Layout
+from breakgraph.models.deepseek_v4_step import V4Rows, live_step, step_rows
 
 
 def fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
@@ -84,49 +97,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
 
 
-def _step() -> CompressedStep:
-    """The live step as the compressed-attention ops read it: built at the first layer, kept
-    on the batch (device ops only, no host sync)."""
-    ctx = get_forward_context()
-    batch = ctx.batch
-    step = batch.attention_plans.get("deepseek_v4")
-    if step is None:
-        t = batch.input_ids.shape[0]
-        b = batch.seq_lens.shape[0]
-        ext = batch.extend_lens.long()
-        row_req = torch.repeat_interleave(torch.arange(b, device=ext.device), ext, output_size=t)
-        first = batch.out_cache_loc[batch.extend_start_loc.long().clamp(max=max(t - 1, 0))]
-        step = batch.attention_plans["deepseek_v4"] = CompressedStep(
-            positions=batch.positions,
-            row_req=row_req,
-            req_rows=batch.req_pool_indices,
-            start_pos=batch.prefix_lens.long(),
-            end_pos=batch.seq_lens.long(),
-            fresh=(batch.prefix_lens == 0) | (first == 0),
-            req_to_token=ctx.req_to_token,
-            max_extend=max(batch.extend_lens_cpu) if batch.extend_lens_cpu else 1,
-            max_seq=max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1,
-        )
-    return step
-
-
-def rows_rope(step: CompressedStep, rotary, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of rope ``kind`` at the step's rows, once per step."""
-    return step.derive(("rope", kind), lambda: rotary(step.positions, kind))
-
-
-def _windows(step: CompressedStep, ratio: int, rotary) -> tuple[torch.Tensor, ...]:
-    """What every compressor of ``ratio`` reads of the step: each row's slot in its window
-    (its position bias), cos/sin at its window's first position (the entry's rope), and
-    where a row's entry goes (its KV slot where it closes its window, else slot 0)."""
-    ctx = get_forward_context()
-    slot_in_window = step.positions % ratio
-    cos, sin = rotary(step.positions - slot_in_window, "compress")
-    closes = slot_in_window == ratio - 1
-    dst = torch.where(closes, ctx.batch.out_cache_loc, torch.zeros_like(step.positions))
-    return slot_in_window, cos, sin, dst
-
-
 class DeepseekV4GroupedLinear(nn.Module):
     """HF's grouped output projection ``o_a_proj``: each group of heads projected on its
     own, weight [groups * rank, in_per_group]; under TP each rank holds its heads' groups."""
@@ -151,6 +121,66 @@ class DeepseekV4GroupedLinear(nn.Module):
         return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
 
 
+@eager_break
+def compress_windows(
+    comp: _Compressor,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    out: torch.Tensor,
+    indexer_kv: torch.Tensor | None = None,
+    indexer_score: torch.Tensor | None = None,
+    indexer_out: torch.Tensor | None = None,
+) -> None:
+    """The live step's rows of ``kv``/``score`` [T, C] pooled into ``out`` [T, D] float32
+    (the closing rows' entries; rows past the step's stay as they are), carrying each
+    request's open window in ``comp``'s state; with ``indexer_kv``, a CSA layer's indexer
+    likewise (one break for both)."""
+    step = live_step()
+    states = get_forward_context().kv_pool.request_states
+    n = step.positions.shape[0]
+    ops.pool_windows(kv[:n], score[:n], states[comp.state_name], comp.ratio, comp.overlap,
+                     step, out=out[:n])  # fmt: skip
+    if indexer_kv is not None:
+        ind = comp.indexer
+        ops.pool_windows(indexer_kv[:n], indexer_score[:n], states[ind.state_name], ind.ratio,
+                         ind.overlap, step, out=indexer_out[:n])  # fmt: skip
+
+
+@eager_break
+def compressed_attention(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    attn: DeepseekV4Attention,
+    indexer_q: torch.Tensor | None = None,
+    indexer_weights: torch.Tensor | None = None,
+) -> None:
+    """q/o [T, H, D]: the live step's rows over their sliding window and, on a compressed
+    layer, its entries (a CSA layer's: the indexer's top-k, scored here from ``indexer_q``
+    and ``indexer_weights``). Writes o's live rows only."""
+    step = live_step()
+    pool = get_forward_context().kv_pool
+    n = step.positions.shape[0]
+    comp = attn.compressor
+    comp_cache = picks = None
+    if comp is not None:
+        comp_cache = pool.slot_buffers[comp.cache_name]
+        if indexer_q is not None:
+            picks = comp.indexer.pick(indexer_q[:n], indexer_weights[:n], step)
+    ops.sparse_attention(
+        q[:n], pool.k_buffers[attn.layer_id], comp_cache, step, attn.sliding_window, attn.ratio,
+        picks, attn.sinks, attn.scaling, out=o[:n],
+    )  # fmt: skip
+
+
+def _zeros_past_capture(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the rows a graph replay may pad zeroed (when captured), which the breaks
+    leave unwritten: every padding value stays defined."""
+    pad_from = get_forward_context().pad_rows_from
+    if pad_from is not None and pad_from < t.shape[0]:
+        t[pad_from:].zero_()
+    return t
+
+
 class _Compressor(nn.Module):
     """One compressor: ``kv_proj`` / ``gate_proj`` to ``series * head_dim`` channels, a
     float32 ``position_bias`` per slot of the window, ``kv_norm``; pools each window into an
@@ -168,21 +198,22 @@ class _Compressor(nn.Module):
         self.position_bias = fp32_param(ratio, series * head_dim)
         self.kv_norm = DeepseekV4RMSNorm(head_dim, config.rms_norm_eps)
 
-    def compress(self, x: torch.Tensor, rotary: DeepseekV4RotaryEmbedding) -> torch.Tensor:
-        """Pool the step's rows into the cache; return the cache buffer [slots, head_dim]."""
-        ctx, step = get_forward_context(), _step()
-        pool = ctx.kv_pool
-        slot_in_window, cos, sin, dst = step.derive(
-            ("windows", self.ratio), lambda: _windows(step, self.ratio, rotary)
-        )
+    def project(self, x: torch.Tensor, rows: V4Rows) -> tuple[torch.Tensor, ...]:
+        """(kv, score with the window slot's bias, a zeroed [T, head_dim] float32 for the
+        pooled windows): what the pooling break reads and writes."""
+        slot_in_window = rows.windows(self.ratio)[0]
         kv = self.kv_proj(x)
         score = self.gate_proj(x).float() + self.position_bias[slot_in_window]
-        state = pool.request_states[self.state_name]
-        pooled = ops.pool_windows(kv, score, state, self.ratio, self.overlap, step)
-        entry = apply_rope(self.kv_norm(pooled.to(kv.dtype)), cos, sin)
-        cache = pool.slot_buffers[self.cache_name]
+        pooled = torch.zeros((x.shape[0], self.head_dim), dtype=torch.float32, device=x.device)
+        return kv, score, pooled
+
+    def store(self, pooled: torch.Tensor, rows: V4Rows, dtype: torch.dtype) -> None:
+        """The closing rows' entries (normed, roped at their window's first position) into
+        the per-slot buffer; the other rows' go to slot 0."""
+        _, cos, sin, dst = rows.windows(self.ratio)
+        entry = apply_rope(self.kv_norm(pooled.to(dtype)), cos, sin)
+        cache = get_forward_context().kv_pool.slot_buffers[self.cache_name]
         cache[dst] = entry.to(cache.dtype)
-        return cache
 
 
 class DeepseekV4Indexer(_Compressor):
@@ -200,16 +231,17 @@ class DeepseekV4Indexer(_Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = ColumnParallelLinear(config.hidden_size, self.num_heads)
 
-    def forward(
-        self, x: torch.Tensor, q_residual: torch.Tensor, rotary: DeepseekV4RotaryEmbedding
-    ) -> torch.Tensor:
-        """[T, k] the entries each row attends to (-1: none)."""
-        step = _step()
-        keys = self.compress(x, rotary)
-        t = x.shape[0]
-        q = self.q_b_proj(q_residual).view(t, self.heads_per_rank, self.head_dim)
-        q = apply_rope(q, *rows_rope(step, rotary, "compress"))
-        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, rows: V4Rows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, heads, head_dim] roped at the rows' positions, weights [T, heads] float32)."""
+        q = self.q_b_proj(q_residual).view(x.shape[0], self.heads_per_rank, self.head_dim)
+        q = apply_rope(q, *rows.rope("compress"))
+        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+
+    def pick(self, q: torch.Tensor, weights: torch.Tensor, step: CompressedStep) -> torch.Tensor:
+        """[T, k] the entries each of the step's rows attends to (-1: none)."""
+        keys = get_forward_context().kv_pool.slot_buffers[self.cache_name]
         scores = ops.indexer_scores(q, weights, keys, step, self.ratio, self.head_dim**-0.5)
         scores = self.tp.all_reduce(scores)
         picks = scores.topk(min(self.index_topk, scores.shape[1]), dim=-1)
@@ -223,8 +255,12 @@ class DeepseekV4HCACompressor(_Compressor):
     def __init__(self, config: ModelConfig, ratio: int, layer_id: int):
         super().__init__(config, config.head_dim, ratio, False, f"comp.{layer_id}")
 
-    def forward(self, x, q_residual, rotary) -> tuple[torch.Tensor, None]:
-        return self.compress(x, rotary), None
+    def forward(self, x, q_residual, rows: V4Rows) -> tuple[None, None]:
+        """Pool and store the step's entries; nothing for the attention to score."""
+        kv, score, pooled = self.project(x, rows)
+        compress_windows(self, kv, score, pooled)
+        self.store(pooled, rows, kv.dtype)
+        return None, None
 
 
 class DeepseekV4CSACompressor(_Compressor):
@@ -235,9 +271,16 @@ class DeepseekV4CSACompressor(_Compressor):
         super().__init__(config, config.head_dim, ratio, True, f"comp.{layer_id}")
         self.indexer = DeepseekV4Indexer(config, ratio, layer_id)
 
-    def forward(self, x, q_residual, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.compress(x, rotary)
-        return cache, self.indexer(x, q_residual, rotary)
+    def forward(self, x, q_residual, rows: V4Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool and store the step's entries and the indexer's keys -> the indexer's queries
+        and weights (the attention break scores the entries with them)."""
+        ind = self.indexer
+        kv, score, pooled = self.project(x, rows)
+        ikv, iscore, ipooled = ind.project(x, rows)
+        compress_windows(self, kv, score, pooled, ikv, iscore, ipooled)
+        self.store(pooled, rows, kv.dtype)
+        ind.store(ipooled, rows, ikv.dtype)
+        return ind.queries(x, q_residual, rows)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -278,22 +321,20 @@ class DeepseekV4Attention(nn.Module):
         param.data.copy_(narrow(loaded, 0, self._tp_rank * n, n))
 
     def forward(self, x: torch.Tensor, rotary: DeepseekV4RotaryEmbedding) -> torch.Tensor:
-        ctx, step = get_forward_context(), _step()
+        ctx, rows = get_forward_context(), step_rows(rotary)
         t, d = x.shape[0], self.head_dim
-        cos, sin = rows_rope(step, rotary, self.rope_kind)
+        cos, sin = rows.rope(self.rope_kind)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         kv_cache = ctx.kv_pool.k_buffers[self.layer_id]
-        kv_cache[ctx.batch.out_cache_loc, 0] = kv.to(kv_cache.dtype)
-        comp_cache = picks = None
+        kv_cache[rows.out_cache_loc, 0] = kv.to(kv_cache.dtype)
+        indexer_q = indexer_weights = None
         if self.compressor is not None:
-            comp_cache, picks = self.compressor(x, q_residual, rotary)
-        o = ops.sparse_attention(
-            q, kv_cache, comp_cache, step, self.sliding_window, self.ratio, picks, self.sinks,
-            self.scaling,
-        )  # fmt: skip
+            indexer_q, indexer_weights = self.compressor(x, q_residual, rows)
+        o = _zeros_past_capture(torch.empty_like(q))
+        compressed_attention(q, o, self, indexer_q, indexer_weights)
         o = apply_rope(o, cos, -sin)  # V = K carries rope: undone at the query's position
         grouped = self.o_a_proj(o.reshape(t, self.o_a_proj.groups, -1))
         return self.o_b_proj(grouped)

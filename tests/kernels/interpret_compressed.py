@@ -1,11 +1,15 @@
 """DeepSeek V4's compressed-attention kernels (kernels/compressed_attention.py) under
 Triton's interpreter on CPU tensors, against the torch versions (float32), over a ragged
 step of three requests with shuffled slots: attention over the sliding window alone, with
-every visible entry (HCA) and with the indexer's picks (CSA). Run as ``TRITON_INTERPRET=1
+every visible entry (HCA) and with the indexer's picks (CSA), each written into the leading
+rows of a larger output (as a graph's break writes its bucket's live rows); the indexer's
+scores over the step's entries and over a decode graph's bound (the request table's width:
+blocks no row sees yet); the pooling into a given output. Run as ``TRITON_INTERPRET=1
 python -m tests.kernels.interpret_compressed`` (started so by ``test_triton_interpret.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -60,12 +64,18 @@ def main() -> int:
     for name, cache, pk in (("window", None, None), ("every entry", comp, None),
                             ("picked entries", comp, picks)):  # fmt: skip
         args = (q, kv, cache, step, window, ratio, pk, sinks, 0.2)
-        got = ca.sparse_attention_triton(*args)
-        failed += check(f"sparse attention, {name}", got, ca.sparse_attention_torch(*args))
+        bucket = torch.full((t + 5, heads, d), 7.0)  # rows past the step's stay as they are
+        ca.sparse_attention_triton(*args, out=bucket[:t])
+        want = torch.cat([ca.sparse_attention_torch(*args), torch.full((5, heads, d), 7.0)])
+        failed += check(f"sparse attention, {name}", bucket, want)
     iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
     keys = torch.randn(n_slots, 16)
-    args = (iq, iw, keys, step, ratio, 0.25)
-    got, want = ca.indexer_scores_triton(*args), ca.indexer_scores_torch(*args)
+    got, want = [], []
+    for bound in (step, dataclasses.replace(step, max_seq=4 * step.req_to_token.shape[1])):
+        args = (iq, iw, keys, bound, ratio, 0.25)
+        got.append(ca.indexer_scores_triton(*args))
+        want.append(ca.indexer_scores_torch(*args))
+    got, want = torch.cat(got, dim=1), torch.cat(want, dim=1)
     same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     failed += check("indexer scores", got[finite], want[finite]) + (not same_mask)
@@ -85,7 +95,10 @@ def pooling(step: ca.CompressedStep) -> int:
         state[:, :, 1:].abs_()  # sums of weights are positive
         s_torch, s_triton = state.clone(), state.clone()
         want = ca.pool_windows_torch(kv, score, s_torch, ratio, overlap, step)
-        got = ca.pool_windows_triton(kv, score, s_triton, ratio, overlap, step)
+        got = torch.zeros(t + 3, d)
+        ca.pool_windows_triton(kv, score, s_triton, ratio, overlap, step, out=got[:t])
+        assert not got[t:].any()
+        got = got[:t]
         closes = closes_at[ratio]
         failed += check(f"pool windows overlap={overlap}", got[closes], want[closes])
         live = torch.isfinite(s_torch)

@@ -107,6 +107,8 @@ class GraphsBase:
         yield from self.model.buffers()
         yield from self.kv_pool.k_buffers
         yield from self.kv_pool.v_buffers
+        yield from self.kv_pool.slot_buffers.values()  # beside the KV (DeepSeek V4's entries)
+        yield from self.kv_pool.request_states.values()  # per-request state, read by address
         yield self.req_to_token
         yield from ops.graph_workspaces()
 

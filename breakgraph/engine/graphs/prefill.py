@@ -41,7 +41,7 @@ class PrefillGraphs(GraphsBase):
         dispatcher reads it). ``tail_sizes``: the tail bank's row buckets, for a model with
         ``bounded_prefill``. ``whole_max_tokens``: the buckets up to it are captured whole
         too, for lone requests (none for a model with bounded prefill: its tail is a bank of
-        its own)."""
+        its own, nor for one that says ``supports_whole_prefill_graphs = False``)."""
         super().__init__(target)
         self.max_pad_factor = max_pad_factor
         bounded = bool(getattr(target.model, "bounded_prefill", False))
@@ -57,7 +57,8 @@ class PrefillGraphs(GraphsBase):
         )  # fmt: skip
         self.whole = None
         whole_sizes = [b for b in buckets if b <= whole_max_tokens]
-        if whole_sizes and self.tail is None:
+        whole_ok = getattr(target.model, "supports_whole_prefill_graphs", True)
+        if whole_sizes and self.tail is None and whole_ok:
             # the lone request's metadata the captured attention reads: its table row, its
             # context length and its new tokens (separate buffers: each 16-byte aligned, as
             # the uploaded rows are, so the kernels compile no variant of their own)
