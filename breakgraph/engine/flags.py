@@ -212,7 +212,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "distribution). NGRAM drafts from an earlier occurrence of its last tokens (prompt "
         "lookup); STANDALONE with a smaller model of the same vocabulary "
         "(--speculative-draft-model-path); NEXTN (the model's own MTP layers) is not built "
-        "yet. Requests with logprobs, penalties or a grammar decode one token a step "
+        "yet. Requests with logprobs or penalties decode one token a step; a grammar masks "
+        "each verify row "
         "(default: off)",
     )
     g.add_argument(

@@ -110,3 +110,22 @@ def test_synthetic_acceptance_is_a_benchmark_aid(target_dir, draft_dir):
             stats = engine.scheduler.spec_stats
             assert 3.2 < stats.mean_accepted_length < 3.8, stats
             assert_no_leak(engine)
+
+
+def test_slots_exact_after_thousands_of_verify_steps(target_dir, draft_dir):
+    """Sampled requests, so that drafts are often rejected: verify steps free rows over and
+    over; after hundreds of them (and thousands of draft steps), with requests finishing and starting in
+    between, every slot is accounted for."""
+    engine = standalone(target_dir, draft_dir, k=3, max_total_tokens=4096)
+    ps = prompts(6, [3, 40, 11, 25, 8, 60], seed=21)
+    lens = [150, 60, 250, 40, 200, 100]
+    sps = [
+        SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
+        for i, n in enumerate(lens)
+    ]
+    outs = engine.generate(ps, sps)
+    assert [len(r.output_ids) for r in outs] == lens
+    stats = engine.scheduler.spec_stats
+    # hundreds of verify steps, each after k draft steps: thousands of forwards
+    assert stats.verified > 500 and stats.accepted < stats.drafted / 2, stats
+    assert_no_leak(engine)
