@@ -16,7 +16,10 @@ The steps, each measured from what was allocated before it:
   penalty pool applied, then sampled with top-k, top-p and min-p (a sort over the
   vocabulary per row) and its top-20 logprobs;
 - with speculative decoding, that batch's verify step: each request's last token and its
-  ``--speculative-num-draft-tokens`` drafts, every row's logits, every row sampled.
+  ``--speculative-num-draft-tokens`` drafts, every row's logits, every row sampled;
+- with a draft model (STANDALONE), its own chunk and decode batch: it runs between the
+  target's steps (the larger peak counts) and captures its own graphs, in a pool of its own
+  (the two estimates add up).
 
 The profile leaves nothing behind: its pools, table rows and runner are dropped, the
 penalty pool is read on its neutral row only, and the random number generators are
@@ -65,11 +68,18 @@ HEAVIEST_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0
 
 
 def plan_reserve(
-    args: EngineArgs, model, penalties, dtype: torch.dtype, device: torch.device, context_len: int
+    args: EngineArgs,
+    model,
+    penalties,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    draft=None,
 ) -> Reserve:
-    """Profile the largest steps ``args`` allows, then what the KV pool must leave beside it:
-    their peak, the graph pools' estimate and the request table (at the most running
-    requests the flags allow: ``--max-running-requests``, else the default's cap)."""
+    """Profile the largest steps ``args`` allows (and ``draft``'s, a draft model's), then
+    what the KV pool must leave beside it: their peak, the graph pools' estimate and the
+    request table (at the most running requests the flags allow: ``--max-running-requests``,
+    else the default's cap)."""
     rows = args.max_running_requests or MAX_RUNNING_DEFAULT_CAP
     chunk = min(args.chunked_prefill_size, context_len)
     drafts = 0  # draft tokens a verify step checks per request (speculative.draft_tokens)
@@ -78,6 +88,9 @@ def plan_reserve(
         drafts = steps or args.speculative_num_draft_tokens
     try:
         peaks = profile_steps(model, penalties, dtype, device, chunk, rows, drafts)
+        draft_peaks = None
+        if draft is not None:  # greedy, no penalty pool of its own
+            draft_peaks = profile_steps(draft, None, dtype, device, chunk, rows)
     except torch.OutOfMemoryError as e:  # the steps alone do not fit beside the model
         mem = DeviceMemory.of(device)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -88,10 +101,15 @@ def plan_reserve(
             "--chunked-prefill-size or --max-running-requests"
         ) from None
     banks = planned_banks(args, model, penalties, rows, context_len, device)
+    activations, graphs = peaks.activations, graph_pool_estimate(peaks, banks)
+    if draft_peaks is not None:
+        draft_banks = planned_banks(args, draft, None, rows, context_len, device)
+        activations = max(activations, draft_peaks.activations)
+        graphs += graph_pool_estimate(draft_peaks, draft_banks)
     reserve = Reserve(
-        peaks.activations,
-        graph_pool_estimate(peaks, banks),
-        request_table_bytes(rows + 1, context_len, model),  # + the padding row
+        activations,
+        graphs,
+        request_table_bytes(rows + 1, context_len, model),  # + padding row
     )
     if device.type == "cuda":
         logger.info(
@@ -213,10 +231,14 @@ def _decode(runner, penalties, table, device, rows: int, ids: np.ndarray, peak: 
     table.write_batch(batch)
     pen_rows = torch.zeros(rows, dtype=torch.int64, device=device)  # the neutral row
     peak.start()
-    logits, processed = runner.forward_penalized(batch, pen_rows)
+    if penalties is not None:
+        logits, processed = runner.forward_penalized(batch, pen_rows)
+    else:  # a draft model: no penalty pool
+        logits = processed = runner.forward(batch)
     forward = peak.read()
     sampled, _ = sample(processed, [HEAVIEST_SAMPLING] * rows, [None] * rows)
-    penalties.record(pen_rows, sampled)  # the neutral row stays zero
+    if penalties is not None:
+        penalties.record(pen_rows, sampled)  # the neutral row stays zero
     token_logprobs(logits, sampled, MAX_TOP_LOGPROBS)
     step = peak.read()
     return forward, step, logits.shape[-1] * logits.element_size()

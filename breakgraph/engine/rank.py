@@ -112,7 +112,7 @@ def build_rank(
     if draft is not None:
         weights += tensor_bytes([*draft.parameters(), *draft.buffers()])
     # the largest steps, measured before the KV pool takes what is left (memory_profile.py)
-    reserve = plan_reserve(args, model, penalties, dtype, device, context_len)
+    reserve = plan_reserve(args, model, penalties, dtype, device, context_len, draft)
     num_slots = agree_slots(
         num_kv_slots(args, model, dtype, device, context_len, weights, draft, reserve)
     )

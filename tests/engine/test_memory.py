@@ -238,6 +238,8 @@ def test_the_profile_leaves_the_engine_and_its_outputs_as_they_were(engine):
     peaks = profile_steps(
         engine.model, engine.penalties, engine.dtype, engine.device, 8192, 1024, drafts=4
     )
+    # as a draft model's profile runs: no penalty pool
+    profile_steps(engine.model, None, engine.dtype, engine.device, 8192, 1024)
     # nothing is measured on the CPU; the path ran at its CPU sizes
     assert peaks.activations == 0 and peaks.decode_rows == CPU_ROWS
     assert peaks.logits_row_bytes == engine.vocab_size * 4
