@@ -10,43 +10,23 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from breakgraph.bench.kernel_args import (
+    add_allreduce_args,
+    add_device,
+    add_gemm_args,
+    add_kernels_args,
+    add_models,
+    add_moe_args,
+    add_outputs,
+    add_tp,
+)
 from breakgraph.bench.peers import PEERS_EXAMPLE, PEERS_HELP, add_peers_args
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 
 
-def _add_tp(p) -> None:
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel ranks (CUDA)")
-    p.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        help="TP on CUDA: every all-reduce on NCCL (the engine's flag)",
-    )
-
-
-def _add_outputs(p, plot: str | None = None) -> None:
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
-    if plot:
-        p.add_argument("--plot", default=None, metavar="FILE.png", help=plot)
-
-
-def _add_models(p, default: list[str]) -> None:
-    p.add_argument(
-        "--models", nargs="+", default=default, help="built-in configs, run on dummy weights"
-    )
-
-
-def _add_device(p, default: str = "auto") -> None:
-    p.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default=default,
-        help="auto: CUDA where torch sees a GPU",
-    )
-
-
 def add_step_args(p) -> None:
-    _add_models(p, ["qwen3-0.6b"])
+    add_models(p, ["qwen3-0.6b"])
     p.add_argument(
         "--new-tokens", "-N", type=int, nargs="+", default=[256, 1024, 8192], help="the step's N"
     )
@@ -54,7 +34,7 @@ def add_step_args(p) -> None:
         "--prefix-tokens", "-P", type=int, nargs="+", default=[0], help="cached tokens before N"
     )
     p.add_argument("--reps", type=int, default=10, help="timed calls per arm (their median)")
-    _add_device(p)
+    add_device(p)
     p.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -72,18 +52,18 @@ def add_step_args(p) -> None:
         help="CUDA: per arm, the GPU's span and busy time, the delay to its first kernel, and "
         "its kernels by time beside the floor's",
     )
-    _add_tp(p)
-    _add_outputs(p, "step ms against N")
+    add_tp(p)
+    add_outputs(p, "step ms against N")
 
 
 def add_decode_args(p) -> None:
-    _add_models(p, ["qwen3-0.6b"])
+    add_models(p, ["qwen3-0.6b"])
     p.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="requests"
     )
     p.add_argument("--context", type=int, default=1024, help="each request's cached tokens")
     p.add_argument("--reps", type=int, default=20, help="timed steps per point (their median)")
-    _add_device(p)
+    add_device(p)
     p.add_argument(
         "--profile",
         action="store_true",
@@ -98,8 +78,8 @@ def add_decode_args(p) -> None:
         "moegemv<N> (MoE steps of up to N tokens on the GEMV path), moetable=PATH",
     )
     p.add_argument("--rounds", type=int, default=7, help="--variants: interleaved rounds")
-    _add_tp(p)
-    _add_outputs(p, "step ms against batch size")
+    add_tp(p)
+    add_outputs(p, "step ms against batch size")
 
 
 def add_prefill_args(p) -> None:
@@ -113,7 +93,7 @@ def add_prefill_args(p) -> None:
     p.add_argument("--warmup-waves", type=int, default=2, help="unmeasured waves first")
     p.add_argument("--waves", type=int, default=5, help="measured waves")
     p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
-    _add_outputs(p, "TTFT p50/p90 bars")
+    add_outputs(p, "TTFT p50/p90 bars")
 
 
 def _add_url(p) -> None:
@@ -135,7 +115,7 @@ def add_serving_args(p) -> None:
     )
     p.add_argument("--rounds", type=int, default=2, help="even rounds run in reverse order")
     p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
-    _add_outputs(p, "each metric against concurrency")
+    add_outputs(p, "each metric against concurrency")
 
 
 def add_host_args(p) -> None:
@@ -149,7 +129,7 @@ def add_host_args(p) -> None:
     p.add_argument("--steps", type=int, default=24, help="decode: steps per run")
     p.add_argument("--tokens", type=int, nargs="+", default=[256], help="prefill: prompt tokens")
     p.add_argument("--requests", type=int, default=None, help="prefill: 100; api: 128")
-    _add_device(p, "cpu")
+    add_device(p, "cpu")
     p.add_argument(
         "--model-path", default=None, help="default: a two-layer Qwen3 layout, dummy weights"
     )
@@ -160,7 +140,7 @@ def add_host_args(p) -> None:
     p.add_argument("--ref", help="also a commit's tree (git archive), the arms interleaved")
     p.add_argument("--ref-flags", default="", help="api: more serve flags for the ref's server")
     p.add_argument("--rounds", type=int, default=3, help="runs per arm, interleaved")
-    _add_outputs(p)
+    add_outputs(p)
 
 
 def add_spec_args(p) -> None:
@@ -181,8 +161,8 @@ def add_spec_args(p) -> None:
         help="keep this mean number of tokens per verify step whatever the model says "
         "(--bench-synthetic-accept-length: the mechanics, not the model)",
     )  # fmt: skip
-    _add_device(p, "cpu")
-    _add_outputs(p)
+    add_device(p, "cpu")
+    add_outputs(p)
 
 
 def add_grammar_args(p) -> None:
@@ -191,9 +171,7 @@ def add_grammar_args(p) -> None:
         help="built-in configs (their shapes, dummy weights) with the embedded SmolLM2 "
         "tokenizer's vocabulary (default: llama-3.1-8b on CUDA, smollm2-135m on the CPU)",
     )  # fmt: skip
-    p.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="requests"
-    )
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="requests")
     p.add_argument("--steps", type=int, default=200, help="timed full-batch steps per arm")
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed ones first, per arm")
     p.add_argument("--rounds", type=int, default=2, help="the arms alternate this many times")
@@ -203,115 +181,8 @@ def add_grammar_args(p) -> None:
         "--schema", default=None, metavar="FILE", help="a JSON schema (default: a catalog)"
     )
     p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
-    _add_device(p)
-    _add_outputs(p)
-
-
-def add_moe_args(p) -> None:
-    _add_models(p, ["qwen3-30b-a3b"])
-    p.add_argument(
-        "--tokens",
-        type=int,
-        nargs="+",
-        default=[1, 8, 32, 64, 256, 1024, 8192],
-        help="tokens per step (M)",
-    )
-    p.add_argument(
-        "--set",
-        nargs="+",
-        default=[],
-        metavar="FLAG=0|1",
-        help="override the table's variant flags for the whole run (e.g. sorted_y=1 tma=0)",
-    )
-    g = p.add_argument_group("tuning the grouped path (fused_moe's config table)")
-    g.add_argument("--sweep", action="store_true", help="search launch configs per M")
-    g.add_argument("--sweep-block-m", type=int, nargs="+", help="the sweep's BLOCK_M values")
-    g.add_argument(
-        "--sweep-table-flags",
-        action="store_true",
-        help="the sweep keeps the table's variant flags and searches the tiles only",
-    )
-    g.add_argument("--breakdown", action="store_true", help="time each kernel (profiler)")
-    g.add_argument(
-        "--ab",
-        metavar="FLAG | gate_up=BN,BK,WARPS,STAGES | down=...",
-        help="a variant flag off and on, or one GEMM's tile against the table's: both graph "
-        "replays alternating in one process",
-    )
-    g.add_argument("--rounds", type=int, default=5, help="--ab: alternating rounds")
-    g = p.add_argument_group("the GEMV path of a few tokens (fused_moe's GEMV table)")
-    g.add_argument(
-        "--gemv",
-        type=int,
-        default=0,
-        metavar="N",
-        help="steps of up to N tokens: the GEMV path against the grouped one, both graphs",
-    )
-    g.add_argument(
-        "--gemv-sweep",
-        action="store_true",
-        help="with --gemv: first search the GEMV path's block sizes at each such M",
-    )
-    g.add_argument(
-        "--gemv-kernels",
-        action="store_true",
-        help="only the GEMV path's two kernels, each alone, every config, per M in --tokens",
-    )
-    g.add_argument("--procs", type=int, default=None, help="--gemv-kernels: compile processes")
-    _add_outputs(p)
-
-
-def add_gemm_args(p) -> None:
-    _add_models(p, ["qwen3-0.6b", "llama-3.1-8b"])
-    p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="rows (tokens)")
-    p.add_argument(
-        "--tp", nargs="+", type=int, default=[1], help="also each rank's shapes at these TP sizes"
-    )
-    p.add_argument("--min-gain", type=float, default=0.03, help="keep configs this much faster")
-    p.add_argument(
-        "--gemv",
-        action="store_true",
-        help="the batch-1 GEMV kernel's configs per shape instead (the table's one-row entries)",
-    )
-    p.add_argument("--only", nargs="+", metavar="NAME", help="--gemv: only these projections")
-    p.add_argument("--procs", type=int, default=None, help="--gemv: compile processes")
-    p.add_argument(
-        "--table-out",
-        metavar="PATH",
-        help="also write the table as JSON (served by BREAKGRAPH_SKINNY=PATH, no edit)",
-    )
-    _add_outputs(p)
-
-
-def add_kernels_args(p) -> None:
-    p.add_argument("--sweep", action="store_true", help="also time other launch configs")
-    p.add_argument("--extend-tokens", type=int, default=8192, help="extend cases' new tokens")
-    p.add_argument("--decode-batch", type=int, default=32, help="decode cases' requests")
-    p.add_argument("--decode-context", type=int, default=8192, help="decode cases' context")
-    p.add_argument("--prefix", type=int, default=32768, help="long-prefix case's prefix")
-    p.add_argument(
-        "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
-    )
-
-
-def add_allreduce_args(p) -> None:
-    p.add_argument("--tp", type=int, default=2, help="ranks (GPUs)")
-    p.add_argument(
-        "--kib",
-        type=int,
-        nargs="+",
-        default=[8, 16, 32, 64, 128, 256, 512, 1024, 4096],
-        help="message sizes",
-    )
-    p.add_argument("--ops", type=int, default=64, help="all-reduces per graph (a step's)")
-    p.add_argument(
-        "--norm-rows",
-        type=int,
-        nargs="*",
-        default=[],
-        help="also the fused all-reduce + add + RMSNorm at these row counts (e.g. 1 8 64)",
-    )
-    p.add_argument("--hidden", type=int, default=4096, help="the fused norm's row width")
+    add_device(p)
+    add_outputs(p)
 
 
 def add_plot_args(p) -> None:
