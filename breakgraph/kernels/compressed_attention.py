@@ -35,6 +35,16 @@ except ImportError:
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
+
+def _jit_live(*names: str):
+    """``triton.jit`` with the integer arguments ``names`` not specialized: they follow the
+    live step (picks per row, entries, windows per request), and a new value class (1, a
+    multiple of 16, other) would otherwise compile a variant in traffic."""
+    if triton is None:
+        return lambda fn: fn
+    return lambda fn: triton.jit(fn, do_not_specialize=list(names))
+
+
 ROW_CHUNK = 256
 
 
@@ -244,7 +254,7 @@ def _attend_block(q, keys, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     return m_new, l_i, acc
 
 
-@_jit
+@_jit_live("n_picks", "stride_picks")
 def _sparse_attention_kernel(
     q,
     kv_cache,
@@ -354,7 +364,7 @@ def sparse_attention_triton(
     return out
 
 
-@_jit
+@_jit_live("n_entries", "stride_o")
 def _indexer_scores_kernel(
     q,
     weights,
@@ -430,7 +440,7 @@ def indexer_scores_triton(q, weights, index_cache, step, ratio, scale):
     return out
 
 
-@_jit
+@_jit_live("span")
 def _pool_kernel(
     kv,
     score,
