@@ -35,10 +35,10 @@ from pathlib import Path
 
 PEERS_HELP = "breakgraph against another engine (vLLM), started one after the other, one client"
 PEERS_EXAMPLE = (  # a second breakgraph standing in for the peer, sized for the CPU
-    "breakgraph bench peers --models smollm2-135m --peer command --peer-command \\\n"
-    "  '{python} -m breakgraph.cli serve --model-path {model_dir} --load-format dummy "
-    "--port {port}' \\\n  --context-length 512 --first-tokens 64 --first-waves 2 --prefill "
-    "'cold 64 2' --concurrency 1 --input-len 64 \\\n  --output-len 8 --requests-per-level 2 "
+    "breakgraph bench peers --models smollm2-135m --peer command --peer-command "
+    "'{python} -m breakgraph.cli serve --model-path {model_dir} --load-format dummy "
+    "--port {port}' --context-length 512 --first-tokens 64 --first-waves 2 --prefill "
+    "'cold 64 2' --concurrency 1 --input-len 64 --output-len 8 --requests-per-level 2 "
     "--rounds 1"
 )
 SEED_PREFILL = ["cold 8192 8", "hit 65536 1", "cold 256 1", "cold 1024 1", "cold 256 16"]
