@@ -18,8 +18,10 @@ What sets V4 apart (the config's fields: ``deepseek_v4_config.py``):
   ``sqrtsoftplus`` scores with a correction bias (``moe``) or by a frozen token -> experts
   table (``hash_moe``, ``tid2eid[input_ids]``), plus a shared expert.
 
-The attention and its compressors are in ``deepseek_v4_attention.py``, checkpoint loading in
-``deepseek_v4_weights.py``.
+The attention and its compressors are in ``deepseek_v4_attention.py`` (with what of them a
+prefill graph captures and what runs in its eager breaks), the per-step derivations in
+``deepseek_v4_step.py`` (a V4 forward calls ``begin_rows`` with its positions before its
+layers), checkpoint loading in ``deepseek_v4_weights.py``.
 
 **The caches** (``kv_cache_shapes``, ``kv_slot_shapes``, ``request_state_shapes``): every
 layer stores its K = V row per token slot (the sliding window reads the last
