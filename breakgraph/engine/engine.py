@@ -147,6 +147,7 @@ class Engine:
             penalized_forward=self.runner.forward_penalized,
             grammar_mask=GrammarMask(self.vocab_size, device),
             drafter=rank.drafter,
+            request_states=self.kv_pool.request_states,
         )
         # requests whose grammar compiles (on threads), and those refused: (rid, reason)
         self.grammars = self._grammars(args)

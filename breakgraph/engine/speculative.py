@@ -13,7 +13,9 @@ on one token (both proposers are deterministic): draft token d is kept with prob
 under the row's sampling distribution (temperature, top-k, top-p, min-p), and at the first
 rejection the row samples from p with d removed; if every draft token is kept, the last row
 samples a bonus token. The emitted tokens are distributed as plain sampling's (greedy: the
-same tokens). The KV slots of rejected rows go back to the allocator at once. A benchmark
+same tokens). The KV slots of rejected rows go back to the allocator at once; a model's
+per-request state (DeepSeek V4's open compressor windows), which the verify step advanced
+through every row, is restored and advanced over the kept rows again (``_rewind``). A benchmark
 may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
 
 A constrained request's verify rows are masked by its grammar after each prefix of its draft
@@ -92,6 +94,7 @@ class Verify:
     choice: int | None = None
     accept: int | None = None
     draft_ids: int | None = None  # a draft model's drafts, read back with the step
+    saved: dict[str, torch.Tensor] | None = None  # the model's per-request state before it
 
 
 @dataclass
@@ -197,8 +200,6 @@ def draft_tokens(args, model) -> int:
         why = "yet (the target's own MTP layers: STANDALONE or NGRAM meanwhile)"
     elif algorithm == "STANDALONE" and not args.speculative_draft_model_path:
         why = "without --speculative-draft-model-path (the draft model)"
-    elif getattr(model, "request_state_shapes", None) and model.request_state_shapes():
-        why = "for models with per-request state (DeepSeek V4's compressors: no rollback yet)"
     if why:
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported {why}")
     if algorithm == "STANDALONE" and args.speculative_num_steps:
@@ -254,15 +255,24 @@ class SpecDecoder:
         self.device = device
         self.stats = SpecStats()
         self.pending: Verify | None = None  # scheduled, not yet launched
+        # a model's per-request state (DeepSeek V4's open compressor windows): a verify step
+        # advances it through every row, so it is saved first and, where a draft token is
+        # rejected, restored and advanced again over the kept rows (``_rewind``)
+        self.request_states: dict[str, torch.Tensor] = {}
+        self._forward = None
 
     @classmethod
-    def of(cls, config, cache, device: torch.device, drafter=None) -> SpecDecoder | None:
+    def of(
+        cls, config, cache, device: torch.device, drafter=None, request_states=None
+    ) -> SpecDecoder | None:
         """A scheduler's speculative decoder (None: speculation off)."""
         k = config.speculative_num_draft_tokens
         if not k:
             return None
         synthetic = config.speculative_synthetic_accept_length
-        return cls(k, cache, config.max_context_len, device, drafter, synthetic)
+        spec = cls(k, cache, config.max_context_len, device, drafter, synthetic)
+        spec.request_states = request_states or {}
+        return spec
 
     def mirror(self, batch: ForwardBatch) -> None:
         """A target step that is not a verify step: the draft model writes its KV too."""
@@ -328,6 +338,11 @@ class SpecDecoder:
             for r, t in zip(rows, np.concatenate(verify.drafts).tolist(), strict=True):
                 nxt[r - 1] = t
             (draft_next,) = upload_many([nxt], torch.int64, batch.input_ids.device)
+        if self.request_states:
+            (rows,) = upload_many([[r.req_pool_idx for r in verify.reqs]], torch.int64,
+                                  batch.input_ids.device)  # fmt: skip
+            verify.saved = {k: t[rows] for k, t in self.request_states.items()}
+            self._forward = forward
         logits = forward(batch)
         constrained = [i for i, r in enumerate(verify.reqs) if r.grammar is not None]
         if constrained and grammar_mask is not None:
@@ -356,6 +371,7 @@ class SpecDecoder:
             drafts = np.split(flat, np.cumsum([len(d) for d in drafts])[:-1])
         stats = self.stats
         stats.steps += 1
+        rewind: list[tuple[Req, list[int]]] = []
         for req, draft, start in zip(verify.reqs, drafts, verify.starts, strict=True):
             rows = slice(start, start + 1 + len(draft))
             if self.synthetic is not None:
@@ -369,4 +385,33 @@ class SpecDecoder:
             self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
             if self.drafter is not None and draft.size and len(toks) > len(draft):
                 req.draft_hole = req.kv_len - 1  # its last draft token's draft KV
+            if verify.saved is not None and len(toks) <= len(draft):
+                rewind.append((req, toks[:-1]))
             yield req, toks
+        rewind = [(req, kept_draft) for req, kept_draft in rewind if not req.finished]
+        if rewind:  # before the next step (the caller has taken every request's tokens)
+            self._rewind(verify, rewind)
+
+    def _rewind(self, verify: Verify, rewind: list[tuple[Req, list[int]]]) -> None:
+        """Requests that rejected a draft token: their per-request state back to before the
+        verify step, then advanced over the rows they kept (their last token and accepted
+        draft) by a forward of those rows. It writes their KV again, the same values at the
+        same slots; its logits are not used."""
+        index = {id(r): i for i, r in enumerate(verify.reqs)}
+        at = [index[id(req)] for req, _ in rewind]
+        device = next(iter(self.request_states.values())).device
+        pick, rows = upload_many([at, [req.req_pool_idx for req, _ in rewind]], torch.int64, device)
+        for name, state in self.request_states.items():
+            state[rows] = verify.saved[name][pick]
+        ids, slots, prefixes, ext = [], [], [], []
+        for req, accepted in rewind:
+            start = verify.prefixes[index[id(req)]]
+            ids += [req.fill_prefix(start + 1, start).tolist()[0], *accepted]
+            slots.append(req.kv_slots[start : start + 1 + len(accepted)])
+            prefixes.append(start)
+            ext.append(1 + len(accepted))
+        batch = extend_batch(
+            np.asarray(ids, dtype=np.int32), torch.cat(slots), [r.req_pool_idx for r, _ in rewind],
+            prefixes, ext, self.cache.req_pool, device,
+        )  # fmt: skip
+        self._forward(batch)
