@@ -196,8 +196,9 @@ def sparse_attention_torch(
 ) -> torch.Tensor:
     """q [T, H, D] over each row's last ``window`` keys of ``kv_cache`` [slots, 1, D] (K = V)
     and, with ``comp_cache`` [slots, D], its visible compressed entries (``picks`` [T, k]:
-    the indexer's, -1 for none; None: all visible), softmax with a sink logit per head
-    (``sinks`` [H]) -> [T, H, D] in q's dtype (into ``out`` where given)."""
+    the indexer's top-k as it comes, any entry -1 or not visible yet skipped; None: all
+    visible), softmax with a sink logit per head (``sinks`` [H]) -> [T, H, D] in q's dtype
+    (into ``out`` where given)."""
     t_rows, heads, d = q.shape
     out = torch.empty_like(q) if out is None else out
     offs = torch.arange(window, device=q.device)
@@ -215,7 +216,7 @@ def sparse_attention_torch(
                 _, visible, cslots = _visible_entries(step, ratio, rows)
             else:
                 p = picks[rows]
-                visible = p >= 0
+                visible = (p >= 0) & (p < ((pos + 1) // ratio)[:, None])
                 last_pos = (p.clamp(min=0) * ratio + ratio - 1).clamp(max=width - 1)
                 cslots = step.req_to_token[table[:, None], last_pos].long()
             keys = torch.cat([keys, comp_cache[cslots].float()], dim=1)
@@ -316,11 +317,12 @@ def _sparse_attention_kernel(
                 comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
             )
             m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
-    if MODE == 2:  # the indexer's picks (-1: none)
+    if MODE == 2:  # the indexer's picks (-1 or not visible yet: none)
+        visible = (pos + 1) // RATIO
         for j0 in range(0, n_picks, BLOCK_N):
             j = j0 + n
             e = tl.load(picks + t * stride_picks + j, mask=j < n_picks, other=-1)
-            ok = e >= 0
+            ok = (e >= 0) & (e < visible)
             last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
             slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
             keys = tl.load(

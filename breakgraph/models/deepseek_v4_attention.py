@@ -240,13 +240,13 @@ class DeepseekV4Indexer(_Compressor):
         return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
 
     def pick(self, q: torch.Tensor, weights: torch.Tensor, step: CompressedStep) -> torch.Tensor:
-        """[T, k] the entries each of the step's rows attends to (-1: none)."""
+        """[T, k] the entries each of the step's rows attends to: the top-k of its scores,
+        where a row that sees fewer than k entries gets some it cannot see yet (scored
+        ``-inf``), which the attention skips."""
         keys = get_forward_context().kv_pool.slot_buffers[self.cache_name]
         scores = ops.indexer_scores(q, weights, keys, step, self.ratio, self.head_dim**-0.5)
         scores = self.tp.all_reduce(scores)
-        picks = scores.topk(min(self.index_topk, scores.shape[1]), dim=-1)
-        visible = (step.positions + 1) // self.ratio
-        return torch.where(picks.indices < visible[:, None], picks.indices, -1)
+        return scores.topk(min(self.index_topk, scores.shape[1]), dim=-1).indices
 
 
 class DeepseekV4HCACompressor(_Compressor):

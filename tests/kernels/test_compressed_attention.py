@@ -151,11 +151,11 @@ def test_sparse_attention_equals_dense_softmax_with_sinks():
     comp = torch.randn(seq + 1, d)
     q = torch.randn(10, heads, d)
     sinks = torch.randn(heads)
-    picks = torch.tensor([[0, 3, -1, 5]] * 10)
+    picks = torch.tensor([[0, 3, -1, 5, 9]] * 10)  # entry 9: seen from position 39 only
     out = sparse_attention_torch(q, kv, comp, step, window, ratio, picks, sinks, 0.3)
     for i, p in enumerate(range(30, seq)):
         keys = [kv[1 + j, 0] for j in range(p - window + 1, p + 1)]
-        keys += [comp[1 + e * ratio + ratio - 1] for e in (0, 3, 5) if e < (p + 1) // ratio]
+        keys += [comp[1 + e * ratio + ratio - 1] for e in (0, 3, 5, 9) if e < (p + 1) // ratio]
         keys = torch.stack(keys)
         logits = q[i] @ keys.T * 0.3
         z = torch.cat([logits, sinks[:, None]], dim=1).softmax(dim=1)[:, :-1]
