@@ -46,12 +46,14 @@ class _BreakRecord:
 
 
 def _shape(x) -> tuple | None:
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+    """A tensor's shape and dtype (what a captured address fixes), None for anything else."""
+    return (*x.shape, x.dtype) if isinstance(x, torch.Tensor) else None
 
 
 def _frozen(captured, now):
-    """A replayed break's argument: its tensor now (same shape as at capture), anything else
-    as captured (a CUDA graph's break holds its non-tensor arguments from the capture)."""
+    """A replayed break's argument: its tensor now (shape and dtype as at capture),
+    anything else as captured (a CUDA graph's break holds its non-tensor arguments from the
+    capture)."""
     if isinstance(captured, torch.Tensor) or captured is None:
         if _shape(captured) != _shape(now):
             raise AssertionError(f"break argument {_shape(now)} captured as {_shape(captured)}")
