@@ -10,10 +10,13 @@ and a request that finishes (its grammar's end, or ``--output-len``) is replaced
 step counts only when it decodes the full batch (not a replacement's prefill, nor a step
 short of a request) and after ``--warmup-steps`` such steps, by which time the kernels are
 compiled and the schema's grammar is in xgrammar's cache. The arms alternate over
-``--rounds``; each reports the median step. For the constrained arm the mask's cost is split:
-the host's fill (xgrammar, inside the step) and the whole mask on the host (fill, upload,
-apply; the apply is the work itself on the CPU, launches on CUDA), and the device's upload and
-apply timed alone. Every constrained answer that ended by its grammar is parsed as JSON.
+``--rounds``; each reports the median step. For the constrained arm the mask's cost is split,
+per counted step: the host's fill (xgrammar), the whole mask on the host (fill, upload,
+apply: on CUDA its launches, on the CPU the work itself), and the device's upload and apply
+(CUDA: two events around them on the stream; the CPU: the mask's host time past the fill).
+Under overlap scheduling the fill runs while the GPU runs the step's forward: it costs the
+step only where the host's work outlasts the forward. Every constrained answer that ended by
+its grammar is parsed as JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from breakgraph.bench.grammar_setup import (
     embedded_tokenizer,
     format_compile_times,
 )
-from breakgraph.bench.timing import resolve_device, time_ms
+from breakgraph.bench.timing import resolve_device
 
 KEPT_ANSWERS = 16  # finished constrained answers kept per point in --json
 
@@ -48,6 +51,7 @@ class ArmSteps:
     gpu_ms: list[float] = field(default_factory=list)  # the forward on the device (CUDA)
     fill_ms: list[float] = field(default_factory=list)  # constrained: xgrammar's fill
     mask_ms: list[float] = field(default_factory=list)  # constrained: the whole mask, host
+    apply_ms: list[float] = field(default_factory=list)  # constrained: upload and apply
     finished: int = 0  # requests finished by their grammar (constrained) or length
     output_tokens: int = 0  # theirs, in all
     answers: list[str] = field(default_factory=list)  # constrained answers that ended
@@ -63,7 +67,8 @@ class GrammarPoint:
     ratio: float  # json / free (the goal: <= 1.10)
     fill_ms: float  # per constrained step: xgrammar's fill of the batch's rows (host)
     mask_ms: float  # per constrained step: the mask on the host (fill, upload, apply)
-    apply_device_ms: float  # the upload and apply alone at this batch (a device sync each)
+    apply_ms: float  # per constrained step: the upload and apply on the device (the CPU: the
+    # mask's host time past the fill, as the CPU applies it inside the call)
     free_gpu_ms: float | None  # CUDA: the forward's device time per step
     json_gpu_ms: float | None
     steps: int  # counted steps per arm
@@ -74,18 +79,28 @@ class GrammarPoint:
 
 
 class _MaskTimer:
-    """Host time of the engine's ``GrammarMask`` per step: its ``apply`` and, inside it,
-    xgrammar's fill (wrapped on the instance; the engine's code runs unchanged)."""
+    """Time of the engine's ``GrammarMask`` per step, wrapped on the instance (the engine's
+    code runs unchanged): the host time of its ``apply`` and, inside it, of xgrammar's fill;
+    on CUDA also a pair of events around the ``apply``, which on the stream bracket exactly
+    the upload and the apply it queues (read once the arm is over: no sync in a step)."""
 
-    def __init__(self, mask):
+    def __init__(self, mask, cuda: bool):
         self.fill = self.apply = 0.0
+        self.events: list = []
         apply, fill = mask.apply, mask._fill
 
         def timed_apply(*a):
             t0 = time.perf_counter()
+            pair = None
+            if cuda:
+                pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                pair[0].record()
             try:
                 return apply(*a)
             finally:
+                if pair is not None:
+                    pair[1].record()
+                    self.events.append(pair)
                 self.apply += time.perf_counter() - t0
 
         def timed_fill(*a):
@@ -97,10 +112,10 @@ class _MaskTimer:
 
         mask.apply, mask._fill = timed_apply, timed_fill
 
-    def take(self) -> tuple[float, float]:
-        """(fill, apply) ms since the last call."""
-        out = (self.fill * 1e3, self.apply * 1e3)
-        self.fill = self.apply = 0.0
+    def take(self) -> tuple[float, float, list]:
+        """(fill ms, apply ms, CUDA event pairs) since the last call."""
+        out = (self.fill * 1e3, self.apply * 1e3, self.events)
+        self.fill, self.apply, self.events = 0.0, 0.0, []
         return out
 
 
@@ -122,6 +137,7 @@ def run_arm(eng, args, bs: int, schema: str | None, rng: random.Random, timer) -
     )  # fmt: skip
     live: dict[str, list[int]] = {}
     out = ArmSteps()
+    events = []  # CUDA: each counted constrained step's event pairs around the mask
 
     def add() -> None:
         ids = _prompt(base, args.prompt_len, rng, eng.vocab_size)
@@ -147,7 +163,7 @@ def run_arm(eng, args, bs: int, schema: str | None, rng: random.Random, timer) -
             refused = eng.take_rejected()
             if refused:
                 raise SystemExit(f"error: bench grammar: {refused[0][1]}")
-            fill_ms, mask_ms = timer.take()
+            fill_ms, mask_ms, pairs = timer.take()
             gpu_ms = eng.last_step_timing.gpu_ms
             for d in deltas:
                 live[d.rid].extend(d.token_ids)
@@ -165,6 +181,11 @@ def run_arm(eng, args, bs: int, schema: str | None, rng: random.Random, timer) -
             if schema is not None:
                 out.fill_ms.append(fill_ms)
                 out.mask_ms.append(mask_ms)
+                out.apply_ms.append(mask_ms - fill_ms)  # the CPU's apply: in the call
+                events.append(pairs)
+        if eng.device.type == "cuda" and schema is not None:
+            torch.cuda.synchronize()  # the arm is over: read its events
+            out.apply_ms = [sum(a.elapsed_time(b) for a, b in p) for p in events]
     finally:
         for rid in live:
             eng.abort(rid)
@@ -190,32 +211,6 @@ def _finished(out: ArmSteps, tok, ids: list[int], reason: dict | None, held: boo
             out.invalid.append(text)
 
 
-def apply_device_ms(eng, bs: int, reps: int) -> float:
-    """The mask's device work at batch ``bs``: the upload of its rows from pinned memory and
-    the apply over [bs, vocab] float32 logits (GrammarMask.apply's device half; CPU: the
-    xgrammar kernel it calls there)."""
-    from breakgraph.engine.grammar import apply_token_bitmask
-
-    mask, device = eng.scheduler.grammar_mask, eng.device
-    host = torch.full((bs, mask.words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
-    host[:, ::3] = 0x5555_5555  # content does not matter to elementwise ops
-    rows = torch.empty((bs, mask.words), dtype=torch.int32, device=device)
-    logits = torch.zeros((bs, eng.vocab_size), dtype=torch.float32, device=device)
-    if device.type == "cpu":
-        import xgrammar as xgr
-
-        def run():
-            rows.copy_(host)
-            xgr.apply_token_bitmask_inplace(logits, rows)
-    else:
-
-        def run():
-            rows.copy_(host, non_blocking=True)
-            apply_token_bitmask(logits, rows)
-
-    return time_ms(run, reps, back_to_back=device.type == "cuda")
-
-
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -237,7 +232,7 @@ def measure_model(
             cuda_graph_backend_prefill="disabled",  # a replacement's prefill is not timed
         )
     )  # fmt: skip
-    timer = _MaskTimer(eng.scheduler.grammar_mask)
+    timer = _MaskTimer(eng.scheduler.grammar_mask, eng.device.type == "cuda")
     source = json.dumps(schema)
     rng = random.Random(args.seed)
     points = []
@@ -249,7 +244,7 @@ def measure_model(
                 for arm in order:
                     got = run_arm(eng, args, bs, source if arm == "json" else None, rng, timer)
                     merge(arms[arm], got)
-            pt = point(model, bs, arms, apply_device_ms(eng, bs, max(args.steps, 20)))
+            pt = point(model, bs, arms)
             points.append(pt)
             print(format_point(pt), flush=True)
             if arms["json"].invalid:
@@ -260,19 +255,19 @@ def measure_model(
 
 
 def merge(into: ArmSteps, got: ArmSteps) -> None:
-    for f in ("step_ms", "gpu_ms", "fill_ms", "mask_ms", "answers", "invalid"):
+    for f in ("step_ms", "gpu_ms", "fill_ms", "mask_ms", "apply_ms", "answers", "invalid"):
         getattr(into, f).extend(getattr(got, f))
     into.finished += got.finished
     into.output_tokens += got.output_tokens
 
 
-def point(model: str, bs: int, arms: dict[str, ArmSteps], apply_ms: float) -> GrammarPoint:
+def point(model: str, bs: int, arms: dict[str, ArmSteps]) -> GrammarPoint:
     free, held = arms["free"], arms["json"]
     free_ms, json_ms = statistics.median(free.step_ms), statistics.median(held.step_ms)
     return GrammarPoint(
         model=model, batch_size=bs, free_ms=free_ms, json_ms=json_ms,
         ratio=json_ms / free_ms, fill_ms=statistics.median(held.fill_ms),
-        mask_ms=statistics.median(held.mask_ms), apply_device_ms=apply_ms,
+        mask_ms=statistics.median(held.mask_ms), apply_ms=statistics.median(held.apply_ms),
         free_gpu_ms=_median(free.gpu_ms), json_gpu_ms=_median(held.gpu_ms),
         steps=min(len(free.step_ms), len(held.step_ms)), json_finished=held.finished,
         json_mean_tokens=held.output_tokens / held.finished if held.finished else 0.0,
@@ -284,7 +279,7 @@ def format_point(pt: GrammarPoint) -> str:
     line = (
         f"{pt.model:<14} bs={pt.batch_size:<3} free {pt.free_ms:8.3f} ms  json {pt.json_ms:8.3f}"
         f" ms  {pt.ratio:5.3f}x  | fill {pt.fill_ms:.3f}  mask (host) {pt.mask_ms:.3f}  apply "
-        f"(device) {pt.apply_device_ms:.3f} ms"
+        f"(device) {pt.apply_ms:.3f} ms"
     )
     if pt.free_gpu_ms is not None and pt.json_gpu_ms is not None:
         line += f"  | forward on the GPU {pt.free_gpu_ms:.3f} / {pt.json_gpu_ms:.3f} ms"

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # A catalog: a bounded summary, then at least eight records of every JSON kind (integers,
-# bounded strings, an enum, booleans, numbers, a nested array). Under sampling from random
-# logits an answer runs 500-1000 tokens and ends by the grammar, so a request lives long in
-# the batch and its steps cross every kind of grammar state, not mostly a string's.
+# bounded strings, an enum, booleans, numbers, a nested array). Sampled from random logits
+# (dummy weights) an answer runs 600-1200 tokens (650 in the median) and ends by the grammar:
+# a request lives long in the batch, and its steps cross every kind of grammar state, not
+# mostly a string's.
 CATALOG_SCHEMA = {
     "type": "object",
     "properties": {

@@ -45,7 +45,7 @@ def test_constrained_against_free_decode_steps_and_compile_times(tmp_path):
     for p in points:
         assert p["steps"] == 16 and p["free_ms"] > 0 and p["json_ms"] > 0, p
         assert p["ratio"] == pytest.approx(p["json_ms"] / p["free_ms"])
-        assert 0 < p["fill_ms"] <= p["mask_ms"] and p["apply_device_ms"] > 0, p
+        assert 0 < p["fill_ms"] < p["mask_ms"] and p["apply_ms"] > 0, p
         assert p["free_gpu_ms"] is None  # the forward's device time: CUDA only
         assert p["json_valid"] == p["json_finished"] >= len(p["answers"]), p
         answers += p["answers"]
