@@ -191,3 +191,47 @@ def test_deepseek_v4_state_rewound_past_rejected_drafts(tmp_path, llama_dir, alg
     stats = engine.scheduler.spec_stats
     assert stats.steps > 0 and stats.accepted < stats.drafted, stats  # some rejected
     assert_no_leak(engine)
+
+
+def test_sampled_tokens_keep_their_distribution_through_the_engine(llama_dir):
+    """The statistical check on a tiny model: 3,000 seeded requests sample 3 tokens (top-k 8)
+    with the model drafting for itself, greedily, so the second token is an accepted draft,
+    a residual draw or a bonus draw. Its empirical distribution against the exact one
+    (sum over the first token of p(t1) p(t2 | t1), from HF's logits): a chi-square test
+    over the bins, at the 0.001 level."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).float().eval()
+    prompt = repeating(3, 5, 15)
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        top = torch.topk(logits, 8)
+        return torch.zeros_like(logits).scatter(0, top.indices, torch.softmax(top.values, 0))
+
+    p1 = probs(prompt)
+    exact = sum(p1[t] * probs([*prompt, t]) for t in torch.nonzero(p1).flatten().tolist())
+    n = 3000
+    engine = make_engine(
+        llama_dir, speculative_algorithm="STANDALONE", speculative_num_draft_tokens=2,
+        speculative_draft_model_path=str(llama_dir), max_total_tokens=65536,
+        max_running_requests=512,
+    )  # fmt: skip
+    sps = [
+        SamplingParams(max_new_tokens=3, temperature=1.0, top_k=8, seed=i, ignore_eos=True)
+        for i in range(n)
+    ]
+    outs = engine.generate([prompt] * n, sps)
+    stats = engine.scheduler.spec_stats
+    assert 100 < stats.accepted < 0.9 * stats.drafted, stats  # kept at times, not always
+    counts = np.bincount([r.output_ids[1] for r in outs], minlength=exact.numel())
+    expected = exact.double().numpy() * n
+    big = expected >= 5  # the rest pooled into one bin
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    chi2 = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # the 0.001 level; Wilson-Hilferty's chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert chi2 < critical, (chi2, critical, df)
