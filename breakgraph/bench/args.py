@@ -180,6 +180,10 @@ def add_grammar_args(p) -> None:
     p.add_argument(
         "--schema", default=None, metavar="FILE", help="a JSON schema (default: a catalog)"
     )
+    p.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="an HF directory with the tokenizer.json to use (default: the embedded SmolLM2's)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")
     add_device(p)
     add_outputs(p)

@@ -33,9 +33,9 @@ import torch
 
 from breakgraph.bench.grammar_setup import (
     CATALOG_SCHEMA,
+    bench_tokenizer,
     checkpoint_dir,
     compile_times,
-    embedded_tokenizer,
     format_compile_times,
 )
 from breakgraph.bench.timing import resolve_device
@@ -293,7 +293,7 @@ def run_grammar_bench(args) -> dict:
     device = resolve_device(args.device)
     models = args.models or (["llama-3.1-8b"] if device == "cuda" else ["smollm2-135m"])
     schema = json.loads(Path(args.schema).read_text()) if args.schema else CATALOG_SCHEMA
-    tokenizer = embedded_tokenizer()
+    tokenizer = bench_tokenizer(args.tokenizer)
     times = compile_times(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     print(format_compile_times(times), flush=True)
     points: list[GrammarPoint] = []

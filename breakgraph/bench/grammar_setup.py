@@ -47,6 +47,27 @@ def embedded_tokenizer():
     return load_tokenizer(None)
 
 
+def bench_tokenizer(path: str | None):
+    """The tokenizer of an HF directory (its tokenizer.json), or None: the embedded SmolLM2's.
+    A directory stands in for the embedded model (94 MB) where that is not installed: write
+    one with ``save_tokenizer(embedded_tokenizer(), DIR)``."""
+    if path is None:
+        return embedded_tokenizer()
+    from breakgraph.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(path)
+
+
+def save_tokenizer(tokenizer, out: str | Path) -> Path:
+    """``tokenizer``'s files in the HF layout: tokenizer.json and tokenizer_config.json (its
+    special tokens), which ``Tokenizer.from_pretrained`` reads back (EOS included)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.special_tokens))
+    return out
+
+
 def checkpoint_dir(model: str, tokenizer, out: Path) -> Path:
     """An HF checkpoint directory (no weights: run it with ``--load-format dummy``) of the
     built-in config ``model`` with ``tokenizer``'s vocabulary: config.json with its
@@ -60,10 +81,8 @@ def checkpoint_dir(model: str, tokenizer, out: Path) -> Path:
     config["vocab_size"] = tokenizer.vocab_size
     config["bos_token_id"] = tokenizer.bos_token_id
     config["eos_token_id"] = sorted(tokenizer.eos_token_ids)
-    out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(tokenizer, out)
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer.backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.special_tokens))
     return out
 
 
