@@ -36,6 +36,28 @@ class BenchError(Exception):
     cannot be reached."""
 
 
+async def stream_events(resp, route: str):
+    """Each ``data:`` event of a streamed answer, parsed, with the time it arrived; ends at
+    ``[DONE]``. A status other than 200, or an error event, raises a ``BenchError`` naming
+    ``route``. orjson: at concurrency 64+ the client parses an event per request per step,
+    each cumulative (all output ids so far); with the stdlib's parser the client, not the
+    server, was the bound."""
+    if resp.status != 200:
+        text = await resp.text()
+        raise BenchError(f"{route} answered {resp.status}: {text[:300]}")
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        now = time.perf_counter()
+        payload = line[len(b"data:") :].strip()
+        if payload == b"[DONE]":
+            return
+        event = orjson.loads(payload)
+        if "error" in event:
+            raise BenchError(f"{route} stream error: {event['error']}")
+        yield now, event
+
+
 def connection_problem(e: BaseException) -> str:
     """Why a request got no answer, in words (aiohttp's repr names its connection key)."""
     cause = getattr(e, "os_error", None) or e
@@ -184,22 +206,7 @@ class ServerClient:
         itl: list[float] = []
         meta: dict = {}
         async with self.http.post("/generate", data=content, headers=headers) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                raise BenchError(f"/generate answered {resp.status}: {text[:300]}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                now = time.perf_counter()
-                payload = line[len(b"data:") :].strip()
-                if payload == b"[DONE]":
-                    break
-                # orjson: at concurrency 64+ the client parses an event per request per step,
-                # each cumulative (all output ids so far); with the stdlib's parser the
-                # client, not the server, was the bound
-                event = orjson.loads(payload)
-                if "error" in event:
-                    raise BenchError(f"/generate stream error: {event['error']}")
+            async for now, event in stream_events(resp, "/generate"):
                 meta = event.get("meta_info", {})
                 count = meta.get("completion_tokens", len(event.get("output_ids", [])))
                 new = count - tokens

@@ -18,7 +18,7 @@ import time
 
 import orjson
 
-from breakgraph.bench.http_client import BenchError, RequestResult, ServerClient
+from breakgraph.bench.http_client import BenchError, RequestResult, ServerClient, stream_events
 
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
@@ -83,19 +83,7 @@ class OpenAIClient(ServerClient):
         finish = None
         usage: dict = {}
         async with self.http.post("/v1/completions", data=content, headers=headers) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                raise BenchError(f"/v1/completions answered {resp.status}: {text[:300]}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                now = time.perf_counter()
-                payload = line[len(b"data:") :].strip()
-                if payload == b"[DONE]":
-                    break
-                event = orjson.loads(payload)
-                if "error" in event:
-                    raise BenchError(f"/v1/completions stream error: {event['error']}")
+            async for now, event in stream_events(resp, "/v1/completions"):
                 if not event.get("choices"):  # the final usage chunk
                     usage = event.get("usage") or usage
                     continue

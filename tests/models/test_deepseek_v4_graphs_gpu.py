@@ -12,18 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.graphs.key import DECODE, PREFILL, StepKey
 from breakgraph.engine.request import SamplingParams
-from tests.support.gpu import forbid_host_syncs_in_steps
+from tests.support.gpu import BUCKETS, engine, forbid_host_syncs_in_steps
 from tests.support.hf import LogitsTap
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-
-BUCKETS = [16, 32, 64, 128]
 
 
 @pytest.fixture(autouse=True)
@@ -34,23 +31,10 @@ def _guarded(knobs):
 
 
 def v4_engine(graphs: bool, dtype: str = "float32", **kw) -> Engine:
-    args = EngineArgs(
-        model_path="deepseek-v4-tiny",
-        load_format="dummy",
-        dtype=dtype,
-        device="cuda",
-        max_total_tokens=8192,
-        context_length=1024,
-        chunked_prefill_size=256,
-        max_running_requests=32,
-        cuda_graph_max_bs=16,
-        cuda_graph_bs_prefill=BUCKETS,
-        disable_cuda_graph=not graphs,
-        cuda_graph_backend_prefill="breakable" if graphs else "disabled",
-    )
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return Engine(args)
+    """deepseek-v4-tiny (dummy weights) as the GPU engine tests build theirs, a longer chunk
+    and a context of 1,024 (its entries' bound)."""
+    kw = {"context_length": 1024, "chunked_prefill_size": 256, **kw}
+    return engine("deepseek-v4-tiny", graphs, dtype, **kw)
 
 
 def rand_prompts(seed: int, *lengths: int) -> list[list[int]]:
