@@ -81,26 +81,29 @@ class GrammarPoint:
 class _MaskTimer:
     """Time of the engine's ``GrammarMask`` per step, wrapped on the instance (the engine's
     code runs unchanged): the host time of its ``apply`` and, inside it, of xgrammar's fill;
-    on CUDA also a pair of events around the ``apply``, which on the stream bracket exactly
-    the upload and the apply it queues (read once the arm is over: no sync in a step)."""
+    on CUDA also a pair of events, from the fill's end to the apply's, which on the stream
+    bracket the upload and the apply it queues (read once the arm is over: no sync in a
+    step). A GPU that waits for the host's fill does so before the first event."""
 
     def __init__(self, mask, cuda: bool):
         self.fill = self.apply = 0.0
         self.events: list = []
+        self._start = None
         apply, fill = mask.apply, mask._fill
+
+        def event():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
 
         def timed_apply(*a):
             t0 = time.perf_counter()
-            pair = None
-            if cuda:
-                pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                pair[0].record()
             try:
                 return apply(*a)
             finally:
-                if pair is not None:
-                    pair[1].record()
-                    self.events.append(pair)
+                if self._start is not None:
+                    self.events.append((self._start, event()))
+                    self._start = None
                 self.apply += time.perf_counter() - t0
 
         def timed_fill(*a):
@@ -109,6 +112,8 @@ class _MaskTimer:
                 return fill(*a)
             finally:
                 self.fill += time.perf_counter() - t0
+                if cuda:
+                    self._start = event()
 
         mask.apply, mask._fill = timed_apply, timed_fill
 
