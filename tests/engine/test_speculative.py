@@ -138,6 +138,12 @@ def test_embedded_model_accepts_drafts_when_asked_to_repeat_a_text():
     assert r.output_ids == plain
     stats = spec_engine.scheduler.spec_stats
     assert stats.mean_accepted_length > 2.0, stats
+    # a stop string met inside an accepted run ends the request where plain decoding does
+    stop = greedy(32, stop=["figs"])
+    (want,) = plain_engine.generate([ids], stop)
+    (got,) = spec_engine.generate([ids], stop)
+    assert got.output_ids == want.output_ids and len(got.output_ids) < 32
+    assert got.finish_reason == want.finish_reason == {"type": "stop", "matched": "figs"}
 
 
 def test_a_draft_model_it_cannot_run_is_refused_in_one_line(tmp_path, llama_dir):
