@@ -10,14 +10,15 @@ its pools (the weights, the penalty pool, the CUDA context and library handles):
 
     KV = total x fraction - used - activations - graph pools - request table
     activations = max(step peaks measured by the profile)
-    graph pools = capture activations + sum over graphs of their outputs
+    graph pools = capture activations + sum over banks of their largest bucket's outputs
                   + GRAPH_OVERHEAD_BYTES per graph
 
 All banks share one pool and capture one graph at a time, so what a capture frees (its
 intermediates) the next one reuses: the pool holds the largest capture's activations once.
 What a graph keeps for its replays (its outputs: a decode graph's logits, a prefill graph's
-hidden states) is held per graph. The overhead covers each graph's kept blocks beyond its
-outputs (the allocator's rounding, a break's returned tensor, library workspaces).
+hidden states) is held per bank: a bank's buckets write one output buffer, the largest
+bucket's (graph/bank.py). The overhead covers each graph's kept blocks beyond its outputs
+(the allocator's rounding, a break's returned tensor, library workspaces).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class StepPeaks:
 def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:
     """The graph pools of ``banks`` (name -> buckets) before they are captured: the largest
     capture's activations (a prefill bucket of the full chunk; a decode bucket's forward,
-    scaled by rows from the profiled batch) plus each graph's outputs plus
-    ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring)."""
+    scaled by rows from the profiled batch) plus each bank's outputs (its largest bucket's,
+    which its buckets share) plus ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring)."""
     if not banks:
         return 0
     capture = 0
@@ -97,7 +98,7 @@ def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:
         capture = max(capture, math.ceil(peaks.decode_forward * decode_max / peaks.decode_rows))
     outputs = 0
     for name, sizes in banks.items():
-        rows = sum(sizes)
+        rows = max(sizes)
         if name in (DECODE, DECODE_LONG):
             outputs += rows * peaks.logits_row_bytes
         elif name == DECODE_PENALIZED:  # the logits and the penalized logits

@@ -7,6 +7,15 @@ bucket ``b``. The bank owns no choice: its caller picks the bucket (``smallest_b
 the usual rule) or runs eagerly. All buckets share one memory pool, captured largest first
 so smaller buckets reuse its blocks.
 
+The buckets also share one output buffer per output: the largest bucket's, which the bank
+keeps (``outputs``); a smaller bucket's graph copies what it computed into a leading slice of
+it (``fn``). So a bank keeps one bucket's outputs instead of one per bucket (a decode bank's
+float32 logits are ``rows x vocab`` each: GiBs summed over the buckets of a large
+vocabulary), for one copy of a smaller bucket's outputs per replay. The contract this adds
+is the one a graph's output already had: a replay overwrites the previous replay's outputs,
+so its caller consumes or copies them first (every caller does: it samples, gathers or
+copies a step's logits before it launches the next).
+
 Capture runs every bucket once eagerly before capturing any, so lazily sized workspaces and
 JIT-compiled kernels of every shape exist first; it then checks that the captures compiled
 nothing (``compile_counter``). What a capture allocates is in the pool by construction (see
@@ -28,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from breakgraph.common import envs
+from breakgraph.graph import breakable as _breakable
 from breakgraph.graph.breakable import BreakableGraph
 
 logger = logging.getLogger(__name__)
@@ -78,7 +88,7 @@ class GraphBank:
         """``capture_context(size)``, if given, is entered around each bucket's warm-up and
         capture (e.g. to set up state the breaks read during capture). ``compile_counter``,
         if given, counts JIT compilations; a capture that moves it raises."""
-        self.fn = fn
+        self.forward = fn
         self.inputs = inputs
         self.sizes = sorted(set(sizes))
         if not self.sizes:
@@ -105,6 +115,9 @@ class GraphBank:
         }
         self._dirty_rows = {spec.name: 0 for spec in inputs}
         self.graphs: dict[int, BreakableGraph] = {}
+        # the largest bucket's outputs, which every bucket's replay writes (module docstring);
+        # a tuple like the function's (None where an output is not shared), None until captured
+        self.outputs: tuple[torch.Tensor | None, ...] | None = None
         self._addresses: list[int] = []
         self.capture_seconds = 0.0
         self.reserved_bytes = 0  # what the capture added to the device's reserved memory
@@ -116,9 +129,47 @@ class GraphBank:
     def views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.static.items()}
 
+    def fn(self, **views: torch.Tensor) -> Any:
+        """What a bucket captures: ``forward`` on the bucket's static views, its outputs, while
+        a capture runs, written into the bank's shared ones (``_share``); outside a capture
+        (the eager warm-up) ``forward``'s own."""
+        out = self.forward(**views)
+        if getattr(_breakable._STATE, "capture", None) is None:
+            return out
+        return self._share(out, next(iter(views.values())).shape[0] if views else 0)
+
+    def _share(self, out: Any, size: int) -> Any:
+        """The first capture (the largest bucket's) keeps its outputs as the bank's; a later
+        one copies each output into the leading ``size`` rows of the bank's and returns those
+        views. An output that is not a tensor of ``size`` rows like the bank's stays its own."""
+        parts = out if isinstance(out, tuple) else (out,)
+        if self.outputs is None:
+            if size == self.max_size:
+                self.outputs = tuple(_rows_of(p, size) for p in parts)
+            return out
+        if len(parts) != len(self.outputs):
+            return out
+        shared = []
+        for part, buf in zip(parts, self.outputs, strict=True):
+            fits = (
+                buf is not None
+                and _rows_of(part, size) is not None
+                and (part.shape[1:], part.dtype) == (buf.shape[1:], buf.dtype)
+                and size <= buf.shape[0]
+            )
+            if not fits:
+                shared.append(part)
+                continue
+            dst = buf[:size]
+            if (part.data_ptr(), part.stride()) != (dst.data_ptr(), dst.stride()):
+                dst.copy_(part)
+            shared.append(dst)
+        return tuple(shared) if isinstance(out, tuple) else shared[0]
+
     def _watched(self) -> list[torch.Tensor]:
         extra = list(self.guard_tensors()) if self.guard_tensors is not None else []
-        return list(self.static.values()) + extra
+        outputs = [t for t in self.outputs or () if t is not None]  # written by address
+        return list(self.static.values()) + outputs + extra
 
     def capture(self, warmup: bool = True, progress: bool = True) -> None:
         """Run every bucket eagerly (grows lazy workspaces, compiles every kernel variant),
@@ -132,7 +183,7 @@ class GraphBank:
                 with self.capture_context(size):
                     stream.wait_stream(torch.cuda.current_stream())  # inputs the context uploaded
                     with torch.cuda.stream(stream):
-                        self.fn(**self.views(size))
+                        self.forward(**self.views(size))
                     # The context's tensors were allocated on the current stream and are freed
                     # as it exits: their blocks' next users there (the next bucket's upload)
                     # must wait for this bucket's kernels on the side stream, which read them.
@@ -170,6 +221,7 @@ class GraphBank:
 
     def _capture_all(self, sizes, stream, warmup: bool, progress: bool) -> None:
         bar = tqdm(sizes, desc=f"Capturing {self.name}", disable=not progress, leave=False)
+        self.outputs = None  # the first (largest) capture's become the bank's
         for size in bar:
             free_before = torch.cuda.mem_get_info(self.device)[0]
             t0 = time.perf_counter()
@@ -221,3 +273,8 @@ class GraphBank:
         if self.check_addresses:
             self.check_guard()
         return graph.replay()
+
+
+def _rows_of(x: Any, size: int) -> torch.Tensor | None:
+    """``x`` if it is a tensor of ``size`` rows, else None."""
+    return x if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size else None

@@ -66,7 +66,7 @@ def test_the_reserve_comes_out_of_the_kv_budget():
     assert slots == int((140 * 0.85 - 10 - 12.5) * GIB // SLOT)
 
 
-def test_the_graph_pool_estimate_is_one_capture_plus_each_graphs_outputs_and_overhead():
+def test_the_graph_pool_estimate_is_one_capture_plus_each_banks_outputs_and_overhead():
     banks = {
         PREFILL: [256, 512],
         DECODE: [1, 2, 4, 8],
@@ -74,13 +74,14 @@ def test_the_graph_pool_estimate_is_one_capture_plus_each_graphs_outputs_and_ove
         DECODE_PENALIZED: [1, 2, 4, 8],
     }
     # captures: the chunk's prefill forward (900 MiB) against 8 decode rows' forward (2300
-    # MiB x 8 / 1024): the prefill one; outputs: 15 rows of logits, 1, twice 15 (logits and
-    # penalized logits), and 768 prefill rows of hidden states
-    outputs = (15 + 1 + 2 * 15) * MIB + 768 * 21 * 1024
+    # MiB x 8 / 1024): the prefill one; outputs, one per bank (its buckets share the largest
+    # one's): 8 rows of logits, 1, twice 8 (logits and penalized logits), and 512 prefill
+    # rows of hidden states
+    outputs = (8 + 1 + 2 * 8) * MIB + 512 * 21 * 1024
     assert graph_pool_estimate(PEAKS, banks) == 900 * MIB + outputs + 11 * GRAPH_OVERHEAD_BYTES
     # decode graphs alone: the largest decode bucket's share of the profiled decode forward
     decode_only = {DECODE: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]}
-    expected = -(-2300 * MIB * 64 // 1024) + 295 * MIB + 11 * GRAPH_OVERHEAD_BYTES
+    expected = -(-2300 * MIB * 64 // 1024) + 64 * MIB + 11 * GRAPH_OVERHEAD_BYTES
     assert graph_pool_estimate(PEAKS, decode_only) == expected
     assert graph_pool_estimate(PEAKS, {}) == 0  # the CPU, or a model that runs eagerly
 
@@ -101,9 +102,12 @@ def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
     slots = kv_budget_slots(mem, 0.85, SLOT, 131072, 9 * GIB, reserve)
     budget = 140 * GIB * 0.85 - 12 * GIB - reserve.total
     assert slots == int(budget // SLOT) > 131072
-    # the decode banks' logits outputs dominate the graph pools of a large vocabulary
-    decode_rows = sum(banks[DECODE])
-    assert reserve.graph_pools > 3 * decode_rows * MIB
+    # a bank's buckets share its largest one's outputs: 256 rows of logits (decode), 1 (long
+    # context), twice 256 (penalized), 8192 and 2048 prefill rows (the chunk, whole graphs),
+    # not a set per graph (the decode banks alone would keep 3 x 4231 MiB of logits)
+    graphs = sum(len(b) for b in banks.values())
+    outputs = (256 + 1 + 2 * 256) * MIB + (8192 + 2048) * 21 * 1024
+    assert reserve.graph_pools == 900 * MIB + outputs + graphs * GRAPH_OVERHEAD_BYTES
 
 
 def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_numbers():

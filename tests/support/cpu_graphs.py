@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from breakgraph.engine.graphs.base import GraphTarget
+from breakgraph.engine.graphs.base import GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.decode import DecodeGraphs
 from breakgraph.engine.graphs.dispatch import StepDispatcher
 from breakgraph.engine.graphs.prefill import PrefillGraphs
@@ -70,6 +70,7 @@ class CpuGraph:
         self.records: list[_BreakRecord] = []
         self._live: ForwardContext | None = None
         self._cursor: int | None = None  # None: capturing
+        self.output = None  # the last capture's or replay's, as a BreakableGraph keeps it
 
     @property
     def num_breaks(self) -> int:
@@ -85,7 +86,7 @@ class CpuGraph:
 
     def capture(self) -> None:
         self._cursor = None
-        self._run()
+        self.output = self._run()
 
     def replay(self):
         # the live step's context, set by the bank's caller (a prefill graph's breaks read it)
@@ -97,6 +98,7 @@ class CpuGraph:
         out = self._run()
         if self._cursor != len(self.records):
             raise AssertionError(f"replay ran {self._cursor} of {len(self.records)} breaks")
+        self.output = out
         return out
 
     def _run_break(self, fn, args, kwargs):
@@ -130,11 +132,18 @@ def capture_on_cpu(bank: GraphBank) -> None:
 
 
 def install_cpu_graphs(
-    engine, prefill_buckets: list[int], decode_max_bs: int, max_pad_factor: float = 8.0
+    engine,
+    prefill_buckets: list[int],
+    decode_max_bs: int,
+    max_pad_factor: float = 8.0,
+    tail_max_rows: int = 0,
 ) -> tuple[PrefillGraphs, DecodeGraphs]:
     """An engine's prefill and decode banks built on its CPU pool and request table (the
     padding request's row taken from the table, as ``capture_graphs`` takes it), captured on
-    the CPU, guarded, and dispatched by its runner from now on."""
+    the CPU, guarded, and dispatched by its runner from now on. A model with bounded prefill
+    gets its tail bank up to ``tail_max_rows`` rows (none: 0); a fixed penalty pool of the
+    runner's, its penalized decode bank. (No whole prefill graphs: their capture context
+    writes the static metadata a replay reads, which a replay here would run again.)"""
     runner = engine.runner
     pad_req_idx = engine.req_pool.alloc()
     target = GraphTarget(
@@ -142,8 +151,14 @@ def install_cpu_graphs(
         check_addresses=True,
     )  # fmt: skip
     with torch.inference_mode():
-        prefill = PrefillGraphs(target, prefill_buckets, max_pad_factor=max_pad_factor)
-        decode = DecodeGraphs(target, decode_max_bs)
+        tail = decode_batch_sizes(tail_max_rows) if tail_max_rows else None
+        prefill = PrefillGraphs(
+            target, prefill_buckets, max_pad_factor=max_pad_factor, tail_sizes=tail
+        )
+        pool = runner.penalties
+        decode = DecodeGraphs(
+            target, decode_max_bs, penalties=pool if pool is not None and pool.fixed else None
+        )
         for bank in (*prefill.banks.values(), *decode.banks.values()):
             capture_on_cpu(bank)
     runner.prefill_graphs, runner.decode_graphs = prefill, decode
