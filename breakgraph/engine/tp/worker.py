@@ -15,6 +15,7 @@ import torch
 
 from breakgraph.common import envs
 from breakgraph.distributed import TPGroup, destroy_tp_group, init_tp_group
+from breakgraph.engine.memory import MemoryPlanError
 from breakgraph.engine.rank import Rank, build_rank, claim_device, rank_device
 from breakgraph.engine.tp import teardown, wire
 from breakgraph.engine.tp.trace import StepTrace
@@ -79,7 +80,10 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
     except _StopNow:
         pass
     except Exception as e:
-        logger.exception("TP worker rank %d failed", rank)
+        if isinstance(e, MemoryPlanError):  # the plan's refusal: its one line, as rank 0's
+            logger.error("TP worker rank %d failed: %s: %s", rank, type(e).__name__, e)
+        else:
+            logger.exception("TP worker rank %d failed", rank)
         with contextlib.suppress(Exception):
             wire.send(conn, wire.WorkerFailed(f"{type(e).__name__}: {e}"))
         os._exit(1)  # no teardown that could block on the group
