@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -25,6 +26,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "tokenizer.json): give PROMPT as token ids with --input-ids"
         )
 
+    import torch
+
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.memory import MemoryPlanError
@@ -34,6 +37,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = Engine(EngineArgs.from_namespace(args))
     except (EmbeddedModelMissing, FileNotFoundError, ValueError, MemoryPlanError) as e:
         raise StartupError(str(e)) from None
+    except torch.OutOfMemoryError as e:  # past the plan: a graph capture, the KV pool
+        raise out_of_memory(e, "while starting") from None
     try:
         try:
             prompt = ids if ids is not None else engine.encode_prompt(args.prompt, not args.raw)
@@ -44,9 +49,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(result.text if result.text is not None else _ids_text(result.output_ids))
         except ValueError as e:  # the prompt against the model: too long, an id out of range
             raise StartupError(str(e)) from None
+        except torch.OutOfMemoryError as e:
+            raise out_of_memory(e, "while generating") from None
     finally:
         engine.shutdown(leave_group=False)  # TP workers, if any: this process exits next
     return 0
+
+
+def out_of_memory(e: BaseException, stage: str) -> StartupError:
+    """A device out-of-memory error the memory plan did not foresee (a graph capture, a step)
+    as one line: what was asked and free (torch's message says both), and the flags that
+    leave more room beside the KV pool or ask for less."""
+    text = str(e)
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+    free = re.search(r"of which ([\d.]+ \w+) is free", text)
+    if asked is not None:
+        cause = f"{asked[1]} asked" + (f", {free[1]} free" if free is not None else "")
+    else:
+        cause = (text.splitlines() or [""])[0] or type(e).__name__
+    return StartupError(
+        f"the device ran out of memory {stage}, outside the memory plan ({cause}): lower "
+        "--mem-fraction-static (more room beside the KV pool), --cuda-graph-max-bs, "
+        "--chunked-prefill-size or --max-running-requests, or add --disable-cuda-graph"
+    )
 
 
 def stream_answer(engine, prompt: list[int], sampling, out: TextIO) -> None:
