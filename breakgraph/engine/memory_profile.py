@@ -92,7 +92,7 @@ def plan_reserve(
         if draft is not None:  # greedy, no penalty pool of its own
             draft_peaks = profile_steps(draft, None, dtype, device, chunk, rows)
     except torch.OutOfMemoryError as e:  # the steps alone do not fit beside the model
-        mem = DeviceMemory.of(device)
+        mem = DeviceMemory.of(device) if device.type == "cuda" else DeviceMemory(0, 0)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MemoryPlanError(
             f"the largest steps (a {chunk}-token chunk with prompt logprobs, {rows} decode "
