@@ -8,8 +8,12 @@
 source "$(dirname "$0")/device_env.sh"
 # The engine, graph and server tests first: a run the time limit cuts (on a cold Triton cache
 # the kernel tests' config variants take minutes of compiling) has still covered them.
+# (tests/engine/test_memory_gpu.py starts every built-in config: a call of its own)
 FILES=${FILES:-tests/graph/test_graph.py tests/graph/test_graph_memory.py \
-  tests/cache/test_kv_pool.py tests/engine/test_engine_gpu.py tests/models/test_gemma4_gpu.py \
+  tests/graph/test_shared_outputs_gpu.py tests/cache/test_kv_pool.py \
+  tests/engine/test_engine_gpu.py tests/engine/test_speculative_gpu.py \
+  tests/engine/test_grammar_gpu.py tests/models/test_gemma4_gpu.py \
+  tests/models/test_deepseek_v4_gpu.py tests/models/test_deepseek_v4_graphs_gpu.py \
   tests/engine/test_moe_engine_gpu.py tests/server/test_server_input.py \
   tests/server/test_server_text.py tests/kernels/test_kernels.py tests/kernels/test_fused_moe.py}
 L=$OUT/suite.log
