@@ -235,7 +235,8 @@ class SpecDecoder:
     on the device (``launch``), each request's kept tokens with its rejected rows' slots
     freed (``accepted``); ``stats`` counts them. ``drafter``: a draft model
     (engine/draft.py; None: n-gram drafts); ``synthetic``: a benchmark's fixed mean accepted
-    length (``SyntheticAcceptance``)."""
+    length (``SyntheticAcceptance``); ``request_states``: the model's per-request state
+    (``KVPool.request_states``), rewound past rejected drafts."""
 
     def __init__(
         self,
@@ -245,6 +246,7 @@ class SpecDecoder:
         device: torch.device,
         drafter=None,
         synthetic: float | None = None,
+        request_states: dict[str, torch.Tensor] | None = None,
     ):
         self.num_draft = num_draft
         self.proposer = NgramProposer(num_draft) if drafter is None else None
@@ -258,8 +260,8 @@ class SpecDecoder:
         # a model's per-request state (DeepSeek V4's open compressor windows): a verify step
         # advances it through every row, so it is saved first and, where a draft token is
         # rejected, restored and advanced again over the kept rows (``_rewind``)
-        self.request_states: dict[str, torch.Tensor] = {}
-        self._forward = None
+        self.request_states = request_states or {}
+        self._forward = None  # the verify step's forward, for ``_rewind``
 
     @classmethod
     def of(
@@ -270,9 +272,7 @@ class SpecDecoder:
         if not k:
             return None
         synthetic = config.speculative_synthetic_accept_length
-        spec = cls(k, cache, config.max_context_len, device, drafter, synthetic)
-        spec.request_states = request_states or {}
-        return spec
+        return cls(k, cache, config.max_context_len, device, drafter, synthetic, request_states)
 
     def mirror(self, batch: ForwardBatch) -> None:
         """A target step that is not a verify step: the draft model writes its KV too."""
