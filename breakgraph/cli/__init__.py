@@ -11,9 +11,9 @@ import signal
 def main(argv: list[str] | None = None) -> int:
     """Run ``breakgraph`` with ``argv`` (default: the command line); its exit status."""
     try:
-        from breakgraph.cli.main import run
+        from breakgraph.cli.run import run
     except KeyboardInterrupt:
-        return 128 + signal.SIGINT  # main.EXIT_INTERRUPTED
+        return 128 + signal.SIGINT  # run.EXIT_INTERRUPTED
     return run(argv)
 
 

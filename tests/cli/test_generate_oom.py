@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import breakgraph.engine.rank as rank
-from breakgraph.cli.main import run
+from breakgraph.cli.run import run
 from breakgraph.engine.scheduler import Scheduler
 
 # torch's message, as its CUDA caching allocator words it
