@@ -8,8 +8,9 @@ from __future__ import annotations
 from itertools import accumulate
 
 import httpx
+import pytest
 
-from tests.support.server import post, sse_events
+from tests.support.server import post, sse_events, wait_idle
 
 PROMPT = [5, 6, 7, 8]
 BODY = {
@@ -67,3 +68,22 @@ def test_plain_token_id_stream_is_per_step_too(server):
         assert len(chunks) > 1 and chunks[-1]["finish_reason"] == "length"
         assert not any("token_ids" in c or "prompt_token_ids" in c for c in chunks)
     assert not any("usage" in e for e in events)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
+         "continuous_usage_stats"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_vllm_fields_are_a_400_naming_them_and_hold_nothing(server, extra, field, stream):
+    r = post(server, "/v1/completions", {**BODY, **extra, "stream": stream})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert field in message and "\n" not in message, message
+    after = wait_idle(server)  # nothing held: no request in flight, no KV
+    assert (after["num_inflight_requests"], after["num_running_reqs"]) == (0, 0)
+    assert after["kv_tokens_used"] == 0
