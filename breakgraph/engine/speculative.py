@@ -1,7 +1,7 @@
 """Speculative decoding: a decode step verifies up to k drafted tokens per request in one
 forward and keeps the longest accepted prefix plus one.
 
-Drafts come from the request's own tokens (NGRAM, ``NgramProposer``: what followed the most
+Drafts come from the request's own tokens (NGRAM, ``ngram.NgramProposer``: what followed the most
 recent earlier occurrence of its last n tokens, n from ``max_match`` down to ``min_match``)
 or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on the device). A
 verify step is an extend step of ``1 + k_i`` rows per request (its last token, then its
@@ -37,40 +37,11 @@ import numpy as np
 import torch
 
 from breakgraph.common import envs
+from breakgraph.engine.ngram import NgramProposer
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
 from breakgraph.forward_batch import ForwardBatch, upload_many
-
-
-class NgramProposer:
-    """Drafts of up to ``num_draft`` tokens from a request's own tokens."""
-
-    def __init__(self, num_draft: int, min_match: int = 1, max_match: int = 4):
-        if num_draft < 1 or not 1 <= min_match <= max_match:
-            raise ValueError(
-                f"speculative draft tokens ({num_draft}) must be >= 1 and the n-gram match "
-                f"window {min_match}..{max_match} non-empty"
-            )
-        self.num_draft, self.min_match, self.max_match = num_draft, min_match, max_match
-
-    def propose(self, tokens: np.ndarray, limit: int) -> np.ndarray:
-        """The continuation (at most ``min(num_draft, limit)`` tokens) of the most recent
-        earlier occurrence of the longest suffix of ``tokens`` (n >= min_match) that occurs
-        earlier; empty if none does."""
-        k = min(self.num_draft, limit)
-        n_tok = len(tokens)
-        if k < 1 or n_tok < self.min_match + 1:
-            return tokens[:0]
-        for n in range(min(self.max_match, n_tok - 1), self.min_match - 1, -1):
-            suffix = tokens[n_tok - n :]
-            # windows starting at 0 .. n_tok - n - 1 (the suffix itself excluded)
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k]
-        return tokens[:0]
 
 
 def speculable(req: Req, pending_ok: bool = False) -> bool:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from breakgraph.engine.ngram import NgramProposer
 from breakgraph.engine.request import SamplingParams
-from breakgraph.engine.speculative import NgramProposer, kept, verify_sample
+from breakgraph.engine.speculative import kept, verify_sample
 from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
