@@ -51,7 +51,7 @@ class EngineArgs:
     # draft model's), or None (off); engine/speculative.py
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_num_steps: int | None = None  # STANDALONE: draft steps (None: draft tokens)
+    speculative_num_steps: int | None = None  # STANDALONE, NEXTN: draft steps (None: tokens)
     speculative_draft_model_path: str | None = None
     # a benchmark aid, refused outside one (BREAKGRAPH_BENCH): every verify step keeps this
     # mean number of tokens per request whatever the target says (speculative.py)

@@ -79,6 +79,7 @@ class CacheManager:
         if idx is None:
             return False
         req.req_pool_idx = idx
+        req.draft_hole = req.mtp_pos = -1  # a drafter's per-request marks, of an old row
         # match all but the last token: the forward needs at least one to compute logits;
         # a request wanting prompt logprobs recomputes from its first logprob row
         limit = req.fill_len - 1

@@ -71,9 +71,20 @@ class DraftModel:
     def kv_pool(self) -> KVPool:
         return self.runner.kv_pool
 
-    def mirror(self, batch: ForwardBatch) -> None:
+    def mirror(self, batch: ForwardBatch, reqs=None) -> None:
         """The draft's KV for a target step's rows (its logits are not used)."""
         self.runner.forward(batch)
+
+    def hold(self, verify) -> None:
+        """Nothing of a verify step's target forward is needed."""
+
+    def accepted(self, verify, kept: list[int | None]) -> None:
+        """A request that kept all its draft tokens has no draft KV for the last one: its
+        next round starts one row earlier (``propose``)."""
+        for req, draft, n, p in zip(verify.reqs, verify.drafts, kept, verify.prefixes,
+                                    strict=True):  # fmt: skip
+            if n is not None and draft.size and n == len(draft):
+                req.draft_hole = p + n  # its last draft token's position
 
     def propose(self, reqs, lens: list[int], prefixes: list[int]) -> torch.Tensor:
         """Drafts [len(reqs), max(lens)] int64 on the device: request i's first ``lens[i]``

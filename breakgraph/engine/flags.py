@@ -211,8 +211,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "in one forward (greedy: the same tokens as without it; sampled: the same "
         "distribution). NGRAM drafts from an earlier occurrence of its last tokens (prompt "
         "lookup); STANDALONE with a smaller model of the same vocabulary "
-        "(--speculative-draft-model-path); NEXTN (the model's own MTP layers) is not built "
-        "yet. Requests with logprobs or penalties decode one token a step; a grammar masks "
+        "(--speculative-draft-model-path); NEXTN with the model's own multi-token prediction "
+        "layers (DeepSeek V4). Requests with logprobs or penalties decode one token a step; a grammar masks "
         "each verify row "
         "(default: off)",
     )
@@ -228,7 +228,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         metavar="N",
         type=positive_int,
         default=d.speculative_num_steps,
-        help="STANDALONE: the draft model's steps per verify step, one token each (default: "
+        help="STANDALONE, NEXTN: draft steps per verify step, one token each (default: "
         "--speculative-num-draft-tokens)",
     )
     g.add_argument(

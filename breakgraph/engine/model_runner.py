@@ -6,6 +6,10 @@ stores KV; optionally ``forward_logits_rows(input_ids, positions)`` -> the final
 states of the step's ``logits_rows`` only, which eager steps prefer (Gemma 4 runs its
 KV-shared layers on those rows only).
 
+With ``keep_hidden`` (NEXTN speculation: the MTP layers read the target's streams), each
+forward leaves the model's output of every row in ``hidden`` (a graph's output buffer: valid
+until the next replay of its bank; rows past the step's are padding).
+
 Every rank of a TP group holds the same runner (engine/rank.py). Rank 0's has a ``tp``
 driver (engine/tp/driver.py): each forward first sends the step and its key to the other
 ranks, whose runners ``execute`` it on their shards.
@@ -51,6 +55,8 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.dispatcher = StepDispatcher()
         self.step_counts: Counter[StepKey] = Counter()  # rank 0's steps by key
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None  # the last forward's rows (``keep_hidden``)
 
     def attach_tp(self, driver) -> None:
         """Rank 0 of a TP group: every forward goes to the workers first."""
@@ -71,7 +77,7 @@ class ModelRunner:
         prefill buckets up to ``whole_max_tokens`` also whole, for lone requests."""
         target = GraphTarget(
             self.model, self.kv_pool, self.req_to_token, pad_req_idx,
-            torch.cuda.graph_pool_handle(),
+            torch.cuda.graph_pool_handle(), keep_hidden=self.keep_hidden,
         )  # fmt: skip
         start = time.perf_counter()
         if prefill_buckets:
@@ -135,7 +141,9 @@ class ModelRunner:
 
     def _penalized(self, key: StepKey, batch: ForwardBatch, penalty_rows: torch.Tensor):
         if key.bank == DECODE_PENALIZED:
-            return self.decode_graphs.replay(key, batch, penalty_rows)
+            out = self.decode_graphs.replay(key, batch, penalty_rows)
+            self.hidden = self.decode_graphs.last_hidden
+            return out
         logits = self.execute(key, batch)
         return logits, self.penalties.apply(logits, penalty_rows)
 
@@ -144,12 +152,13 @@ class ModelRunner:
         0's key; ``DECODE_PENALIZED`` on a worker: its logits with the neutral pool row)."""
         if key.eager:
             return self._eager(batch)
-        if batch.mode is ForwardMode.DECODE:
-            if key.bank == DECODE_PENALIZED:
-                graphs = self.decode_graphs
-                return graphs.replay(key, batch, graphs.neutral_rows(batch.batch_size))[0]
-            return self.decode_graphs.replay(key, batch)
-        return self.prefill_graphs.replay(key, batch)
+        graphs = self.decode_graphs if batch.mode is ForwardMode.DECODE else self.prefill_graphs
+        if key.bank == DECODE_PENALIZED:
+            logits = graphs.replay(key, batch, graphs.neutral_rows(batch.batch_size))[0]
+        else:
+            logits = graphs.replay(key, batch)
+        self.hidden = graphs.last_hidden
+        return logits
 
     def _eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
@@ -158,7 +167,10 @@ class ModelRunner:
             if logits_rows_only is not None:
                 hidden = logits_rows_only(batch.input_ids, batch.positions)
             else:
-                hidden = self.model(batch.input_ids, batch.positions)[batch.logits_rows]
+                self.hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.hidden[batch.logits_rows]
+                if not self.keep_hidden:
+                    self.hidden = None
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -180,6 +192,8 @@ class ModelRunner:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)
+        if self.keep_hidden:
+            self.hidden = hidden
         logits = self.model.compute_logits(hidden[batch.logits_rows])
         lp, top_v, top_i = chunked_row_logprobs(
             hidden[rows], targets, self.model.compute_logits, self.vocab_size, top_k

@@ -32,6 +32,7 @@ from breakgraph.engine.memory import (
 )
 from breakgraph.engine.memory_profile import plan_reserve
 from breakgraph.engine.model_runner import ModelRunner
+from breakgraph.engine.mtp import MtpDrafter
 from breakgraph.engine.penalties import PenaltyPool
 from breakgraph.kernels import jit_watch
 from breakgraph.models.config import ModelConfig
@@ -61,7 +62,8 @@ class Rank:
     req_pool: ReqToTokenPool
     runner: ModelRunner
     memory: MemoryReport
-    drafter: DraftModel | None = None  # STANDALONE speculation's draft model, its KV pool
+    # STANDALONE speculation's draft model or NEXTN's MTP layers, with a KV pool of its own
+    drafter: DraftModel | MtpDrafter | None = None
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -91,9 +93,15 @@ def build_rank(
     ``agree_slots(n)``: the KV slots every rank uses, given this rank's ``n``; ``on_tables``:
     called with the request table before any graph is captured (rank 0 logs its writes
     for the workers from then on)."""
+    nextn = args.speculative_algorithm == "NEXTN"
+    if nextn and tp_group.size > 1:
+        raise ValueError(
+            "--speculative-algorithm NEXTN is not supported with --tp-size > 1 yet (the MTP "
+            "layers run on one rank): NGRAM or STANDALONE"
+        )
     loaded = load_model(
         args.model_path, args.load_format, args.dtype, device, args.seed, args.context_length,
-        tp_group=tp_group,
+        tp_group=tp_group, with_mtp=nextn,
     )  # fmt: skip
     model = configure_model(loaded.model, args)
     cfg = loaded.config
@@ -113,8 +121,9 @@ def build_rank(
         weights += tensor_bytes([*draft.parameters(), *draft.buffers()])
     # the largest steps, measured before the KV pool takes what is left (memory_profile.py)
     reserve = plan_reserve(args, model, penalties, dtype, device, context_len, draft)
+    mtp = getattr(model, "mtp", None)  # NEXTN's drafter (its weights are the model's)
     num_slots = agree_slots(
-        num_kv_slots(args, model, dtype, device, context_len, weights, draft, reserve)
+        num_kv_slots(args, model, dtype, device, context_len, weights, draft or mtp, reserve)
     )
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_model(num_slots + 1, model, dtype, device)
@@ -128,6 +137,9 @@ def build_rank(
     if draft is not None:  # its KV at the target's slots: a pool as large
         draft_pool = KVPool.from_model(num_slots + 1, draft, dtype, device)
         drafter = DraftModel(draft, draft_pool, req_pool, device)
+    elif mtp is not None:  # the MTP layer's KV at the target's slots
+        mtp_pool = KVPool.from_model(num_slots + 1, mtp, dtype, device)
+        drafter = MtpDrafter(mtp, mtp_pool, req_pool, runner, device)
     if device.type == "cuda":
         jit_watch.install()
         if getattr(model, "supports_cuda_graphs", True):
@@ -229,7 +241,8 @@ def capture_graphs(
     # padding rows of graph steps read this table row: all zeros, i.e. slot 0
     pad_req_idx = req_pool.alloc()
     sizes = graph_sizes(args, max_running, context_len, runner.kv_pool.device)
-    for r in (runner,) if drafter is None else (runner, drafter.runner):
+    draft_runner = drafter.runner if isinstance(drafter, DraftModel) else None
+    for r in (runner,) if draft_runner is None else (runner, draft_runner):
         r.capture_graphs(
             pad_req_idx, sizes.decode_max_bs, sizes.prefill_buckets,
             max_pad_factor=args.prefill_graph_max_pad_factor, tail_max_rows=sizes.tail_max_rows,

@@ -63,6 +63,9 @@ class Req:
     # speculative decoding with a draft model: the position whose draft KV is not yet
     # written (-1: none; engine/draft.py)
     draft_hole: int = -1
+    # NEXTN: the position whose target streams wait in the MTP's backlog (-1: none;
+    # engine/mtp.py)
+    mtp_pos: int = -1
     # timeline, wall clock (time.time: comparable with the API process's stamps)
     received_at: float = field(default_factory=time.time)
     scheduled_at: float | None = None  # first scheduled

@@ -285,8 +285,8 @@ class Scheduler:
             logits, processed = self.penalized_forward(batch, pen_rows)
         else:
             logits = self.forward(batch)
-        if self.spec is not None:  # a draft model's KV for the same rows
-            self.spec.mirror(batch)
+        if self.spec is not None:  # the drafter's KV for the same rows
+            self.spec.mirror(batch, reqs)
         fwd_end = self.timer.forward_end()
         if batch.mode is not ForwardMode.DECODE:  # a request's first forward is a prefill
             self.timer.stamp_first_forward(reqs, fwd_start, fwd_end)

@@ -66,6 +66,7 @@ class Verify:
     accept: int | None = None
     draft_ids: int | None = None  # a draft model's drafts, read back with the step
     saved: dict[str, torch.Tensor] | None = None  # the model's per-request state before it
+    hidden: torch.Tensor | None = None  # its streams, for NEXTN's MTP (engine/mtp.py)
 
 
 @dataclass
@@ -167,13 +168,13 @@ def draft_tokens(args, model) -> int:
     if not algorithm:
         return 0
     why = None
-    if algorithm == "NEXTN":
-        why = "yet (the target's own MTP layers: STANDALONE or NGRAM meanwhile)"
+    if algorithm == "NEXTN" and getattr(model, "mtp", None) is None:
+        why = f"for {type(model).__name__} (it has no MTP layers: STANDALONE or NGRAM)"
     elif algorithm == "STANDALONE" and not args.speculative_draft_model_path:
         why = "without --speculative-draft-model-path (the draft model)"
     if why:
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported {why}")
-    if algorithm == "STANDALONE" and args.speculative_num_steps:
+    if algorithm in ("STANDALONE", "NEXTN") and args.speculative_num_steps:
         return args.speculative_num_steps
     return args.speculative_num_draft_tokens
 
@@ -245,10 +246,11 @@ class SpecDecoder:
         synthetic = config.speculative_synthetic_accept_length
         return cls(k, cache, config.max_context_len, device, drafter, synthetic, request_states)
 
-    def mirror(self, batch: ForwardBatch) -> None:
-        """A target step that is not a verify step: the draft model writes its KV too."""
+    def mirror(self, batch: ForwardBatch, reqs: list[Req]) -> None:
+        """A target step (of ``reqs``) that is not a verify step: the drafter writes its KV
+        too."""
         if self.drafter is not None:
-            self.drafter.mirror(batch)
+            self.drafter.mirror(batch, reqs)
 
     def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
         """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
@@ -315,6 +317,8 @@ class SpecDecoder:
             verify.saved = {k: t[rows] for k, t in self.request_states.items()}
             self._forward = forward
         logits = forward(batch)
+        if self.drafter is not None:
+            self.drafter.hold(verify)
         constrained = [i for i, r in enumerate(verify.reqs) if r.grammar is not None]
         if constrained and grammar_mask is not None:
             drafts = verify.drafts
@@ -343,6 +347,7 @@ class SpecDecoder:
         stats = self.stats
         stats.steps += 1
         rewind: list[tuple[Req, list[int]]] = []
+        kept_drafts: list[int] = []
         for req, draft, start in zip(verify.reqs, drafts, verify.starts, strict=True):
             rows = slice(start, start + 1 + len(draft))
             if self.synthetic is not None:
@@ -354,11 +359,15 @@ class SpecDecoder:
             stats.drafted += len(draft)
             stats.accepted += len(toks) - 1
             self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
-            if self.drafter is not None and draft.size and len(toks) > len(draft):
-                req.draft_hole = req.kv_len - 1  # its last draft token's draft KV
+            kept_drafts.append(len(toks) - 1)
             if verify.saved is not None and len(toks) <= len(draft):
                 rewind.append((req, toks[:-1]))
             yield req, toks
+        if self.drafter is not None:  # before the rewind's forward (the step's streams)
+            done = [r.finished for r in verify.reqs]
+            self.drafter.accepted(
+                verify, [None if f else n for f, n in zip(done, kept_drafts, strict=True)]
+            )
         rewind = [(req, kept_draft) for req, kept_draft in rewind if not req.finished]
         if rewind:  # before the next step (the caller has taken every request's tokens)
             self._rewind(verify, rewind)

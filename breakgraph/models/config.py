@@ -28,6 +28,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # build the checkpoint's multi-token prediction layers too (NEXTN speculative decoding)
+    with_mtp: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

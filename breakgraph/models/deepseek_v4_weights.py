@@ -1,7 +1,7 @@
 """DeepSeek V4 checkpoint tensors into ``DeepseekV4ForCausalLM``'s parameters: HF's names, the
 original checkpoint's (what HF's ``save_pretrained`` writes too, renamed as HF's conversion map
 does), per-expert tensors into the stacked experts, the shared expert's gate and up into one
-projection, the routers' buffers; the MTP layers skipped."""
+projection, the routers' buffers; the MTP layers' (``mtp.{i}.*``) where the model has them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from breakgraph.layers.linear import default_weight_loader, full
 from breakgraph.layers.moe import ExpertWeights
+from breakgraph.models.deepseek_v4_mtp import MTP_NAME, mtp_weight_name
 
 if TYPE_CHECKING:
     from breakgraph.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -73,16 +74,21 @@ def load_weights(
 ) -> set[str]:
     """HF-named (or the original checkpoint's) tensors into the parameters, each through
     its ``weight_loader``; per-expert tensors into the stacked experts; the routers'
-    buffers (``e_score_correction_bias``, ``tid2eid``). The MTP layers are skipped."""
+    buffers (``e_score_correction_bias``, ``tid2eid``); the MTP layers' where it has them."""
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     experts = ExpertWeights(model)
     loaded: set[str] = set()
     mtp = 0
     for raw_name, tensor in weights:
-        if raw_name.startswith("mtp.") or ".mtp." in raw_name:
+        if MTP_NAME.match(raw_name):
             mtp += 1
-            continue
-        name = hf_name(raw_name)
+            if model.mtp is None:
+                continue
+            name = mtp_weight_name(raw_name, hf_name)
+            if name is None:  # the MTP's copy of the shared embedding or head
+                continue
+        else:
+            name = hf_name(raw_name)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if experts.load(name, tensor):
@@ -99,8 +105,6 @@ def load_weights(
         else:
             target.copy_(full(tensor))
         loaded.add(name)
-    if mtp:
-        logger.info(
-            "skipped %d MTP tensors (NEXTN speculative decoding does not use them yet)", mtp
-        )
+    if mtp and model.mtp is None:
+        logger.info("skipped %d MTP tensors (used by --speculative-algorithm NEXTN)", mtp)
     return loaded | experts.loaded()

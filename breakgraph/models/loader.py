@@ -49,9 +49,11 @@ def load_model(
     seed: int = 0,
     context_length: int | None = None,
     tp_group: TPGroup | None = None,
+    with_mtp: bool = False,
 ) -> LoadedModel:
     """Build the model on ``device`` with weights from ``model_path`` (None: the embedded model);
-    with a ``tp_group`` of size > 1, this rank's shard of it."""
+    with a ``tp_group`` of size > 1, this rank's shard of it; ``with_mtp``: its multi-token
+    prediction layers too (``model.mtp``, NEXTN's drafts)."""
     device = torch.device(device)
     tp_size = tp_group.size if tp_group else 1
     torch_dtype = resolve_dtype(dtype, device)
@@ -106,6 +108,7 @@ def load_model(
         )
         config.max_position_embeddings = context_length
     check_tp_support(config, tp_size)
+    config.with_mtp = with_mtp
     model = build_model(config, torch_dtype, device, tp_group)
     if weights is None:
         init_dummy_weights(model, seed)
@@ -115,7 +118,14 @@ def load_model(
         if config.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            what = (
+                " (the MTP layers NEXTN drafts with)"
+                if any(n.startswith("mtp.") for n in missing)
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint lacks {len(missing)} tensors{what}, e.g. {sorted(missing)[:3]}"
+            )
     model.eval()
     logger.info(
         "loaded %s (%s, %s, %s weights) on %s",

@@ -50,6 +50,8 @@ class GraphTarget:
     pad_req_idx: int
     pool: object  # torch.cuda.graph_pool_handle()
     check_addresses: bool | None = None  # None: BREAKGRAPH_GRAPH_GUARD
+    # the step's hidden rows are an output too (``last_hidden``: NEXTN's MTP layers read them)
+    keep_hidden: bool = False
 
 
 class GraphsBase:
@@ -60,6 +62,7 @@ class GraphsBase:
         self.req_to_token = target.req_to_token
         self.pad_req_idx = target.pad_req_idx
         self.device = target.req_to_token.device
+        self.last_hidden: torch.Tensor | None = None  # ``keep_hidden``: the last replay's
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)

@@ -82,13 +82,17 @@ class DecodeGraphs(GraphsBase):
         # small batches' Triton kernels launch dependent on their predecessor (kernels/pdl.py)
         with forward_context(self._context(batch)), pdl.scope(bs):
             hidden = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if self.target.keep_hidden else logits
 
     def _forward_penalized(
         self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, penalty_rows
     ):
-        logits = self._forward(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
-        return logits, self.penalties.apply(logits, penalty_rows)
+        out = self._forward(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
+        if self.target.keep_hidden:
+            logits, hidden = out
+            return logits, self.penalties.apply(logits, penalty_rows), hidden
+        return out, self.penalties.apply(out, penalty_rows)
 
     def _guard_tensors(self):
         # the pool first: the base list ends with kernel workspaces, a list that may grow
@@ -119,7 +123,11 @@ class DecodeGraphs(GraphsBase):
         )
         if key.bank == DECODE_PENALIZED:
             live["penalty_rows"] = penalty_rows
-        return replay_rows(self.banks[key.bank], key, batch.batch_size, live)
+        out = replay_rows(self.banks[key.bank], key, batch.batch_size, live)
+        if not self.target.keep_hidden:
+            return out
+        self.last_hidden = out[-1]
+        return out[0] if len(out) == 2 else out[:2]
 
 
 def replay_rows(bank: GraphBank, key: StepKey, bs: int, live: dict[str, torch.Tensor]):

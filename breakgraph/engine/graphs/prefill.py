@@ -151,6 +151,8 @@ class PrefillGraphs(GraphsBase):
             )
         rows = batch.logits_rows
         if self.tail is None:
+            if self.target.keep_hidden:
+                self.last_hidden = out
             return self.model.compute_logits(out[rows])
         hidden, per_layer_inputs = out
         if per_layer_inputs is not None:
