@@ -1,7 +1,8 @@
 """Speculative decoding on the GPU: verify steps replay the small prefill buckets
 (graph_plan.SPEC_BUCKETS: a lone request's whole graph, a batch's breakable one), a draft
-model's steps replay its own graphs (no eager step on either); greedy tokens equal plain decoding's with graphs
-(float32), no host sync inside a step, nothing leaked."""
+model's steps replay its own graphs (no eager step on either), and with NEXTN (DeepSeek V4's MTP
+layer) the target's steps replay graphs whose streams it reads; greedy tokens equal plain
+decoding's with graphs (float32), no host sync inside a step, nothing leaked."""
 
 from __future__ import annotations
 
@@ -52,4 +53,28 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
         assert drafter.count(DECODE) > 0 and drafter.count(EAGER) == 0, drafter.step_counts
         stats = spec.scheduler.spec_stats
         assert stats.accepted >= 0.9 * stats.drafted, stats
+    assert_no_leak(spec)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nextn_target_steps_replay_graphs(overlap):
+    """DeepSeek V4's MTP layer drafts (dummy weights: few drafts kept); the target's verify
+    and plain steps replay graphs with its streams an output the MTP reads; greedy tokens
+    equal plain decoding's with graphs; no host sync inside a step."""
+    kw = {"context_length": 1024, "chunked_prefill_size": 256, "overlap_schedule": overlap}
+    ps = prompts()
+    plain = engine("deepseek-v4-tiny", graphs=True, **kw).generate(ps, greedy(24))
+    spec = engine(
+        "deepseek-v4-tiny", graphs=True, speculative_algorithm="NEXTN",
+        speculative_num_draft_tokens=3, **kw,
+    )  # fmt: skip
+    forbid_host_syncs_in_steps(spec)
+    for lone in ps:
+        (r,) = spec.generate([lone], greedy(24))
+        assert r.output_ids == plain[ps.index(lone)].output_ids
+    outs = spec.generate(ps, greedy(24))
+    assert [r.output_ids for r in outs] == [r.output_ids for r in plain]
+    stats = spec.scheduler.spec_stats
+    assert stats.steps > 0 and stats.drafted > 0, stats
+    assert spec.runner.count(EAGER) == 0, spec.runner.step_counts
     assert_no_leak(spec)

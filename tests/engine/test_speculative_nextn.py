@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from breakgraph.engine.graphs.key import DECODE, EAGER, PREFILL
 from breakgraph.engine.request import SamplingParams
 from breakgraph.models.loader import load_model
 from tests.support.engines import assert_no_leak, make_engine
@@ -119,6 +120,30 @@ def test_mtp_rows_from_true_streams_equal_one_forward_over_the_sequence(
         assert covered >= set(range(start, len(seq) - 2 - 3)), sorted(covered)
     assert engine.scheduler.spec_stats.accepted > 0 or synthetic is None
     assert_no_leak(engine)
+
+
+def test_target_graph_steps_give_the_mtp_their_streams(v4_dir):
+    """The target's prefill and decode banks replayed (the CPU graph harness) with the
+    streams an output: the MTP's rows from them equal the reference, and greedy tokens
+    (a penalized request's plain steps beside) equal plain decoding's."""
+    from tests.support.cpu_graphs import install_cpu_graphs
+
+    engine = nextn(v4_dir)
+    install_cpu_graphs(engine, [16, 32, 64, 128], 4)
+    seen = _true_rows(engine)
+    (out,) = engine.generate([PROMPTS[0]], greedy(16))
+    want = _reference(v4_dir, PROMPTS[0] + out.output_ids)
+    for positions, logits in seen:
+        torch.testing.assert_close(logits, want[positions], atol=2e-4, rtol=2e-4)
+    params = [greedy(16, repetition_penalty=1.3), greedy(16)]
+    got = engine.generate(PROMPTS[:2], params)
+    plain = make_engine(v4_dir, load_format="dummy").generate(PROMPTS[:2], params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+    runner = engine.runner
+    assert runner.count(PREFILL) and runner.count(DECODE), runner.step_counts
+    assert not runner.count(EAGER), runner.step_counts
+    alloc = engine.allocator  # (the harness holds the padding row of the request table)
+    assert alloc.available + engine.tree.total_size() == alloc.capacity
 
 
 def _mtp_checkpoint(path, dest) -> dict[str, torch.Tensor]:

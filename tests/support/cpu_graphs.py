@@ -148,7 +148,7 @@ def install_cpu_graphs(
     pad_req_idx = engine.req_pool.alloc()
     target = GraphTarget(
         runner.model, runner.kv_pool, runner.req_to_token, pad_req_idx, pool="cpu",
-        check_addresses=True,
+        check_addresses=True, keep_hidden=runner.keep_hidden,
     )  # fmt: skip
     with torch.inference_mode():
         tail = decode_batch_sizes(tail_max_rows) if tail_max_rows else None
