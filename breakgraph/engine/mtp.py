@@ -19,7 +19,9 @@ sampled from it. That row's streams wait in ``backlog`` (one row per request tab
   step's streams, and the streams of the last kept row into the backlog.
 
 The MTP's drafts are greedy (a point mass: speculative.verify_sample stays lossless at any
-temperature). Its steps run eagerly.
+temperature). On CUDA its draft steps (one row per request) replay decode graphs of their own
+(engine/graphs/mtp.py); the rows a mirror or an acceptance makes ready, whose logits nobody
+reads, run eagerly without the LM head.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from breakgraph.cache.kv_pool import KVPool
+from breakgraph.engine.graphs.base import GraphTarget
+from breakgraph.engine.graphs.mtp import MtpGraphs
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.forward_batch import (
     ForwardBatch,
@@ -51,14 +55,32 @@ class MtpDrafter:
         dtype = kv_pool.dtype
         rows = req_pool.table.shape[0]
         self.backlog = torch.zeros(rows, mtp.stream_width, dtype=dtype, device=device)
+        self.graphs: MtpGraphs | None = None
 
     @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch, streams: torch.Tensor, step: int):
-        """-> (output streams, logits) of the MTP layer ``step`` over ``batch``."""
+    def capture_graphs(self, pad_req_idx: int, max_bs: int) -> None:
+        """The draft steps' decode graphs, up to ``max_bs`` rows, over the target's padding
+        row of the request table."""
+        target = GraphTarget(
+            self.mtp, self.kv_pool, self.req_pool.table, pad_req_idx,
+            torch.cuda.graph_pool_handle(),
+        )  # fmt: skip
+        self.graphs = MtpGraphs(target, max_bs, self.mtp.stream_width, self.backlog.dtype)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch, streams: torch.Tensor, step: int, logits=True):
+        """-> (output streams, logits or None) of the MTP layer ``step`` over ``batch``: a
+        draft step (``logits``) of the layer the graphs hold replays them."""
+        graphs = self.graphs
+        decode = batch.mode is ForwardMode.DECODE
+        if logits and decode and graphs is not None and step % len(self.mtp.layers) == 0:
+            out_logits, out = graphs.replay_streams(batch, streams)
+            return out, out_logits
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_pool.table)
         with forward_context(ctx):
             out = self.mtp(batch.input_ids, batch.positions, streams, step)
-        return out, self.mtp.compute_logits(out, step)
+        return out, self.mtp.compute_logits(out, step) if logits else None
 
     def _rows(self, parts: list[tuple], hidden: torch.Tensor, ids) -> None:
         """MTP rows of each request, ``parts`` of (request, first position, whether the first
@@ -94,7 +116,7 @@ class MtpDrafter:
         streams = hidden.new_empty((at, hidden.shape[1]))
         streams[d] = hidden[s]
         streams[bd] = self.backlog[bs]
-        self._forward(batch, streams, 0)
+        self._forward(batch, streams, 0, logits=False)
 
     def _keep(self, reqs, rows: list[int], positions: list[int], hidden: torch.Tensor) -> None:
         """Each request's streams at ``rows`` of ``hidden`` (position ``positions``) into the
@@ -153,28 +175,23 @@ class MtpDrafter:
         n, k = len(reqs), max(lens)
         drafts = torch.zeros(n, k, dtype=torch.int64, device=self.device)
         live = [i for i in range(n) if lens[i] > 0]
-        at = [prefixes[i] - 1 for i in live]
-        batch = extend_batch(
-            np.asarray([reqs[i].output_ids[-1] for i in live], dtype=np.int32),
-            torch.stack([reqs[i].kv_slots[a] for i, a in zip(live, at, strict=True)]),
-            [reqs[i].req_pool_idx for i in live], at, [1] * len(live), self.req_pool,
-            self.device,
-        )  # fmt: skip
-        idx, tab = upload_many([live, [reqs[i].req_pool_idx for i in live]], torch.int64,
-                               self.device)  # fmt: skip
-        streams, logits = self._forward(batch, self.backlog[tab], 0)
-        drafts[idx, 0] = logits.argmax(dim=-1)
-        for j in range(1, k):
-            keep = [m for m, i in enumerate(live) if lens[i] > j]
-            live = [live[m] for m in keep]
-            slots = torch.stack([reqs[i].kv_slots[prefixes[i] - 1 + j] for i in live])
+        (tab,) = upload_many([[reqs[i].req_pool_idx for i in live]], torch.int64, self.device)
+        streams, keep = self.backlog[tab], list(range(len(live)))
+        for j in range(k):
+            if j:
+                keep = [m for m, i in enumerate(live) if lens[i] > j]
+                live = [live[m] for m in keep]
+            at = [prefixes[i] - 1 + j for i in live]  # the row of the token before the draft
+            ids = [reqs[i].output_ids[-1] for i in live] if j == 0 else [0] * len(live)
             batch = ForwardBatch.build(
-                ForwardMode.DECODE, np.zeros(len(live), dtype=np.int64), slots,
-                [reqs[i].req_pool_idx for i in live], [prefixes[i] - 1 + j for i in live],
-                [1] * len(live), self.device,
+                ForwardMode.DECODE, ids,
+                torch.stack([reqs[i].kv_slots[a] for i, a in zip(live, at, strict=True)]),
+                [reqs[i].req_pool_idx for i in live], at, [1] * len(live), self.device,
             )  # fmt: skip
             idx, rows = upload_many([live, keep], torch.int64, self.device)
-            batch.input_ids = drafts[idx, j - 1]
-            streams, logits = self._forward(batch, streams[rows], j)
+            if j:
+                batch.input_ids = drafts[idx, j - 1]
+                streams = streams[rows]
+            streams, logits = self._forward(batch, streams, j)
             drafts[idx, j] = logits.argmax(dim=-1)
         return drafts

@@ -234,7 +234,7 @@ def capture_graphs(
     req_pool: ReqToTokenPool,
     max_running: int,
     context_len: int,
-    drafter: DraftModel | None = None,
+    drafter: DraftModel | MtpDrafter | None = None,
 ) -> None:
     """Capture the decode and prefill graphs of ``args`` (every TP rank captures the same;
     rank 0's draft model the same sizes, over the same padding row)."""
@@ -248,3 +248,5 @@ def capture_graphs(
             max_pad_factor=args.prefill_graph_max_pad_factor, tail_max_rows=sizes.tail_max_rows,
             whole_max_tokens=sizes.whole_max_tokens,
         )  # fmt: skip
+    if isinstance(drafter, MtpDrafter) and sizes.decode_max_bs:
+        drafter.capture_graphs(pad_req_idx, sizes.decode_max_bs)

@@ -82,7 +82,7 @@ def test_another_draft_model_keeps_the_greedy_tokens(target_dir, draft_dir):
 def test_standalone_refusals_name_the_cause(target_dir, tmp_path):
     with pytest.raises(ValueError, match="without --speculative-draft-model-path"):
         make_engine(target_dir, speculative_algorithm="STANDALONE")
-    with pytest.raises(ValueError, match="NEXTN is not supported yet"):
+    with pytest.raises(ValueError, match="NEXTN is not supported for LlamaForCausalLM"):
         make_engine(target_dir, speculative_algorithm="NEXTN")
     other = make_hf_model("qwen3")  # another vocabulary size
     other.config.vocab_size = other.config.vocab_size + 64

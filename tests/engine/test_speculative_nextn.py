@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from breakgraph.engine.graphs.base import GraphTarget
 from breakgraph.engine.graphs.key import DECODE, EAGER, PREFILL
+from breakgraph.engine.graphs.mtp import MtpGraphs
 from breakgraph.engine.request import SamplingParams
 from breakgraph.models.loader import load_model
 from tests.support.engines import assert_no_leak, make_engine
@@ -69,11 +71,11 @@ def _true_rows(engine) -> list[tuple[list[int], torch.Tensor]]:
     drafter = engine.scheduler.spec.drafter
     forward, seen = drafter._forward, []
 
-    def record(batch, streams, step):
-        out, logits = forward(batch, streams, step)
+    def record(batch, streams, step, logits=True):
+        out, computed = forward(batch, streams, step)  # the logits, wanted or not
         if step == 0:
-            seen.append((batch.positions.tolist(), logits.clone()))
-        return out, logits
+            seen.append((batch.positions.tolist(), computed.clone()))
+        return out, computed if logits else None
 
     drafter._forward = record
     return seen
@@ -124,12 +126,22 @@ def test_mtp_rows_from_true_streams_equal_one_forward_over_the_sequence(
 
 def test_target_graph_steps_give_the_mtp_their_streams(v4_dir):
     """The target's prefill and decode banks replayed (the CPU graph harness) with the
-    streams an output: the MTP's rows from them equal the reference, and greedy tokens
-    (a penalized request's plain steps beside) equal plain decoding's."""
-    from tests.support.cpu_graphs import install_cpu_graphs
+    streams an output, and the MTP's draft steps its own decode bank: the MTP's rows from
+    the target's streams equal the reference, and greedy tokens (a penalized request's plain
+    steps beside) equal plain decoding's."""
+    from tests.support.cpu_graphs import capture_on_cpu, install_cpu_graphs
 
     engine = nextn(v4_dir)
     install_cpu_graphs(engine, [16, 32, 64, 128], 4)
+    drafter = engine.scheduler.spec.drafter
+    pad = engine.runner.prefill_graphs.pad_req_idx
+    target = GraphTarget(drafter.mtp, drafter.kv_pool, engine.runner.req_to_token, pad, "cpu",
+                         check_addresses=True)  # fmt: skip
+    drafter.graphs = MtpGraphs(target, 4, drafter.mtp.stream_width, torch.float32)
+    capture_on_cpu(drafter.graphs.bank)
+    replays = []
+    replay = drafter.graphs.replay_streams
+    drafter.graphs.replay_streams = lambda *a: replays.append(1) or replay(*a)
     seen = _true_rows(engine)
     (out,) = engine.generate([PROMPTS[0]], greedy(16))
     want = _reference(v4_dir, PROMPTS[0] + out.output_ids)
@@ -142,6 +154,7 @@ def test_target_graph_steps_give_the_mtp_their_streams(v4_dir):
     runner = engine.runner
     assert runner.count(PREFILL) and runner.count(DECODE), runner.step_counts
     assert not runner.count(EAGER), runner.step_counts
+    assert replays, "the MTP's draft steps replay its graphs"
     alloc = engine.allocator  # (the harness holds the padding row of the request table)
     assert alloc.available + engine.tree.total_size() == alloc.capacity
 

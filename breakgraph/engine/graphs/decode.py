@@ -24,15 +24,8 @@ class DecodeGraphs(GraphsBase):
 
     def __init__(self, target: GraphTarget, max_bs: int, penalties=None):
         super().__init__(target)
-        pad_req_idx = target.pad_req_idx
         self.penalties = penalties
-        inputs = [
-            StaticInput("input_ids", torch.int64),
-            StaticInput("positions", torch.int64),
-            StaticInput("out_cache_loc", torch.int64),
-            StaticInput("req_pool_indices", torch.int64, pad_value=pad_req_idx),
-            StaticInput("seq_lens", torch.int32, pad_value=1),
-        ]
+        inputs = self.step_inputs()
         sizes = decode_batch_sizes(max_bs)
         self.bank = self._bank(inputs, sizes, name="decode graphs", split_at_breaks=False)
         self.penalized_bank = None
@@ -54,17 +47,39 @@ class DecodeGraphs(GraphsBase):
         self.banks = {DECODE: self.bank, DECODE_LONG: self.long_bank}
         if self.penalized_bank is not None:
             self.banks[DECODE_PENALIZED] = self.penalized_bank
-        n = self.bank.max_size
-        self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
-        self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
-        self._ones32 = torch.ones(n, dtype=torch.int32, device=self.device)
+        self._static_rows(self.bank.max_size)
         # a TP worker's penalized replays: every row on the pool's neutral row 0 (a view of
         # one element, for any batch size: no allocation per step)
         self._neutral = torch.zeros(1, dtype=torch.int64, device=self.device)
 
+    def step_inputs(self) -> list[StaticInput]:
+        """A decode step's static inputs (padding rows on the padding request, length 1)."""
+        return [
+            StaticInput("input_ids", torch.int64),
+            StaticInput("positions", torch.int64),
+            StaticInput("out_cache_loc", torch.int64),
+            StaticInput("req_pool_indices", torch.int64, pad_value=self.pad_req_idx),
+            StaticInput("seq_lens", torch.int32, pad_value=1),
+        ]
+
+    def _static_rows(self, n: int) -> None:
+        self._arange32 = torch.arange(n, dtype=torch.int32, device=self.device)
+        self._arange64 = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._ones32 = torch.ones(n, dtype=torch.int32, device=self.device)
+
     def _forward(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens):
         bs = input_ids.shape[0]
-        batch = ForwardBatch(
+        batch = self._step_batch(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
+        # small batches' Triton kernels launch dependent on their predecessor (kernels/pdl.py)
+        with forward_context(self._context(batch)), pdl.scope(bs):
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if self.target.keep_hidden else logits
+
+    def _step_batch(self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens):
+        """The decode step a capture sees, over the bank's static inputs."""
+        bs = input_ids.shape[0]
+        return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=input_ids,
             positions=positions,
@@ -79,11 +94,6 @@ class DecodeGraphs(GraphsBase):
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
         )
-        # small batches' Triton kernels launch dependent on their predecessor (kernels/pdl.py)
-        with forward_context(self._context(batch)), pdl.scope(bs):
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden)
-        return (logits, hidden) if self.target.keep_hidden else logits
 
     def _forward_penalized(
         self, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, penalty_rows

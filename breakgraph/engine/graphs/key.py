@@ -14,6 +14,7 @@ PREFILL = "prefill"  # the breakable bank per token bucket
 PREFILL_WHOLE = "prefill_whole"  # a lone short request, attention captured inline
 BANKS = (EAGER, DECODE, DECODE_LONG, DECODE_PENALIZED, PREFILL, PREFILL_WHOLE)  # wire order
 TAIL = "tail"  # bounded prefill's tail bank, replayed inside a PREFILL key (``StepKey.tail``)
+MTP_DECODE = "mtp_decode"  # NEXTN's MTP layer's draft steps (rank 0's own: not on the wire)
 
 
 @dataclass(frozen=True, slots=True)
