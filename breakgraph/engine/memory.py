@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from breakgraph.common.messages import MemoryReport
-from breakgraph.engine.graphs.key import DECODE, DECODE_LONG, DECODE_PENALIZED, PREFILL
+from breakgraph.engine.graphs.key import (
+    DECODE,
+    DECODE_LONG,
+    DECODE_PENALIZED,
+    MTP_DECODE,
+    PREFILL,
+)
 
 GIB = 2**30
 # the most running requests a default --max-running-requests allows (max_running_requests)
@@ -83,11 +89,13 @@ class StepPeaks:
         return max(self.prefill_forward, self.prompt_step, self.decode_step, self.verify_step)
 
 
-def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:
+def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]], hidden: bool = False) -> int:
     """The graph pools of ``banks`` (name -> buckets) before they are captured: the largest
     capture's activations (a prefill bucket of the full chunk; a decode bucket's forward,
     scaled by rows from the profiled batch) plus each bank's outputs (its largest bucket's,
-    which its buckets share) plus ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring)."""
+    which its buckets share) plus ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring).
+    ``hidden``: decode banks output their hidden rows too (NEXTN; its MTP's draft steps are
+    the ``MTP_DECODE`` bank, logits and streams out)."""
     if not banks:
         return 0
     capture = 0
@@ -99,10 +107,11 @@ def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]]) -> int:
     outputs = 0
     for name, sizes in banks.items():
         rows = max(sizes)
-        if name in (DECODE, DECODE_LONG):
-            outputs += rows * peaks.logits_row_bytes
+        hidden_rows = rows * peaks.prefill_out_row_bytes if hidden else 0
+        if name in (DECODE, DECODE_LONG, MTP_DECODE):
+            outputs += rows * peaks.logits_row_bytes + hidden_rows
         elif name == DECODE_PENALIZED:  # the logits and the penalized logits
-            outputs += 2 * rows * peaks.logits_row_bytes
+            outputs += 2 * rows * peaks.logits_row_bytes + hidden_rows
         else:  # prefill, whole prefill, tail: hidden rows (the tail's fewer: an upper bound)
             outputs += rows * peaks.prefill_out_row_bytes
     graphs = sum(len(sizes) for sizes in banks.values())

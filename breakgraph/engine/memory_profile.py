@@ -40,6 +40,7 @@ from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.graph_plan import planned_banks
+from breakgraph.engine.graphs.key import DECODE, MTP_DECODE
 from breakgraph.engine.logprobs import token_logprobs
 from breakgraph.engine.memory import (
     GIB,
@@ -84,7 +85,7 @@ def plan_reserve(
     chunk = min(args.chunked_prefill_size, context_len)
     drafts = 0  # draft tokens a verify step checks per request (speculative.draft_tokens)
     if args.speculative_algorithm:
-        steps = args.speculative_algorithm == "STANDALONE" and args.speculative_num_steps
+        steps = args.speculative_algorithm in ("STANDALONE", "NEXTN") and args.speculative_num_steps
         drafts = steps or args.speculative_num_draft_tokens
     try:
         peaks = profile_steps(model, penalties, dtype, device, chunk, rows, drafts)
@@ -101,7 +102,10 @@ def plan_reserve(
             "--chunked-prefill-size or --max-running-requests"
         ) from None
     banks = planned_banks(args, model, penalties, rows, context_len, device)
-    activations, graphs = peaks.activations, graph_pool_estimate(peaks, banks)
+    nextn = getattr(model, "mtp", None) is not None  # outputs its streams; the MTP's graphs
+    if nextn and DECODE in banks:
+        banks[MTP_DECODE] = banks[DECODE]
+    activations, graphs = peaks.activations, graph_pool_estimate(peaks, banks, nextn)
     if draft_peaks is not None:
         draft_banks = planned_banks(args, draft, None, rows, context_len, device)
         activations = max(activations, draft_peaks.activations)

@@ -19,6 +19,7 @@ from breakgraph.engine.graphs.key import (
     DECODE,
     DECODE_LONG,
     DECODE_PENALIZED,
+    MTP_DECODE,
     PREFILL,
     PREFILL_WHOLE,
     TAIL,
@@ -84,6 +85,11 @@ def test_the_graph_pool_estimate_is_one_capture_plus_each_banks_outputs_and_over
     expected = -(-2300 * MIB * 64 // 1024) + 64 * MIB + 11 * GRAPH_OVERHEAD_BYTES
     assert graph_pool_estimate(PEAKS, decode_only) == expected
     assert graph_pool_estimate(PEAKS, {}) == 0  # the CPU, or a model that runs eagerly
+    # NEXTN: decode banks output their hidden rows too, and the MTP's draft-step bank its
+    # logits and streams
+    nextn = {**decode_only, MTP_DECODE: [1, 2, 4, 8]}
+    extra = (64 + 8) * 21 * 1024 + 8 * MIB + 4 * GRAPH_OVERHEAD_BYTES
+    assert graph_pool_estimate(PEAKS, nextn, hidden=True) == expected + extra
 
 
 def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
