@@ -148,9 +148,14 @@ def add_spec_args(p) -> None:
         "--model-path", default=None, help="default: the embedded SmolLM2 (real weights)"
     )
     p.add_argument("--output-len", type=int, default=64, help="tokens decoded per arm")
+    p.add_argument(
+        "--input-len", type=int, default=0,
+        help="a prompt of this many random token ids (default: the chat prompt; 1024 ids for "
+        "a model without a tokenizer, e.g. a built-in config with dummy weights)",
+    )  # fmt: skip
     p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
     p.add_argument(
-        "--algorithm", nargs="+", choices=["NGRAM", "STANDALONE"], default=["NGRAM"],
+        "--algorithm", nargs="+", choices=["NGRAM", "STANDALONE", "NEXTN"], default=["NGRAM"],
         help="the arms beside plain decoding",
     )  # fmt: skip
     p.add_argument(
@@ -223,8 +228,8 @@ BENCHES = {
         "breakgraph.bench.host:run_host_bench",
     ),
     "spec": (
-        "speculative decoding (NGRAM, STANDALONE) against plain decoding in-process, on a "
-        "repeat prompt",
+        "speculative decoding (NGRAM, STANDALONE, NEXTN) against plain decoding in-process, "
+        "on a repeat prompt or token ids",
         add_spec_args,
         "breakgraph.bench.speculative:run_spec_bench",
     ),
@@ -275,7 +280,9 @@ EXAMPLES = {
     "serving": f"{_SERVER}\nbreakgraph bench serving --concurrency 1 2 --input-len 256 "
     "--output-len 16 --requests-per-level 2 --rounds 1",
     "host": "breakgraph bench host decode --batch 1 8 --steps 8 --rounds 1",
-    "spec": "breakgraph bench spec --output-len 32",
+    "spec": "breakgraph bench spec --output-len 32\n"
+    "breakgraph bench spec --model-path deepseek-v4-tiny --algorithm NEXTN --input-len 64 "
+    "--output-len 16",
     "grammar": "breakgraph bench grammar --batch-sizes 1 8 --steps 10 --warmup-steps 3 "
     "--output-len 128",
     "moe": "CUDA only: breakgraph bench moe --models qwen3-moe-tiny --tokens 1 64",

@@ -3,17 +3,23 @@
 The model (the embedded SmolLM2 by default: real weights, so that a repeated text is
 repeated) is asked through its chat template to repeat a text word for word; one engine
 decodes without speculation, then one per ``--algorithm`` (NGRAM; STANDALONE with
-``--draft-model-path``, by default the model itself), each on the same prompt, greedy, after
-a short warm-up. Reports decode tok/s of each, the ratio to plain decoding, verify steps and
-the mean accepted length (tokens a request kept per verify step), and whether the answers
-are the same tokens (greedy: they must be, unless ``--synthetic-accept-length`` fixes the
-tokens kept: a benchmark of the mechanics, not of the model).
+``--draft-model-path``, by default the model itself; NEXTN, a model's own MTP layers), each
+on the same prompt, greedy, after a short warm-up. With ``--input-len`` (or a model without a
+tokenizer: a built-in config, dummy weights) the prompt is that many random token ids.
+Reports decode tok/s of each, the ratio to plain decoding, verify steps and the mean
+accepted length (tokens a request kept per verify step), and whether the answers are the
+same tokens (greedy: they must be, unless ``--synthetic-accept-length`` fixes the tokens
+kept, a benchmark of the mechanics, not of the model; or dummy weights in bfloat16, whose
+flat logits' near ties may differ between the verify and decode kernels).
 """
 
 from __future__ import annotations
 
 import json
 import time
+
+import numpy as np
+import torch
 
 TEXT = (
     "Here is a list: apples, pears, plums, figs, dates, limes, cherries, grapes, melons, "
@@ -27,11 +33,14 @@ def run_spec_bench(args) -> int:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.request import SamplingParams
-    from breakgraph.models.sources import find_embedded_gguf
+    from breakgraph.models.sources import BUILTIN_MODELS, find_embedded_gguf
 
     rows = []
     answers = []
     synthetic = args.synthetic_accept_length
+    dummy = args.model_path in BUILTIN_MODELS
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    tokens = args.input_len + args.output_len
     for algorithm in (None, *args.algorithm):
         draft = None
         if algorithm == "STANDALONE":
@@ -39,20 +48,20 @@ def run_spec_bench(args) -> int:
         with envs.BENCH.override(True):
             engine = Engine(
                 EngineArgs(
-                    model_path=args.model_path, device=args.device, dtype="float32",
-                    max_total_tokens=8192, speculative_algorithm=algorithm,
+                    model_path=args.model_path, device="cuda" if cuda else "cpu",
+                    dtype="auto" if cuda else "float32",
+                    load_format="dummy" if dummy else "auto",
+                    max_total_tokens=None if cuda else max(8192, 2 * tokens),
+                    speculative_algorithm=algorithm,
                     speculative_num_draft_tokens=args.draft_tokens,
                     speculative_draft_model_path=draft,
                     bench_synthetic_accept_length=synthetic if algorithm else None,
                 )
             )  # fmt: skip
-        tok = engine.tokenizer
-        if tok is None:
-            raise SystemExit("error: bench spec needs a model with a tokenizer and chat template")
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": ASK + TEXT}]))
+        ids = _prompt(engine.tokenizer, args.input_len)
         engine.generate([ids], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
         engine.scheduler.spec_stats.__init__()
-        sp = SamplingParams(max_new_tokens=args.output_len, temperature=0.0)
+        sp = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=dummy)
         t0 = time.perf_counter()
         (res,) = engine.generate([ids], sp)
         seconds = time.perf_counter() - t0
@@ -84,4 +93,15 @@ def run_spec_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "spec", "rows": rows, "same_tokens": same}, f, indent=2)
-    return 0 if same or synthetic else 1
+    return 0 if same or synthetic or dummy else 1
+
+
+def _prompt(tokenizer, input_len: int) -> list[int]:
+    """The chat prompt asking to repeat the text, or ``input_len`` random token ids (seeded)
+    where that is asked or the model has no tokenizer."""
+    if input_len or tokenizer is None:
+        gen = np.random.default_rng(0)
+        return gen.integers(10, 1000, size=input_len or 1024).tolist()
+    return tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": ASK + TEXT}])
+    )
