@@ -31,6 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.memory import MemoryPlanError
+    from breakgraph.engine.tp.driver import TPWorkerError
     from breakgraph.models.sources import EmbeddedModelMissing
 
     try:
@@ -51,12 +52,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise StartupError(str(e)) from None
         except torch.OutOfMemoryError as e:
             raise out_of_memory(e, "while generating") from None
+        except TPWorkerError as e:  # a worker's failure, named in one line
+            raise worker_failure(e) from None
     finally:
         engine.shutdown(leave_group=False)  # TP workers, if any: this process exits next
     return 0
 
 
-def out_of_memory(e: BaseException, stage: str) -> StartupError:
+def worker_failure(e) -> StartupError:
+    """A TP worker's failure during a step (``TPWorkerError``) as one line; its device's
+    out-of-memory error as rank 0's own."""
+    if e.out_of_memory:
+        return out_of_memory(e.error, f"on TP rank {e.rank} while generating")
+    return StartupError((str(e).splitlines() or [""])[0])
+
+
+def out_of_memory(e: BaseException | str, stage: str) -> StartupError:
     """A device out-of-memory error the memory plan did not foresee (a graph capture, a step)
     as one line: what was asked and free (torch's message says both), and the flags that
     leave more room beside the KV pool or ask for less."""

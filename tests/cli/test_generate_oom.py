@@ -73,3 +73,17 @@ def test_a_message_without_torchs_numbers_keeps_its_first_line(message):
     line = str(out_of_memory(torch.OutOfMemoryError(message), "while starting"))
     assert "\n" not in line
     assert f"({message or 'OutOfMemoryError'})" in line
+
+
+def test_a_tp_workers_failure_during_a_step_is_one_line():
+    """A worker's device out of memory reaches rank 0 as its message (``TPWorkerError``):
+    the same line as rank 0's own, naming the rank; any other failure its first line."""
+    from breakgraph.cli.generate import worker_failure
+    from breakgraph.engine.tp.driver import TPWorkerError
+
+    oom = TPWorkerError(
+        "TP worker rank 1 exited (exit code 1): ...", 1, f"OutOfMemoryError: {CUDA_OOM}"
+    )
+    _assert_names_cause_and_flags(str(worker_failure(oom)), "on TP rank 1 while generating")
+    killed = TPWorkerError("TP worker rank 1 exited (exit code -9): restart it\nmore", 1)
+    assert str(worker_failure(killed)) == "TP worker rank 1 exited (exit code -9): restart it"

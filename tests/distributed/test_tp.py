@@ -410,7 +410,7 @@ def test_worker_dying_at_startup_fails_the_engine_at_once(checkpoints, tmp_path)
         """,
     )
     assert out.returncode != 0
-    assert "RuntimeError: TP worker rank 1 exited (exit code 1) during startup" in out.stderr
+    assert "TPWorkerError: TP worker rank 1 exited (exit code 1) during startup" in out.stderr
     assert time.monotonic() - start < 60
 
 

@@ -63,6 +63,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TPWorkerError(RuntimeError):
+    """A TP worker failed or exited; ``error``: what it said (``Type: message``), if it did."""
+
+    def __init__(self, text: str, rank: int, error: str = ""):
+        super().__init__(text)
+        self.rank = rank
+        self.error = error
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.error.startswith("OutOfMemoryError")
+
+
 class TPDriver:
     """Rank 0's side: spawns the workers, sends them each step, stops them."""
 
@@ -140,11 +153,13 @@ class TPDriver:
                 msg = recv(conn)
         if msg is None:
             proc.join(2.0)
-            raise RuntimeError(
-                f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}"
+            raise TPWorkerError(
+                f"TP worker rank {rank} exited (exit code {proc.exitcode}) during {stage}", rank
             )
         if isinstance(msg, WorkerFailed):
-            raise RuntimeError(f"TP worker rank {rank} failed during {stage}: {msg.error}")
+            raise TPWorkerError(
+                f"TP worker rank {rank} failed during {stage}: {msg.error}", rank, msg.error
+            )
         if not isinstance(msg, kind):
             raise RuntimeError(f"TP worker rank {rank} sent {msg!r} during {stage}")
         return msg
@@ -195,10 +210,13 @@ class TPDriver:
     def check_workers(self) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
             if proc.exitcode is not None:
-                raise RuntimeError(
+                said = _last_word(conn)
+                raise TPWorkerError(
                     f"TP worker rank {rank} exited (exit code {proc.exitcode})"
-                    f"{_last_word(conn)}: the engine cannot run further steps; restart it"
-                )
+                    f"{': ' + said if said else ''}: the engine cannot run further steps; "
+                    "restart it",
+                    rank, said,
+                )  # fmt: skip
 
     def _raise_dead(self, cause: Exception, wait_s: float) -> None:
         """If a worker died (give it ``wait_s`` to be reaped), raise naming it."""
@@ -255,12 +273,12 @@ class TPDriver:
 
 
 def _last_word(conn) -> str:
-    """``: <error>`` if the dead worker behind ``conn`` said why it failed, else ''."""
+    """What the dead worker behind ``conn`` said failed (``Type: message``), else ''."""
     with contextlib.suppress(EOFError, OSError, ValueError):
         while conn.poll(0):
             msg = recv(conn)
             if isinstance(msg, WorkerFailed):
-                return f": {msg.error}"
+                return msg.error
     return ""
 
 

@@ -80,8 +80,9 @@ def worker_main(args, rank: int, size: int, init_method: str, conn, parent_pid: 
     except _StopNow:
         pass
     except Exception as e:
-        if isinstance(e, MemoryPlanError):  # the plan's refusal: its one line, as rank 0's
-            logger.error("TP worker rank %d failed: %s: %s", rank, type(e).__name__, e)
+        if isinstance(e, (MemoryPlanError, torch.OutOfMemoryError)):  # one line, as rank 0's
+            first = (str(e).splitlines() or [""])[0]
+            logger.error("TP worker rank %d failed: %s: %s", rank, type(e).__name__, first)
         else:
             logger.exception("TP worker rank %d failed", rank)
         with contextlib.suppress(Exception):
