@@ -3,7 +3,8 @@ forward and keeps the longest accepted prefix plus one.
 
 Drafts come from the request's own tokens (NGRAM, ``ngram.NgramProposer``: what followed the most
 recent earlier occurrence of its last n tokens, n from ``max_match`` down to ``min_match``)
-or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on the device). A
+or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on the device) or
+the target's own MTP layers (NEXTN, engine/mtp.py: likewise). A
 verify step is an extend step of ``1 + k_i`` rows per request (its last token, then its
 draft) at the positions its next tokens would take, with the logits of every row: row i
 holds the model's distribution after the draft's first i tokens.
