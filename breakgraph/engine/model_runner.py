@@ -167,10 +167,10 @@ class ModelRunner:
             if logits_rows_only is not None:
                 hidden = logits_rows_only(batch.input_ids, batch.positions)
             else:
-                self.hidden = self.model(batch.input_ids, batch.positions)
-                hidden = self.hidden[batch.logits_rows]
-                if not self.keep_hidden:
-                    self.hidden = None
+                hidden = self.model(batch.input_ids, batch.positions)
+                if self.keep_hidden:
+                    self.hidden = hidden
+                hidden = hidden[batch.logits_rows]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

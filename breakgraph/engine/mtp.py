@@ -38,6 +38,7 @@ from breakgraph.forward_batch import (
     ForwardContext,
     ForwardMode,
     forward_context,
+    token_positions,
     upload_many,
 )
 
@@ -83,65 +84,60 @@ class MtpDrafter:
         return out, self.mtp.compute_logits(out, step) if logits else None
 
     def _rows(self, parts: list[tuple], hidden: torch.Tensor, ids) -> None:
-        """MTP rows of each request, ``parts`` of (request, first position, whether the first
-        row's streams wait in the backlog, the rows of ``hidden`` with the others'), their
-        next tokens ``ids`` (host array or device tensor, in row order): their KV written,
-        their logits unused."""
-        parts = [p for p in parts if p[2] or p[3]]
-        if not parts:
-            return
-        ext = [int(b) + len(rows) for _, _, b, rows in parts]
-        slots = torch.cat(
-            [
-                req.kv_slots[first : first + n]
-                for (req, first, _, _), n in zip(parts, ext, strict=True)
-            ]
-        )
-        host = ids if isinstance(ids, np.ndarray) else np.zeros(len(slots), np.int32)
-        batch = extend_batch(
-            host, slots, [req.req_pool_idx for req, *_ in parts], [p[1] for p in parts], ext,
-            self.req_pool, self.device,
-        )  # fmt: skip
-        if not isinstance(ids, np.ndarray):
-            batch.input_ids = ids
-        dst, src, back_dst, back_src, at = [], [], [], [], 0
-        for (req, _, backlog, rows), n in zip(parts, ext, strict=True):
-            if backlog:
-                back_dst.append(at)
-                back_src.append(req.req_pool_idx)
-            dst += range(at + int(backlog), at + n)
-            src += rows
-            at += n
-        d, s, bd, bs = upload_many([dst, src, back_dst, back_src], torch.int64, self.device)
-        streams = hidden.new_empty((at, hidden.shape[1]))
-        streams[d] = hidden[s]
-        streams[bd] = self.backlog[bs]
-        self._forward(batch, streams, 0, logits=False)
+        """MTP rows per request and the last rows' streams into the backlog, in one upload.
 
-    def _keep(self, reqs, rows: list[int], positions: list[int], hidden: torch.Tensor) -> None:
-        """Each request's streams at ``rows`` of ``hidden`` (position ``positions``) into the
-        backlog."""
-        tab, src = upload_many([[r.req_pool_idx for r in reqs], rows], torch.int64, self.device)
-        self.backlog[tab] = hidden[src]
-        for req, pos in zip(reqs, positions, strict=True):
+        ``parts``: per request (request, first position, whether the first row's streams wait
+        in the backlog, the first of its rows of ``hidden`` with the others', how many, the
+        row of ``hidden`` the backlog keeps and its position). The rows' next tokens: ``ids``,
+        host token ids, or a device tensor of the step's input ids, of which each row's next
+        row is the token. Their KV is written, their logits are not computed."""
+        n = len(parts)
+        if not n:
+            return
+        backlog = np.fromiter((p[2] for p in parts), dtype=np.int64, count=n)
+        row0 = np.fromiter((p[3] for p in parts), dtype=np.int64, count=n)
+        m = np.fromiter((p[4] for p in parts), dtype=np.int64, count=n)
+        ext = backlog + m
+        at = np.cumsum(ext) - ext
+        tab = np.fromiter((p[0].req_pool_idx for p in parts), dtype=np.int64, count=n)
+        on_device = isinstance(ids, torch.Tensor)
+        with_backlog = backlog.astype(bool)
+        d, s, bd, bs, idx, kt, ks = upload_many(
+            [token_positions(at + backlog, m), token_positions(row0, m), at[with_backlog],
+             tab[with_backlog], token_positions(row0 + 1 - backlog, ext) if on_device else [],
+             tab, [p[5] for p in parts]],
+            torch.int64, self.device,
+        )  # fmt: skip
+        live = [i for i in range(n) if ext[i]]
+        if live:
+            slots = torch.cat(
+                [parts[i][0].kv_slots[parts[i][1] : parts[i][1] + ext[i]] for i in live]
+            )
+            host = np.zeros(len(slots), np.int32) if on_device else ids
+            batch = extend_batch(
+                host, slots, tab[live].tolist(), [parts[i][1] for i in live],
+                ext[live].tolist(), self.req_pool, self.device,
+            )  # fmt: skip
+            if on_device:
+                batch.input_ids = ids[idx]
+            streams = hidden.new_empty((int(ext.sum()), hidden.shape[1]))
+            streams[d] = hidden[s]
+            streams[bd] = self.backlog[bs]
+            self._forward(batch, streams, 0, logits=False)
+        self.backlog[kt] = hidden[ks]  # after the gather above, in stream order
+        for req, *_, pos in parts:
             req.mtp_pos = pos
 
     def mirror(self, batch: ForwardBatch, reqs) -> None:
         """The MTP rows a target step (not a verify step) makes ready: from the backlog's row
         where it is the one before the step's first, to the step's second-to-last row; the
         last rows into the backlog."""
-        hidden = self.target.hidden
-        parts, ids, last, last_pos, start = [], [], [], [], 0
+        parts, start = [], 0
         for req, p, e in zip(reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
             backlog = p >= 1 and req.mtp_pos == p - 1
-            parts.append((req, p - int(backlog), backlog, range(start, start + e - 1)))
-            ids += range(start + 1 - int(backlog), start + e)  # the next token of each row
-            last.append(start + e - 1)
-            last_pos.append(p + e - 1)
+            parts.append((req, p - backlog, backlog, start, e - 1, start + e - 1, p + e - 1))
             start += e
-        (idx,) = upload_many([ids], torch.int64, self.device)
-        self._rows(parts, hidden, batch.input_ids[idx])
-        self._keep(reqs, last, last_pos, hidden)
+        self._rows(parts, self.target.hidden, batch.input_ids)
 
     def hold(self, verify) -> None:
         """A verify step's streams, kept with it until its acceptance (``accepted``)."""
@@ -152,20 +148,14 @@ class MtpDrafter:
         of them; None: finished) with the step's streams, and its last kept row's streams
         into the backlog. Before any other target forward (its streams are a graph's
         output)."""
-        parts, ids, reqs, last, last_pos = [], [], [], [], []
+        parts, ids = [], []
         for req, n, start, p in zip(verify.reqs, kept, verify.starts, verify.prefixes,
                                     strict=True):  # fmt: skip
-            if n is None:
-                continue
-            parts.append((req, p, False, range(start, start + n)))
-            ids += req.fill_prefix(p + 1 + n, p + 1).tolist()
-            reqs.append(req)
-            last.append(start + n)
-            last_pos.append(p + n)
+            if n is not None:
+                parts.append((req, p, False, start, n, start + n, p + n))
+                ids.append(req.fill_prefix(p + 1 + n, p + 1))
         hidden, verify.hidden = verify.hidden, None
-        self._rows(parts, hidden, np.asarray(ids, dtype=np.int32))
-        if reqs:
-            self._keep(reqs, last, last_pos, hidden)
+        self._rows(parts, hidden, np.concatenate(ids) if ids else None)
 
     def propose(self, reqs, lens: list[int], prefixes: list[int]) -> torch.Tensor:
         """Drafts [len(reqs), max(lens)] int64 on the device: request i's first ``lens[i]``

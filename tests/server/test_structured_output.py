@@ -20,7 +20,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from breakgraph.bench.grammar_schemas import SCHEMAS  # noqa: E402
 from tests.support import embedded  # noqa: E402
-from tests.support.server import post, wait_idle  # noqa: E402
+from tests.support.server import assert_refused_holding_nothing, post  # noqa: E402
 
 server, client, model_name = embedded.server, embedded.client, embedded.model_name
 
@@ -230,9 +230,4 @@ def test_bad_grammar_or_tool_is_a_400_in_one_line(server, model_name, route, bod
         body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 4, "stream": stream, **body}  # fmt: skip
     r = post(server, route, body)
-    assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert says in message and "\n" not in message, message
-    after = wait_idle(server)  # nothing held: no request in flight, no KV
-    assert (after["num_inflight_requests"], after["num_running_reqs"]) == (0, 0)
-    assert after["kv_tokens_used"] == 0
+    assert_refused_holding_nothing(server, r, says)

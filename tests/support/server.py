@@ -113,6 +113,17 @@ def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
+def assert_refused_holding_nothing(srv: ServerProcess, r: httpx.Response, says: str) -> None:
+    """A bad request's answer: a 400 whose one-line message says ``says``, and the server
+    holds nothing of it (no request in flight or running, no KV)."""
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert says in message and "\n" not in message, message
+    after = wait_idle(srv)
+    assert (after["num_inflight_requests"], after["num_running_reqs"]) == (0, 0)
+    assert after["kv_tokens_used"] == 0
+
+
 def torch_loaded(pid: int) -> bool:
     """Whether process ``pid`` has torch's native library mapped (Linux)."""
     maps = Path(f"/proc/{pid}/maps")

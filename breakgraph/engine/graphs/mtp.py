@@ -22,6 +22,7 @@ class MtpGraphs(DecodeGraphs):
     (DeepSeek V4 ships one)."""
 
     def __init__(self, target: GraphTarget, max_bs: int, width: int, dtype: torch.dtype):
+        # the decode steps' inputs, batch and guard are DecodeGraphs'; its banks are not
         super(DecodeGraphs, self).__init__(target)
         self.penalties = None
         inputs = [*self.step_inputs(), StaticInput("streams", dtype, (width,))]
