@@ -31,8 +31,10 @@ from breakgraph.engine.grammar import (
     PendingGrammars,
 )
 from breakgraph.engine.memory import memory_log_line
+from breakgraph.engine.mtp import MtpDrafter
 from breakgraph.engine.output import finished_output
 from breakgraph.engine.rank import build_rank, claim_device, rank_device
+from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler
 from breakgraph.engine.speculative import draft_tokens
@@ -117,8 +119,12 @@ class Engine:
         self.penalties, self.kv_pool, self.req_pool = rank.penalties, rank.kv_pool, rank.req_pool
         self.max_running_requests = rank.max_running_requests
         self.runner = rank.runner
+        send = None
         if driver is not None:
             self.runner.attach_tp(driver)
+            send = driver.send_op
+            if isinstance(rank.drafter, MtpDrafter):  # a draft model runs on rank 0 only
+                rank.drafter.attach_tp(driver)
         self.allocator = SlotAllocator(rank.num_slots + 1)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         overlap = device.type == "cuda" if args.overlap_schedule is None else args.overlap_schedule
@@ -147,7 +153,7 @@ class Engine:
             penalized_forward=self.runner.forward_penalized,
             grammar_mask=GrammarMask(self.vocab_size, device),
             drafter=rank.drafter,
-            request_states=self.kv_pool.request_states,
+            states=StateRewind(self.kv_pool, self.req_pool, send),
         )
         # requests whose grammar compiles (on threads), and those refused: (rid, reason)
         self.grammars = self._grammars(args)

@@ -33,6 +33,7 @@ from breakgraph.cache.kv_pool import KVPool
 from breakgraph.engine.graphs.base import GraphTarget
 from breakgraph.engine.graphs.mtp import MtpGraphs
 from breakgraph.engine.prefill import extend_batch
+from breakgraph.engine.tp import wire
 from breakgraph.forward_batch import (
     ForwardBatch,
     ForwardContext,
@@ -57,6 +58,11 @@ class MtpDrafter:
         rows = req_pool.table.shape[0]
         self.backlog = torch.zeros(rows, mtp.stream_width, dtype=dtype, device=device)
         self.graphs: MtpGraphs | None = None
+        self.send = None  # rank 0 of a TP group: its TPDriver's send_op (attach_tp)
+
+    def attach_tp(self, driver) -> None:
+        """Rank 0 of a TP group: every MTP op goes to the workers first (rank_ops.py)."""
+        self.send = driver.send_op
 
     @torch.inference_mode()
     def capture_graphs(self, pad_req_idx: int, max_bs: int) -> None:
@@ -84,7 +90,7 @@ class MtpDrafter:
         return out, self.mtp.compute_logits(out, step) if logits else None
 
     def _rows(self, parts: list[tuple], hidden: torch.Tensor, ids) -> None:
-        """MTP rows per request and the last rows' streams into the backlog, in one upload.
+        """MTP rows per request and the last rows' streams into the backlog.
 
         ``parts``: per request (request, first position, whether the first row's streams wait
         in the backlog, the first of its rows of ``hidden`` with the others', how many, the
@@ -102,31 +108,54 @@ class MtpDrafter:
         tab = np.fromiter((p[0].req_pool_idx for p in parts), dtype=np.int64, count=n)
         on_device = isinstance(ids, torch.Tensor)
         with_backlog = backlog.astype(bool)
-        d, s, bd, bs, idx, kt, ks = upload_many(
-            [token_positions(at + backlog, m), token_positions(row0, m), at[with_backlog],
-             tab[with_backlog], token_positions(row0 + 1 - backlog, ext) if on_device else [],
-             tab, [p[5] for p in parts]],
+        live = ext > 0
+        slots = [
+            parts[i][0].kv_slots[parts[i][1] : parts[i][1] + ext[i]] for i in np.flatnonzero(live)
+        ]
+        i32 = np.int32
+        plan = wire.MtpRows(
+            slots=torch.cat(slots).numpy().astype(i32) if slots else np.zeros(0, i32),
+            table_rows=tab[live].astype(i32),
+            prefixes=np.fromiter((p[1] for p in parts), dtype=i32, count=n)[live],
+            extends=ext[live].astype(i32),
+            ids=None if on_device else np.asarray(ids, dtype=i32),
+            idx=token_positions(row0 + 1 - backlog, ext).astype(i32) if on_device else None,
+            dst=token_positions(at + backlog, m).astype(i32),
+            src=token_positions(row0, m).astype(i32),
+            backlog_dst=at[with_backlog].astype(i32),
+            backlog_src=tab[with_backlog].astype(i32),
+            keep=tab.astype(i32),
+            keep_src=np.fromiter((p[5] for p in parts), dtype=i32, count=n),
+        )
+        if self.send is not None:
+            self.send(plan)
+        self.run_rows(plan, hidden, ids if on_device else None)
+        for req, *_, pos in parts:
+            req.mtp_pos = pos
+
+    def run_rows(self, plan: wire.MtpRows, hidden: torch.Tensor, step_ids) -> None:
+        """This rank's MTP rows of ``plan`` (see ``wire.MtpRows``): its streams from
+        ``hidden`` (the last target forward's) and the backlog; ``step_ids``: that step's
+        input ids, where the plan's next tokens are theirs."""
+        d, s, bd, bs, kt, ks, idx = upload_many(
+            [plan.dst, plan.src, plan.backlog_dst, plan.backlog_src, plan.keep, plan.keep_src,
+             plan.idx if plan.ids is None else []],
             torch.int64, self.device,
         )  # fmt: skip
-        live = [i for i in range(n) if ext[i]]
-        if live:
-            slots = torch.cat(
-                [parts[i][0].kv_slots[parts[i][1] : parts[i][1] + ext[i]] for i in live]
-            )
-            host = np.zeros(len(slots), np.int32) if on_device else ids
+        if len(plan.slots):
+            host = np.zeros(len(plan.slots), np.int32) if plan.ids is None else plan.ids
+            slots = torch.from_numpy(plan.slots.astype(np.int64))
             batch = extend_batch(
-                host, slots, tab[live].tolist(), [parts[i][1] for i in live],
-                ext[live].tolist(), self.req_pool, self.device,
+                host, slots, plan.table_rows.tolist(), plan.prefixes.tolist(),
+                plan.extends.tolist(), self.req_pool, self.device,
             )  # fmt: skip
-            if on_device:
-                batch.input_ids = ids[idx]
-            streams = hidden.new_empty((int(ext.sum()), hidden.shape[1]))
+            if plan.ids is None:
+                batch.input_ids = step_ids[idx]
+            streams = hidden.new_empty((len(plan.slots), hidden.shape[1]))
             streams[d] = hidden[s]
             streams[bd] = self.backlog[bs]
             self._forward(batch, streams, 0, logits=False)
         self.backlog[kt] = hidden[ks]  # after the gather above, in stream order
-        for req, *_, pos in parts:
-            req.mtp_pos = pos
 
     def mirror(self, batch: ForwardBatch, reqs) -> None:
         """The MTP rows a target step (not a verify step) makes ready: from the backlog's row
@@ -162,21 +191,39 @@ class MtpDrafter:
         tokens, the first from its backlog row (position ``prefixes[i] - 1``) and its last
         token, each next from the MTP's output streams and the draft token before. No host
         sync."""
-        n, k = len(reqs), max(lens)
+        slots = [
+            r.kv_slots[p - 1 : p - 1 + n] for r, n, p in zip(reqs, lens, prefixes, strict=True)
+        ]
+        i32 = np.int32
+        plan = wire.MtpPropose(
+            table_rows=np.fromiter((r.req_pool_idx for r in reqs), dtype=i32, count=len(reqs)),
+            prefixes=np.asarray(prefixes, dtype=i32),
+            lens=np.asarray(lens, dtype=i32),
+            first_ids=np.fromiter((r.output_ids[-1] for r in reqs), dtype=i32, count=len(reqs)),
+            slots=torch.cat(slots).numpy().astype(i32),
+        )
+        if self.send is not None:
+            self.send(plan)
+        return self.run_propose(plan)
+
+    def run_propose(self, plan: wire.MtpPropose) -> torch.Tensor:
+        """This rank's drafts of ``plan`` (see ``wire.MtpPropose``)."""
+        lens, prefixes = plan.lens.tolist(), plan.prefixes.tolist()
+        n, k = len(lens), max(lens)
+        first = np.cumsum(lens) - lens  # each request's first slot in ``plan.slots``
         drafts = torch.zeros(n, k, dtype=torch.int64, device=self.device)
         live = [i for i in range(n) if lens[i] > 0]
-        (tab,) = upload_many([[reqs[i].req_pool_idx for i in live]], torch.int64, self.device)
+        (tab,) = upload_many([plan.table_rows[live]], torch.int64, self.device)
         streams, keep = self.backlog[tab], list(range(len(live)))
         for j in range(k):
             if j:
                 keep = [m for m, i in enumerate(live) if lens[i] > j]
                 live = [live[m] for m in keep]
             at = [prefixes[i] - 1 + j for i in live]  # the row of the token before the draft
-            ids = [reqs[i].output_ids[-1] for i in live] if j == 0 else [0] * len(live)
+            ids = plan.first_ids[live] if j == 0 else np.zeros(len(live), np.int32)
             batch = ForwardBatch.build(
-                ForwardMode.DECODE, ids,
-                torch.stack([reqs[i].kv_slots[a] for i, a in zip(live, at, strict=True)]),
-                [reqs[i].req_pool_idx for i in live], at, [1] * len(live), self.device,
+                ForwardMode.DECODE, ids, plan.slots[first[live] + j], plan.table_rows[live],
+                at, [1] * len(live), self.device,
             )  # fmt: skip
             idx, rows = upload_many([live, keep], torch.int64, self.device)
             if j:

@@ -94,11 +94,6 @@ def build_rank(
     called with the request table before any graph is captured (rank 0 logs its writes
     for the workers from then on)."""
     nextn = args.speculative_algorithm == "NEXTN"
-    if nextn and tp_group.size > 1:
-        raise ValueError(
-            "--speculative-algorithm NEXTN is not supported with --tp-size > 1 yet (the MTP "
-            "layers run on one rank): NGRAM or STANDALONE"
-        )
     loaded = load_model(
         args.model_path, args.load_format, args.dtype, device, args.seed, args.context_length,
         tp_group=tp_group, with_mtp=nextn,

@@ -77,7 +77,7 @@ class Scheduler:
         penalized_forward: PenalizedForward | None = None,
         grammar_mask: GrammarMask | None = None,
         drafter=None,  # speculative decoding's draft model (engine/draft.py)
-        request_states=None,  # the model's per-request state (KVPool.request_states)
+        states=None,  # the model's per-request state across verify steps (rank_ops.py)
     ):
         self.forward = forward  # batch -> logits [batch size, vocab] of each request's last row
         self.prompt_forward = prompt_forward  # for steps with prompt rows (prompt logprobs)
@@ -105,7 +105,7 @@ class Scheduler:
             on_admit=self._on_admit,
         )
         self.output = OutputProcessor(config.eos_token_ids, config.max_context_len, stop_text)
-        self.spec = SpecDecoder.of(config, self.cache, device, drafter, request_states)
+        self.spec = SpecDecoder.of(config, self.cache, device, drafter, states)
         self.reqs: dict[str, Req] = {}
         # finished requests whose KV is not yet released (see release_finished)
         self._finished: list[Req] = []

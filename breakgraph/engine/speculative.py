@@ -16,7 +16,7 @@ rejection the row samples from p with d removed; if every draft token is kept, t
 samples a bonus token. The emitted tokens are distributed as plain sampling's (greedy: the
 same tokens). The KV slots of rejected rows go back to the allocator at once; a model's
 per-request state (DeepSeek V4's open compressor windows), which the verify step advanced
-through every row, is restored and advanced over the kept rows again (``_rewind``). A benchmark
+through every row, is restored and advanced over the kept rows again (rank_ops.StateRewind). A benchmark
 may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
 
 A constrained request's verify rows are masked by its grammar after each prefix of its draft
@@ -40,6 +40,7 @@ import torch
 from breakgraph.common import envs
 from breakgraph.engine.ngram import NgramProposer
 from breakgraph.engine.prefill import extend_batch
+from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
 from breakgraph.forward_batch import ForwardBatch, upload_many
@@ -66,7 +67,7 @@ class Verify:
     choice: int | None = None
     accept: int | None = None
     draft_ids: int | None = None  # a draft model's drafts, read back with the step
-    saved: dict[str, torch.Tensor] | None = None  # the model's per-request state before it
+    saved: bool = False  # the model's per-request state was kept before it (rank_ops.py)
     hidden: torch.Tensor | None = None  # its streams, for NEXTN's MTP (engine/mtp.py)
 
 
@@ -208,8 +209,8 @@ class SpecDecoder:
     on the device (``launch``), each request's kept tokens with its rejected rows' slots
     freed (``accepted``); ``stats`` counts them. ``drafter``: a draft model
     (engine/draft.py; None: n-gram drafts); ``synthetic``: a benchmark's fixed mean accepted
-    length (``SyntheticAcceptance``); ``request_states``: the model's per-request state
-    (``KVPool.request_states``), rewound past rejected drafts."""
+    length (``SyntheticAcceptance``); ``states``: the model's per-request state, rewound past
+    rejected drafts (rank_ops.StateRewind)."""
 
     def __init__(
         self,
@@ -219,7 +220,7 @@ class SpecDecoder:
         device: torch.device,
         drafter=None,
         synthetic: float | None = None,
-        request_states: dict[str, torch.Tensor] | None = None,
+        states: StateRewind | None = None,
     ):
         self.num_draft = num_draft
         self.proposer = NgramProposer(num_draft) if drafter is None else None
@@ -232,20 +233,20 @@ class SpecDecoder:
         self.pending: Verify | None = None  # scheduled, not yet launched
         # a model's per-request state (DeepSeek V4's open compressor windows): a verify step
         # advances it through every row, so it is saved first and, where a draft token is
-        # rejected, restored and advanced again over the kept rows (``_rewind``)
-        self.request_states = request_states or {}
-        self._forward = None  # the verify step's forward, for ``_rewind``
+        # rejected, restored and advanced again over the kept rows
+        self.states = states
+        self._forward = None  # the verify step's forward, for the rewind
 
     @classmethod
     def of(
-        cls, config, cache, device: torch.device, drafter=None, request_states=None
+        cls, config, cache, device: torch.device, drafter=None, states=None
     ) -> SpecDecoder | None:
         """A scheduler's speculative decoder (None: speculation off)."""
         k = config.speculative_num_draft_tokens
         if not k:
             return None
         synthetic = config.speculative_synthetic_accept_length
-        return cls(k, cache, config.max_context_len, device, drafter, synthetic, request_states)
+        return cls(k, cache, config.max_context_len, device, drafter, synthetic, states)
 
     def mirror(self, batch: ForwardBatch, reqs: list[Req]) -> None:
         """A target step (of ``reqs``) that is not a verify step: the drafter writes its KV
@@ -312,10 +313,9 @@ class SpecDecoder:
             for r, t in zip(rows, np.concatenate(verify.drafts).tolist(), strict=True):
                 nxt[r - 1] = t
             (draft_next,) = upload_many([nxt], torch.int64, batch.input_ids.device)
-        if self.request_states:
-            (rows,) = upload_many([[r.req_pool_idx for r in verify.reqs]], torch.int64,
-                                  batch.input_ids.device)  # fmt: skip
-            verify.saved = {k: t[rows] for k, t in self.request_states.items()}
+        if self.states:
+            self.states.save([r.req_pool_idx for r in verify.reqs])
+            verify.saved = True
             self._forward = forward
         logits = forward(batch)
         if self.drafter is not None:
@@ -361,7 +361,7 @@ class SpecDecoder:
             stats.accepted += len(toks) - 1
             self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
             kept_drafts.append(len(toks) - 1)
-            if verify.saved is not None and len(toks) <= len(draft):
+            if verify.saved and len(toks) <= len(draft):
                 rewind.append((req, toks[:-1]))
             yield req, toks
         if self.drafter is not None:  # before the rewind's forward (the step's streams)
@@ -371,28 +371,4 @@ class SpecDecoder:
             )
         rewind = [(req, kept_draft) for req, kept_draft in rewind if not req.finished]
         if rewind:  # before the next step (the caller has taken every request's tokens)
-            self._rewind(verify, rewind)
-
-    def _rewind(self, verify: Verify, rewind: list[tuple[Req, list[int]]]) -> None:
-        """Requests that rejected a draft token: their per-request state back to before the
-        verify step, then advanced over the rows they kept (their last token and accepted
-        draft) by a forward of those rows. It writes their KV again, the same values at the
-        same slots; its logits are not used."""
-        index = {id(r): i for i, r in enumerate(verify.reqs)}
-        at = [index[id(req)] for req, _ in rewind]
-        device = next(iter(self.request_states.values())).device
-        pick, rows = upload_many([at, [req.req_pool_idx for req, _ in rewind]], torch.int64, device)
-        for name, state in self.request_states.items():
-            state[rows] = verify.saved[name][pick]
-        ids, slots, prefixes, ext = [], [], [], []
-        for req, accepted in rewind:
-            start = verify.prefixes[index[id(req)]]
-            ids += [req.fill_prefix(start + 1, start).tolist()[0], *accepted]
-            slots.append(req.kv_slots[start : start + 1 + len(accepted)])
-            prefixes.append(start)
-            ext.append(1 + len(accepted))
-        batch = extend_batch(
-            np.asarray(ids, dtype=np.int32), torch.cat(slots), [r.req_pool_idx for r, _ in rewind],
-            prefixes, ext, self.cache.req_pool, device,
-        )  # fmt: skip
-        self._forward(batch)
+            self.states.rewind(verify, rewind, self._forward)

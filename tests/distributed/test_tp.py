@@ -795,3 +795,86 @@ def test_deepseek_v4_tp2_logits_equal_tp1(deepseek_v4_checkpoint):
             cached.append(r2[0].cached_tokens)
         assert cached[2] == 48
         assert_same_steps(t1, t2)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_mtp_dir(tmp_path_factory) -> Path:
+    """The tiny V4's config with one MTP layer (served with dummy weights: HF's checkpoint
+    drops ``mtp.*``)."""
+    from tests.support.deepseek_v4 import make_hf_deepseek_v4
+
+    path = tmp_path_factory.mktemp("tp-deepseek-v4-mtp")
+    make_hf_deepseek_v4(num_nextn_predict_layers=1).save_pretrained(path)
+    return path
+
+
+def _record_drafts(engine: Engine) -> list[list[list[int]]]:
+    """Each verify step's drafts, per request (rank 0's, read after the step)."""
+    seen: list = []
+    drafter = engine.scheduler.spec.drafter
+    propose = drafter.propose
+
+    def record(reqs, lens, prefixes):
+        drafts = propose(reqs, lens, prefixes)
+        seen.append((drafts, list(lens)))
+        return drafts
+
+    drafter.propose = record
+    return seen
+
+
+def _drafts(seen) -> list[list[list[int]]]:
+    return [[row[:n] for row, n in zip(d.tolist(), lens, strict=True)] for d, lens in seen]
+
+
+V4_SPEC_PROMPTS = [(prompts([7], seed=4)[0] * 6)[:40], *prompts([9, 21], seed=5)]
+
+
+def test_deepseek_v4_tp2_ngram_rewinds_every_ranks_state(deepseek_v4_checkpoint):
+    """A verify step advances every rank's per-request state (V4's open compressor windows)
+    through all its rows: each rank puts it back where a draft is rejected (rank_ops.py)."""
+    plain = Engine(make_args(deepseek_v4_checkpoint)).generate(V4_SPEC_PROMPTS, greedy(20))
+    tp2 = Engine(
+        make_args(
+            deepseek_v4_checkpoint, tp_size=2, speculative_algorithm="NGRAM",
+            speculative_num_draft_tokens=3,
+        )
+    )  # fmt: skip
+    try:
+        spec = tp2.generate(V4_SPEC_PROMPTS, greedy(20))
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+        stats = tp2.scheduler.spec_stats
+        assert stats.drafted > stats.accepted  # rejections: rewinds ran
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.parametrize(("synthetic", "overlap"), [(None, False), (2.5, True)])
+def test_deepseek_v4_tp2_nextn_drafts_as_tp1(deepseek_v4_mtp_dir, synthetic, overlap):
+    """NEXTN under TP: the MTP layer is sharded as the target's layers and every rank runs its
+    rows and draft steps (rank 0 sends each op): the same drafts as TP1's, and greedy tokens
+    equal plain decoding's. With synthetic acceptance (drafts kept whatever the target says)
+    the rows over kept drafts and the backlog are exercised at every step; with overlap, the
+    mirrored rows take the step's input ids on the device on every rank."""
+    from breakgraph.common import envs
+
+    kw = dict(load_format="dummy", speculative_algorithm="NEXTN", speculative_num_draft_tokens=3)
+    kw |= dict(bench_synthetic_accept_length=synthetic, overlap_schedule=overlap)
+    with envs.BENCH.override(synthetic is not None):
+        tp1 = Engine(make_args(deepseek_v4_mtp_dir, **kw))
+        tp2 = Engine(make_args(deepseek_v4_mtp_dir, tp_size=2, **kw))
+    try:
+        seen1, seen2 = _record_drafts(tp1), _record_drafts(tp2)
+        r1 = tp1.generate(V4_SPEC_PROMPTS, greedy(16))
+        r2 = tp2.generate(V4_SPEC_PROMPTS, greedy(16))
+        assert [r.output_ids for r in r2] == [r.output_ids for r in r1]
+        assert _drafts(seen2) == _drafts(seen1) and seen1
+        assert tp2.scheduler.spec_stats == tp1.scheduler.spec_stats
+        if synthetic is None:
+            plain = Engine(make_args(deepseek_v4_mtp_dir, load_format="dummy"))
+            want = plain.generate(V4_SPEC_PROMPTS, greedy(16))
+            assert [r.output_ids for r in r2] == [r.output_ids for r in want]
+        else:
+            assert tp2.scheduler.spec_stats.accepted > 0
+    finally:
+        tp2.shutdown()

@@ -36,6 +36,7 @@ from breakgraph.engine.tp.wire import (
     ExitNow,
     StepMessage,
     Stop,
+    TableWrites,
     WorkerFailed,
     WorkerSetup,
     WorkerSlots,
@@ -206,6 +207,14 @@ class TPDriver:
         except Exception as e:
             self._raise_dead(e, wait_s=2.0)
             raise RuntimeError(f"tensor-parallel step failed: {e}") from e
+
+    def send_op(self, op) -> None:
+        """Send the workers a rank op (engine/rank_ops.py) with the request-table writes made
+        since the last message; rank 0 does the op next."""
+        self.check_workers()
+        writes = self.req_pool.drain_writes()
+        op.writes = None if writes is None else TableWrites(*writes)
+        self._send(op)
 
     def check_workers(self) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):

@@ -41,6 +41,75 @@ class StepMessage:
 
 
 @dataclass
+class TableWrites:
+    """Request-table writes rank 0 made since its last message (rows, columns, slots)."""
+
+    rows: np.ndarray = field(metadata=PACKED_INT32)
+    cols: np.ndarray = field(metadata=PACKED_INT32)
+    slots: np.ndarray = field(metadata=PACKED_INT32)
+
+
+# device work every rank does beside the steps (engine/rank_ops.py): rank 0 sends each op
+# before it does it, so every rank's collectives and buffers see the same order
+@dataclass
+class SaveStates:
+    """Keep the model's per-request state of these request-table rows (a verify step's)."""
+
+    rows: np.ndarray = field(metadata=PACKED_INT32)
+    writes: TableWrites | None = None
+
+
+@dataclass
+class RestoreStates:
+    """Put the kept state back: row ``rows[i]`` takes the kept row ``pick[i]``."""
+
+    pick: np.ndarray = field(metadata=PACKED_INT32)
+    rows: np.ndarray = field(metadata=PACKED_INT32)
+    writes: TableWrites | None = None
+
+
+@dataclass
+class MtpRows:
+    """NEXTN: an extend step of the MTP layer that writes its KV (engine/mtp.py ``_rows``).
+    Its batch: ``slots`` [N], and per live request its table row, prefix and rows; the next
+    tokens ``ids`` [N] (None: the last target step's input ids at ``idx``); its streams: row
+    ``dst`` takes the last target forward's row ``src``, row ``backlog_dst`` the backlog's row
+    ``backlog_src``; then the backlog's rows ``keep`` take the forward's rows ``keep_src``."""
+
+    slots: np.ndarray = field(metadata=PACKED_INT32)
+    table_rows: np.ndarray = field(metadata=PACKED_INT32)
+    prefixes: np.ndarray = field(metadata=PACKED_INT32)
+    extends: np.ndarray = field(metadata=PACKED_INT32)
+    ids: np.ndarray | None = field(metadata=PACKED_INT32)
+    idx: np.ndarray | None = field(metadata=PACKED_INT32)
+    dst: np.ndarray = field(metadata=PACKED_INT32)
+    src: np.ndarray = field(metadata=PACKED_INT32)
+    backlog_dst: np.ndarray = field(metadata=PACKED_INT32)
+    backlog_src: np.ndarray = field(metadata=PACKED_INT32)
+    keep: np.ndarray = field(metadata=PACKED_INT32)
+    keep_src: np.ndarray = field(metadata=PACKED_INT32)
+    writes: TableWrites | None = None
+
+
+@dataclass
+class MtpPropose:
+    """NEXTN: a verify step's drafts (engine/mtp.py ``propose``): request i drafts ``lens[i]``
+    tokens from its backlog row (table row ``table_rows[i]``, position ``prefixes[i] - 1``)
+    and its last token ``first_ids[i]``; ``slots``: its draft steps' slots, request after
+    request. Every rank computes the same drafts (the LM head's logits are all-gathered)."""
+
+    table_rows: np.ndarray = field(metadata=PACKED_INT32)
+    prefixes: np.ndarray = field(metadata=PACKED_INT32)
+    lens: np.ndarray = field(metadata=PACKED_INT32)
+    first_ids: np.ndarray = field(metadata=PACKED_INT32)
+    slots: np.ndarray = field(metadata=PACKED_INT32)
+    writes: TableWrites | None = None
+
+
+RANK_OPS = (SaveStates, RestoreStates, MtpRows, MtpPropose)
+
+
+@dataclass
 class Stop:
     """Rank 0 stops the workers: each tears the group down and exits."""
 
@@ -79,7 +148,9 @@ class WorkerFailed:
     error: str
 
 
-CODEC = Codec([StepMessage, Stop, ExitNow, WorkerSetup, WorkerUp, WorkerSlots, WorkerFailed])
+CODEC = Codec(
+    [StepMessage, *RANK_OPS, Stop, ExitNow, WorkerSetup, WorkerUp, WorkerSlots, WorkerFailed]
+)
 
 
 def send(conn, msg) -> None:

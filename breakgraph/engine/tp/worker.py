@@ -15,8 +15,10 @@ import torch
 
 from breakgraph.common import envs
 from breakgraph.distributed import TPGroup, destroy_tp_group, init_tp_group
+from breakgraph.engine import rank_ops
 from breakgraph.engine.memory import MemoryPlanError
 from breakgraph.engine.rank import Rank, build_rank, claim_device, rank_device
+from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.tp import teardown, wire
 from breakgraph.engine.tp.trace import StepTrace
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
@@ -98,18 +100,26 @@ def _serve(rank: Rank, group: TPGroup, conn, parent_pid: int) -> None:
     trace = StepTrace(group.rank, ("pipe", "build", "launch")) if envs.TP_TRACE.get() else None
     # the CPU's ranks share its cores: no spinning there
     spin_s = envs.TP_SPIN_MS.get() / 1e3 if rank.device.type == "cuda" else 0.0
+    rewind = StateRewind(rank.kv_pool, rank.req_pool)
+    step_ids = None  # the last step's input ids (NEXTN's MTP rows read them)
     while not isinstance(msg := _recv(conn, parent_pid, spin_s), wire.Stop):
         if isinstance(msg, wire.ExitNow):
             if trace is not None:
                 logger.warning("%s", trace.report())
             teardown.exit_now(0)  # no teardown: rank 0 skips its own too (ExitNow)
-        run_step(msg, rank, group, trace)
+        if isinstance(msg, wire.RANK_OPS):
+            with torch.inference_mode():
+                rank_ops.apply(msg, rank, rewind, step_ids)
+            continue
+        step_ids = run_step(msg, rank, group, trace)
     if trace is not None:
         logger.warning("%s", trace.report())
 
 
-def run_step(msg: wire.StepMessage, rank: Rank, group: TPGroup, trace: StepTrace | None = None):
-    """Run rank 0's step here, through rank 0's key."""
+def run_step(
+    msg: wire.StepMessage, rank: Rank, group: TPGroup, trace: StepTrace | None = None
+) -> torch.Tensor:
+    """Run rank 0's step here, through rank 0's key -> its input ids (rank 0's)."""
     received = time.perf_counter()
     req_pool, device = rank.req_pool, rank.device
     if msg.table_writes is not None:
@@ -138,8 +148,9 @@ def run_step(msg: wire.StepMessage, rank: Rank, group: TPGroup, trace: StepTrace
             rank.runner.execute(msg.key, batch)
             if trace is not None:
                 trace.add(msg.sent_at, received, built, time.perf_counter())
-            return
+            return batch.input_ids
         rows = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
         targets = torch.empty(msg.prompt_rows, dtype=torch.int64, device=device)
         wire.broadcast_inputs(group, batch.input_ids, rows, targets)
         rank.runner.execute_prompt(batch, rows, targets, msg.top_k)
+    return batch.input_ids
