@@ -17,10 +17,13 @@ MAX_LOGIT_FLOATS = 1 << 26  # 256 MiB of float32 logits per chunk of prompt rows
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """logits [R, V] -> (logprob of targets [R], top-k logprobs [R, k], their ids [R, k])."""
+    """logits [R, V] -> (logprob of targets [R] (or of several per row: [R, m] -> [R, m]),
+    top-k logprobs [R, k], their ids [R, k])."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, targets[:, None]) - lse).squeeze(1)
+    chosen = logits.gather(1, targets.view(targets.shape[0], -1)) - lse
+    if targets.dim() == 1:
+        chosen = chosen.squeeze(1)
     if top_k <= 0:
         return chosen, None, None
     values, ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)

@@ -38,6 +38,7 @@ import torch
 from breakgraph.cache.kv_pool import KVPool
 from breakgraph.cache.req_to_token import ReqToTokenPool
 from breakgraph.common.sampling_params import MAX_TOP_LOGPROBS
+from breakgraph.engine.acceptance import verify_sample
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.graph_plan import planned_banks
 from breakgraph.engine.graphs.key import DECODE, MTP_DECODE
@@ -57,7 +58,6 @@ from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import SamplingParams
 from breakgraph.engine.sampler import sample
-from breakgraph.engine.speculative import verify_sample
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 
 logger = logging.getLogger(__name__)

@@ -29,21 +29,26 @@ class OutputProcessor:
         out = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[] if lp is None else [lp])
         return out, self.check_finish(req, tok)
 
-    def append_tokens(self, req: Req, toks: list[int]) -> tuple[TokenDelta, dict | None]:
-        """Append several tokens (a speculative step's), checking each (and advancing the
-        request's grammar by each): one output with those appended before the finish, and
-        the finish reason (None: goes on)."""
+    def append_tokens(
+        self, req: Req, toks: list[int], lps: list | None = None, tops: list | None = None
+    ) -> tuple[TokenDelta, dict | None]:
+        """Append several tokens (a speculative step's) with their logprobs and top-k (None:
+        none wanted), checking each (and advancing the request's grammar by each): one output
+        with those appended before the finish, and the finish reason (None: goes on)."""
         out, reason = None, None
-        for tok in toks:
-            delta, reason = self.append_token(req, tok, None)
+        for i, tok in enumerate(toks):
+            delta, reason = self.append_token(req, tok, None if lps is None else lps[i])
             if req.grammar is not None:
                 reason = req.grammar.finish(tok, reason)
             if out is None:
                 out = delta
             else:
-                out.token_ids.append(tok)
+                out.token_ids += delta.token_ids
+                out.logprobs += delta.logprobs
             if reason is not None:
                 break
+        if tops is not None:
+            out.top_logprobs = tops[: len(out.token_ids)]
         return out, reason
 
     def check_finish(self, req: Req, tok: int) -> dict | None:

@@ -55,7 +55,7 @@ from breakgraph.engine.prompt_logprobs import (
     take_prompt_logprobs,
 )
 from breakgraph.engine.request import Req
-from breakgraph.engine.speculative import SpecDecoder, SpecStats, speculable
+from breakgraph.engine.speculative import SpecDecoder, SpecStats, drafts_for
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
@@ -227,16 +227,16 @@ class Scheduler:
     def _schedule_verify(
         self, stepping: list[Req], outputs: list[TokenDelta]
     ) -> tuple[list[Req], ForwardBatch] | None:
-        """A speculative verify step of ``stepping`` if every one of them can take it and one
-        has a draft (engine/speculative.py); None: a plain decode step. Tokens still in flight
-        are read back first (a draft continues the last token)."""
-        if not stepping or not all(speculable(r, pending_ok=True) for r in stepping):
+        """A speculative verify step of ``stepping`` if one of them drafts and has a draft
+        (engine/speculative.py); None: a plain decode step. Tokens still in flight are read
+        back first (a draft continues the last token)."""
+        if not any(drafts_for(r) for r in stepping):
             return None
         if any(r.num_pending for r in stepping):
             outputs.extend(self.drain())
             self.release_finished()
             stepping = self.decode.stepping()
-            if not stepping or not all(speculable(r) for r in stepping):
+            if not any(drafts_for(r) for r in stepping):
                 return None
         return self.spec.schedule(stepping)
 
@@ -244,7 +244,7 @@ class Scheduler:
         """Drafts, every row's logits, their acceptance queued for the read-back (no sync)."""
         rb = ReadBack()
         self.timer.forward_begin()
-        verify = self.spec.launch(batch, self.forward, rb, self.grammar_mask)
+        verify = self.spec.launch(batch, self.forward, rb, self.grammar_mask, self.penalties)
         self.timer.forward_end()
         rb.start()
         return Launched(done=verify.reqs, readback=rb, verify=verify)
@@ -254,8 +254,8 @@ class Scheduler:
         rows' slots; finish checks token by token."""
         values = launched.readback.fetch()  # the step's one host sync
         outputs = []
-        for req, toks in self.spec.accepted(launched.verify, values):
-            out, reason = self.output.append_tokens(req, toks)
+        for req, toks, (lps, tops) in self.spec.accepted(launched.verify, values):
+            out, reason = self.output.append_tokens(req, toks, lps, tops)
             outputs.append(self._finish(req, reason, out) if reason else fill_meta(out, req))
         return outputs
 

@@ -1,29 +1,32 @@
 """Speculative decoding: a decode step verifies up to k drafted tokens per request in one
 forward and keeps the longest accepted prefix plus one.
 
-Drafts come from the request's own tokens (NGRAM, ``ngram.NgramProposer``: what followed the most
-recent earlier occurrence of its last n tokens, n from ``max_match`` down to ``min_match``)
-or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on the device) or
-the target's own MTP layers (NEXTN, engine/mtp.py: likewise). A
-verify step is an extend step of ``1 + k_i`` rows per request (its last token, then its
-draft) at the positions its next tokens would take, with the logits of every row: row i
-holds the model's distribution after the draft's first i tokens.
+Drafts come from the request's own tokens (NGRAM, ``ngram.NgramProposer``: what followed the
+most recent earlier occurrence of its last n tokens, n from ``max_match`` down to
+``min_match``) or from a smaller draft model (STANDALONE, engine/draft.py: k greedy steps on
+the device) or the target's own MTP layers (NEXTN, engine/mtp.py: likewise). A verify step
+is an extend step of ``1 + k_i`` rows per request (its last token, then its draft) at the
+positions its next tokens would take, with the logits of every row: row i holds the model's
+distribution after the draft's first i tokens.
 
-Acceptance (``verify_sample``) is speculative sampling against a draft that puts all its mass
-on one token (both proposers are deterministic): draft token d is kept with probability p(d)
-under the row's sampling distribution (temperature, top-k, top-p, min-p), and at the first
-rejection the row samples from p with d removed; if every draft token is kept, the last row
-samples a bonus token. The emitted tokens are distributed as plain sampling's (greedy: the
-same tokens). The KV slots of rejected rows go back to the allocator at once; a model's
-per-request state (DeepSeek V4's open compressor windows), which the verify step advanced
-through every row, is restored and advanced over the kept rows again (rank_ops.StateRewind). A benchmark
-may fix the number kept instead (``SyntheticAcceptance``; refused outside one).
+Acceptance (engine/acceptance.py) is speculative sampling against a draft that puts all its
+mass on one token (both proposers are deterministic): draft token d is kept with probability
+p(d) under the row's sampling distribution (temperature, top-k, top-p, min-p), and at the
+first rejection the row samples from p with d removed; if every draft token is kept, the
+last row samples a bonus token. The emitted tokens are distributed as plain sampling's
+(greedy: the same tokens). The KV slots of rejected rows go back to the allocator at once; a
+model's per-request state (DeepSeek V4's open compressor windows), which the verify step
+advanced through every row, is restored and advanced over the kept rows again
+(rank_ops.StateRewind). A benchmark may fix the number kept instead
+(``acceptance.SyntheticAcceptance``; refused outside one).
 
 A constrained request's verify rows are masked by its grammar after each prefix of its draft
 (``RequestGrammar.fill_draft_rows``): a draft token the grammar refuses has probability 0 and
-is never kept. What takes the plain decode path instead (the whole step): a request that
-wants logprobs, has penalties, ``logit_bias`` or ``min_new_tokens``; and any step without a
-draft.
+is never kept. A request with a penalty-pool row (penalties, ``logit_bias``,
+``min_new_tokens``) does not draft: it rides the verify step as one row, sampled from the
+pool's logits as a plain decode row is, so it never holds the others' drafts back. Logprobs
+(and the top-k) of every kept token come from its verify row's logits, the model's own. A
+step where no request drafts is a plain decode step.
 On CUDA a verify step replays the prefill graphs (their small buckets,
 graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs; a verify step is read back
 before the next step is scheduled (no overlap across them).
@@ -38,20 +41,21 @@ import numpy as np
 import torch
 
 from breakgraph.common import envs
+from breakgraph.engine.acceptance import SyntheticAcceptance, kept, kept_logprobs, verify_sample
+from breakgraph.engine.logprobs import token_logprobs
 from breakgraph.engine.ngram import NgramProposer
+from breakgraph.engine.penalties import NEUTRAL_ROW
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.rank_ops import StateRewind
-from breakgraph.engine.request import Req, SamplingParams
-from breakgraph.engine.sampler import exponential_noise, filtered_probs
+from breakgraph.engine.request import Req
 from breakgraph.forward_batch import ForwardBatch, upload_many
 
 
-def speculable(req: Req, pending_ok: bool = False) -> bool:
-    """Whether a verify step serves ``req`` exactly (see the module's docstring);
-    ``pending_ok``: but for a token still in flight (read back first)."""
-    return (
-        not req.return_logprob and req.penalty_row is None and (pending_ok or not req.num_pending)
-    )
+def drafts_for(req: Req) -> bool:
+    """Whether ``req`` drafts: not with a penalty-pool row (penalties, ``logit_bias``,
+    ``min_new_tokens``: a row after a draft token would need the counts with it). Such a
+    request rides a verify step as one plain row (see the module's docstring)."""
+    return req.penalty_row is None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Verify:
     choice: int | None = None
     accept: int | None = None
     draft_ids: int | None = None  # a draft model's drafts, read back with the step
+    logprobs: tuple[int, int | None, int | None, int] | None = None  # handles, top-k
     saved: bool = False  # the model's per-request state was kept before it (rank_ops.py)
     hidden: torch.Tensor | None = None  # its streams, for NEXTN's MTP (engine/mtp.py)
 
@@ -118,45 +123,6 @@ def build_verify(
     return Verify(reqs, drafts, starts, at), batch
 
 
-def kept(draft: np.ndarray, accept: list[bool], choice: list[int]) -> list[int]:
-    """The tokens a request keeps from its verify rows: the draft while its rows accept,
-    then the first rejecting row's choice (or, all accepted, the last row's)."""
-    j = 0
-    while j < len(draft) and accept[j]:
-        j += 1
-    return [int(t) for t in draft[:j]] + [int(choice[j])]
-
-
-def verify_sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    draft_next: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] of verify rows, each row's sampling parameters and generator, and the
-    draft token that follows it (-1 for a request's last row) -> (accept [R] bool: the draft
-    token is kept; choice [R] int64: the row's token where the run stops there). Greedy rows
-    accept a draft equal to their argmax; sampled rows keep it with probability p(d) and
-    otherwise draw from p without it. On the device, no host sync."""
-    greedy_ids = logits.argmax(dim=-1)
-    has_draft = draft_next >= 0
-    d = draft_next.clamp(min=0)
-    accept_greedy = has_draft & (greedy_ids == d)
-    if all(p.greedy for p in params):
-        return accept_greedy, greedy_ids
-    probs, greedy = filtered_probs(logits, params)
-    p_d = probs.gather(1, d[:, None]).squeeze(1)
-    u = torch.rand(probs.shape[0], device=probs.device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
-    accept = has_draft & (u * probs.sum(dim=-1) < p_d)
-    residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_d)[:, None])
-    choice = (residual / exponential_noise(residual, generators)).argmax(dim=-1)
-    g = greedy.bool()
-    return torch.where(g, accept_greedy, accept), torch.where(g, greedy_ids, choice)
-
-
 def draft_tokens(args, model) -> int:
     """The draft length the scheduler uses (0: speculation off); one line naming what does
     not support it yet."""
@@ -179,28 +145,6 @@ def draft_tokens(args, model) -> int:
     if algorithm in ("STANDALONE", "NEXTN") and args.speculative_num_steps:
         return args.speculative_num_steps
     return args.speculative_num_draft_tokens
-
-
-class SyntheticAcceptance:
-    """A benchmark aid, not decoding: each request keeps a drawn number of its draft tokens
-    whatever the target says, so that a step's mechanics (draft, verify, rollback) can be
-    measured at a fixed mean accepted length (tokens kept per request and verify step,
-    the bonus token included) without a trained draft. Seeded: runs repeat."""
-
-    def __init__(self, mean_length: float, num_draft: int):
-        if not 1.0 <= mean_length <= num_draft + 1:
-            raise ValueError(
-                f"a synthetic mean accepted length must lie in [1, draft tokens + 1 = "
-                f"{num_draft + 1}], got {mean_length}"
-            )
-        self.mean_length = mean_length
-        self.rng = np.random.default_rng(0)
-
-    def draw(self) -> int:
-        """Draft tokens kept: floor or ceil of ``mean_length - 1``, in the ratio that gives
-        it as the mean."""
-        a = self.mean_length - 1.0
-        return int(a) + int(self.rng.random() < a - int(a))
 
 
 class SpecDecoder:
@@ -260,6 +204,8 @@ class SpecDecoder:
         k, limit = self.num_draft, self.max_context_len
         limits = [
             min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1
+            if drafts_for(r)
+            else 0
             for r in stepping
         ]
         if self.proposer is None:
@@ -289,11 +235,14 @@ class SpecDecoder:
         self.pending.prefixes = prefixes
         return stepping, batch
 
-    def launch(self, batch: ForwardBatch, forward, readback, grammar_mask=None) -> Verify:
+    def launch(
+        self, batch: ForwardBatch, forward, readback, grammar_mask=None, penalties=None
+    ) -> Verify:
         """The pending verify step on the device: a draft model's drafts into its rows, the
-        target's forward, constrained rows masked (``grammar_mask``), the acceptance queued
-        for ``readback``. No host sync, but for a draft model's drafts of a constrained
-        request (its masks need them on the host)."""
+        target's forward, the penalty pool's rows applied (``penalties``), constrained rows
+        masked (``grammar_mask``), the acceptance queued for ``readback``. No host sync, but
+        for a draft model's drafts of a constrained request (its masks need them on the
+        host)."""
         verify, self.pending = self.pending, None
         rows = [
             verify.starts[i] + 1 + j for i, d in enumerate(verify.drafts) for j in range(len(d))
@@ -320,26 +269,50 @@ class SpecDecoder:
         logits = forward(batch)
         if self.drafter is not None:
             self.drafter.hold(verify)
-        constrained = [i for i, r in enumerate(verify.reqs) if r.grammar is not None]
-        if constrained and grammar_mask is not None:
-            drafts = verify.drafts
-            if self.drafter is not None:  # the host needs them: the one sync of such a step
-                drafts = np.split(flat.cpu().numpy(), np.cumsum(lens)[:-1])
-            host = grammar_mask.host_rows(verify.rows)
-            for i in constrained:
-                verify.reqs[i].grammar.fill_draft_rows(host, verify.starts[i], drafts[i])
-            grammar_mask.apply_host(logits, host)
-        params, gens = [], []
-        for req, draft in zip(verify.reqs, verify.drafts, strict=True):
-            params += [req.sampling] * (1 + len(draft))
-            gens += [req.generator] * (1 + len(draft))
-        accept, choice = verify_sample(logits, params, gens, draft_next)
-        verify.choice, verify.accept = readback.add(choice), readback.add(accept)
+        drafts = verify.drafts
+        if self.drafter is not None and any(r.grammar is not None for r in verify.reqs):
+            # the host needs them for the masks: the one sync of such a step
+            drafts = np.split(flat.cpu().numpy(), np.cumsum(lens)[:-1])
+        self._sample(verify, logits, draft_next, drafts, readback, grammar_mask, penalties)
         return verify
 
-    def accepted(self, verify: Verify, values) -> Iterator[tuple[Req, list[int]]]:
-        """Each request and the tokens it keeps, from the read-back ``values``; its KV cut to
-        its last token and the kept draft, the rejected rows' slots freed."""
+    def _sample(self, verify, logits, draft_next, drafts, readback, grammar_mask, penalties):
+        """Every row's acceptance and choice from ``logits`` with the penalty pool applied to
+        the rows of requests that hold one (they have no draft: their one row is a plain
+        decode row, counted in the pool) and constrained rows masked; each row's logprobs of
+        its draft token and its choice (the model's own), where a request wants them."""
+        reqs, starts = verify.reqs, verify.starts
+        sizes = [1 + len(d) for d in verify.drafts]
+        pen_rows = None
+        if penalties is not None and any(r.penalty_row is not None for r in reqs):
+            held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
+            (pen_rows,) = upload_many([np.repeat(held, sizes)], torch.int64, logits.device)
+        target = logits if pen_rows is None else penalties.apply(logits, pen_rows)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained and grammar_mask is not None:
+            if target is logits and any(r.return_logprob for r in reqs):
+                target = logits.clone()  # logprobs stay the model's own
+            host = grammar_mask.host_rows(verify.rows)
+            for i in constrained:
+                reqs[i].grammar.fill_draft_rows(host, starts[i], drafts[i])
+            grammar_mask.apply_host(target, host)
+        params = [r.sampling for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
+        gens = [r.generator for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
+        accept, choice = verify_sample(target, params, gens, draft_next)
+        if pen_rows is not None:
+            penalties.record(pen_rows, choice)  # neutral rows count nothing
+        verify.choice, verify.accept = readback.add(choice), readback.add(accept)
+        if any(r.return_logprob for r in reqs):
+            k = max(r.top_logprobs_num if r.return_logprob else 0 for r in reqs)
+            both = torch.stack([choice, draft_next.clamp(min=0)], dim=1)
+            lp, top_v, top_i = token_logprobs(logits, both, k)
+            tops = (None, None) if top_v is None else (readback.add(top_v), readback.add(top_i))
+            verify.logprobs = (readback.add(lp), *tops, k)
+
+    def accepted(self, verify: Verify, values) -> Iterator[tuple[Req, list[int], tuple]]:
+        """Each request, the tokens it keeps and their (logprobs, top-k) (``None``s where it
+        wants none), from the read-back ``values``; its KV cut to its last token and the kept
+        draft, the rejected rows' slots freed."""
         choice, accept = values[verify.choice], values[verify.accept]
         drafts = verify.drafts
         if verify.draft_ids is not None:  # a draft model's, read back with the step
@@ -363,7 +336,7 @@ class SpecDecoder:
             kept_drafts.append(len(toks) - 1)
             if verify.saved and len(toks) <= len(draft):
                 rewind.append((req, toks[:-1]))
-            yield req, toks
+            yield req, toks, kept_logprobs(verify, values, req, start, len(toks))
         if self.drafter is not None:  # before the rewind's forward (the step's streams)
             done = [r.finished for r in verify.reqs]
             self.drafter.accepted(

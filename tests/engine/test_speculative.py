@@ -1,8 +1,9 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py): greedy tokens equal plain
 decoding's token for token (float32, a tiny HF Llama and the embedded SmolLM2 on text that
 repeats), drafts accepted, the KV slots of rejected rows returned (no leak after many
-steps), finish checks (stop ids, lengths) inside an accepted run, and the requests it does
-not serve decoding one token a step beside it."""
+steps), finish checks (stop ids, lengths) inside an accepted run, requests with penalties,
+logit_bias or min_new_tokens riding the verify steps as plain rows, and logprobs of kept
+tokens."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from breakgraph.engine.acceptance import kept, verify_sample
 from breakgraph.engine.ngram import NgramProposer
 from breakgraph.engine.request import SamplingParams
-from breakgraph.engine.speculative import kept, verify_sample
 from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
@@ -98,10 +99,9 @@ def test_finish_inside_an_accepted_run(llama_dir):
     assert_no_leak(engine)
 
 
-def test_sampled_and_unserved_requests_and_nothing_leaks(llama_dir):
-    """Sampled requests verify drafts too (seeded: the same tokens run to run); a request
-    with penalties sends its steps down the plain path; many steps later every slot is
-    accounted for."""
+def test_sampled_requests_verify_and_nothing_leaks(llama_dir):
+    """Sampled requests verify drafts too (seeded: the same tokens run to run); many steps
+    later every slot is accounted for."""
     engine = make_engine(llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
     ps = [repeating(5, 4, 30), repeating(6, 9, 30)]
     sampled = SamplingParams(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
@@ -110,12 +110,75 @@ def test_sampled_and_unserved_requests_and_nothing_leaks(llama_dir):
     assert engine.scheduler.spec_stats.steps > 0
     again = engine.generate(ps, [greedy(30), sampled])
     assert [r.output_ids for r in again] == [r.output_ids for r in outs]
-    steps = engine.scheduler.spec_stats.steps
-    penalized = SamplingParams(max_new_tokens=20, repetition_penalty=1.2, ignore_eos=True)
-    engine.generate(ps, [greedy(20), penalized])
-    assert engine.scheduler.spec_stats.steps == steps  # no verify step beside it
     for _ in range(5):
         engine.generate(ps, greedy(40))
+    assert_no_leak(engine)
+
+
+def _verify_batches(engine) -> list[list[bool]]:
+    """Each verify step's requests, recorded as it is scheduled: whether each holds a
+    penalty-pool row."""
+    spec, seen = engine.scheduler.spec, []
+    schedule = spec.schedule
+
+    def record(stepping):
+        out = schedule(stepping)
+        if out is not None:
+            seen.append([r.penalty_row is not None for r in stepping])
+        return out
+
+    spec.schedule = record
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_with_a_pool_row_ride_the_verify_steps(llama_dir, overlap):
+    """Penalties, logit_bias and min_new_tokens (a penalty-pool row) do not draft but take
+    one row of the verify steps beside drafting requests, sampled from the pool's logits and
+    counted in it: every request's tokens are plain decoding's, and the drafting requests
+    keep verifying beside them."""
+    ps = [repeating(1, 7, 40), repeating(2, 5, 23), repeating(3, 6, 30), repeating(4, 4, 20)]
+    (base,) = make_engine(llama_dir).generate(ps[3:], greedy(1))
+    params = [
+        greedy(24),
+        greedy(24, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        greedy(24, logit_bias={str(base.output_ids[0]): -5.0, "17": 3.0}),
+        SamplingParams(max_new_tokens=24, temperature=0.0, min_new_tokens=12,
+                       stop_token_ids=[base.output_ids[0]]),
+    ]  # fmt: skip
+    plain = make_engine(llama_dir).generate(ps, params)
+    engine = make_engine(
+        llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+        overlap_schedule=overlap,
+    )  # fmt: skip
+    batches = _verify_batches(engine)
+    spec = engine.generate(ps, params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert any(any(pooled) for pooled in batches)
+    assert engine.scheduler.spec_stats.accepted > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_logprobs_of_kept_tokens_equal_plain_decodings(llama_dir, algorithm):
+    """A request that wants logprobs drafts too: each kept token's logprob and the top-k of
+    its row come from the verify step's logits, as plain decoding's from its own."""
+    ps = [repeating(1, 7, 40), repeating(2, 5, 23), *prompts(1, [9], seed=3)]
+    kw = dict(return_logprob=True, top_logprobs_num=3)
+    plain = make_engine(llama_dir).generate(ps, greedy(20), **kw)
+    engine = make_engine(
+        llama_dir, speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+        speculative_draft_model_path=str(llama_dir),
+    )  # fmt: skip
+    spec = engine.generate(ps, greedy(20), **kw)
+    assert engine.scheduler.spec_stats.accepted > 0
+    for got, want in zip(spec, plain, strict=True):
+        assert got.output_ids == want.output_ids
+        assert len(got.output_logprobs) == len(got.output_top_logprobs) == 20
+        np.testing.assert_allclose(got.output_logprobs, want.output_logprobs, atol=1e-5)
+        for g, w in zip(got.output_top_logprobs, want.output_top_logprobs, strict=True):
+            assert [i for _, i in g] == [i for _, i in w]
+            np.testing.assert_allclose([v for v, _ in g], [v for v, _ in w], atol=1e-5)
     assert_no_leak(engine)
 
 
