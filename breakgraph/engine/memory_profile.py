@@ -16,7 +16,8 @@ The steps, each measured from what was allocated before it:
   penalty pool applied, then sampled with top-k, top-p and min-p (a sort over the
   vocabulary per row) and its top-20 logprobs;
 - with speculative decoding, that batch's verify step: each request's last token and its
-  ``--speculative-num-draft-tokens`` drafts, every row's logits, every row sampled;
+  ``--speculative-num-draft-tokens`` drafts, every row's logits with the penalty pool
+  applied, every row sampled, and every row's top-20 logprobs;
 - with a draft model (STANDALONE), its own chunk and decode batch: it runs between the
   target's steps (the larger peak counts) and captures its own graphs, in a pool of its own
   (the two estimates add up).
@@ -203,7 +204,9 @@ def profile_steps(
             decode_forward, decode_step, logits_row_bytes = _decode(
                 runner, penalties, table, device, rows, ids, peak
             )
-            verify_step = _verify(runner, table, device, rows, drafts, ids, peak) if drafts else 0
+            verify_step = (
+                _verify(runner, penalties, table, device, rows, drafts, ids, peak) if drafts else 0
+            )
     finally:
         del runner, kv, table
         if cuda:
@@ -248,10 +251,13 @@ def _decode(runner, penalties, table, device, rows: int, ids: np.ndarray, peak: 
     return forward, step, logits.shape[-1] * logits.element_size()
 
 
-def _verify(runner, table, device, rows: int, drafts: int, ids: np.ndarray, peak: _Peak) -> int:
+def _verify(
+    runner, penalties, table, device, rows: int, drafts: int, ids: np.ndarray, peak: _Peak
+) -> int:
     """The verify step of ``rows`` requests of ``1 + drafts`` rows each (speculative.py's
-    ``build_verify`` shape: every row's logits) through the forward and ``verify_sample``
-    with the heaviest sampling -> its peak."""
+    ``build_verify`` shape: every row's logits) through the forward, the penalty pool on
+    every row, ``verify_sample`` with the heaviest sampling and the top logprobs of each row's
+    choice and draft token -> its peak."""
     n = rows * (1 + drafts)
     batch = extend_batch(
         ids[np.arange(n) % len(ids)].astype(np.int32), torch.arange(1, n + 1),
@@ -261,5 +267,10 @@ def _verify(runner, table, device, rows: int, drafts: int, ids: np.ndarray, peak
     draft_next = torch.ones(n, dtype=torch.int64, device=device)
     peak.start()
     logits = runner.forward(batch)
-    verify_sample(logits, [HEAVIEST_SAMPLING] * n, [None] * n, draft_next)
+    target = logits
+    if penalties is not None:
+        target = penalties.apply(logits, torch.zeros(n, dtype=torch.int64, device=device))
+    _, choice = verify_sample(target, [HEAVIEST_SAMPLING] * n, [None] * n, draft_next)
+    del target
+    token_logprobs(logits, torch.stack([choice, draft_next], dim=1), MAX_TOP_LOGPROBS)
     return peak.read()
