@@ -94,6 +94,39 @@ def test_tp2_graphs_equal_eager_and_keyed_replays(small_dir):
         graph.shutdown()
 
 
+def test_tp2_nextn_drafts_as_tp1_in_graphs():
+    """NEXTN under TP2 with graphs: the MTP layer's draft steps replay its own decode bank on
+    both ranks (all-reduces inside), its rows and the V4 state rewinds run as rank ops: the
+    same greedy tokens and spec stats as TP1's NEXTN, which are plain decoding's (float32,
+    dummy weights); no host sync inside a step on rank 0."""
+    from breakgraph.engine.graphs.key import MTP_DECODE
+    from breakgraph.engine.request import SamplingParams
+
+    kw = {"context_length": 1024, "chunked_prefill_size": 256}
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 3}
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(5, 1000, (9,), generator=g).tolist()
+    ps = [(base * 5)[:40], *(torch.randint(5, 1000, (n,), generator=g).tolist() for n in (7, 33))]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = engine("deepseek-v4-tiny", graphs=True, **kw).generate(ps, sp)
+    tp1 = engine("deepseek-v4-tiny", graphs=True, **kw, **spec)
+    want = tp1.generate(ps, sp)
+    tp2 = engine("deepseek-v4-tiny", graphs=True, tp_size=2, **kw, **spec)
+    try:
+        forbid_host_syncs_in_steps(tp2)
+        graphs, replays = tp2.scheduler.spec.drafter.graphs, []
+        replay = graphs.replay_streams
+        graphs.replay_streams = lambda *a: replays.append(1) or replay(*a)
+        got = tp2.generate(ps, sp)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert [r.output_ids for r in want] == [r.output_ids for r in plain]
+        assert tp2.scheduler.spec_stats == tp1.scheduler.spec_stats
+        assert tp2.scheduler.spec_stats.steps > 0
+        assert replays, f"the MTP's draft steps replay {MTP_DECODE} on rank 0"
+    finally:
+        tp2.shutdown()
+
+
 DEATH_SCRIPT = r"""
 import faulthandler, json, os, signal, sys, threading, time
 faulthandler.dump_traceback_later(100, exit=True)  # a hang names where it waits
