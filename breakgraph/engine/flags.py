@@ -212,9 +212,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
         "distribution). NGRAM drafts from an earlier occurrence of its last tokens (prompt "
         "lookup); STANDALONE with a smaller model of the same vocabulary "
         "(--speculative-draft-model-path); NEXTN with the model's own multi-token prediction "
-        "layers (DeepSeek V4). A request with penalties, logit_bias or min_new_tokens does "
-        "not draft (it takes one token a step inside the verify steps); a grammar masks each "
-        "verify row (default: off)",
+        "layers (DeepSeek V4). Penalties, logit_bias, min_new_tokens and logprobs keep their "
+        "meaning; a grammar masks each verify row (default: off)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",

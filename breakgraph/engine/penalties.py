@@ -16,6 +16,8 @@ graphs it grows on demand.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from breakgraph.engine.request import Req
@@ -36,6 +38,17 @@ def apply_penalties(
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+
+
+@dataclass
+class Drafted:
+    """A verify step's draft tokens as ``PenaltyPool.apply`` counts them (device tensors):
+    row ``rows[e]`` counts ``tokens[e]`` once more; row r has generated ``before[r]`` more
+    tokens (its draft tokens before it)."""
+
+    rows: torch.Tensor  # [E] int64
+    tokens: torch.Tensor  # [E] int64
+    before: torch.Tensor  # [R] int32
 
 
 def needs_row(req: Req) -> bool:
@@ -153,15 +166,25 @@ class PenaltyPool:
         held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
         return upload_many([held], torch.int64, self.device)[0] if any(held) else None
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, rows: torch.Tensor, drafted: Drafted | None = None
+    ) -> torch.Tensor:
         """logits [B, V] float and their pool rows [B] -> logits with penalties, logit_bias
         and min_new_tokens applied. Device ops on fixed-shape gathers only (graph-safe);
-        neutral rows come out bit-identical."""
+        neutral rows come out bit-identical. ``drafted``: a verify step's rows, each after
+        the draft tokens before it (counted, and generated, as if sampled already)."""
         # apply_penalties' formula, in place on the gathered copies: fewer [B, V] buffers
         # (a graph's pool holds its peak); the same ops in the same order, bit-identical
         params = self.params[rows]
         freq, pres, rep = params[:, 0:1], params[:, 1:2], params[:, 2:3]
         counts = self.counts[rows]  # advanced indexing: a copy, free to overwrite
+        generated = self.generated[rows]
+        if drafted is not None:
+            counts.index_put_(
+                (drafted.rows, drafted.tokens), counts.new_ones(()).expand_as(drafted.rows),
+                accumulate=True,
+            )  # fmt: skip
+            generated += drafted.before
         present = counts > 0
         seen = self.prompt_seen[rows]
         seen |= present
@@ -172,7 +195,7 @@ class PenaltyPool:
         out -= present.to(out.dtype).mul_(pres)
         out += self.bias[rows]
         seen = self.banned[rows]
-        seen &= (self.generated[rows] < self.min_new[rows])[:, None]
+        seen &= (generated < self.min_new[rows])[:, None]
         return out.masked_fill_(seen, float("-inf"))
 
     def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:

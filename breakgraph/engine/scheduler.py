@@ -55,7 +55,7 @@ from breakgraph.engine.prompt_logprobs import (
     take_prompt_logprobs,
 )
 from breakgraph.engine.request import Req
-from breakgraph.engine.speculative import SpecDecoder, SpecStats, drafts_for
+from breakgraph.engine.speculative import SpecDecoder, SpecStats
 from breakgraph.engine.step_timer import StepTimer
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
@@ -230,13 +230,13 @@ class Scheduler:
         """A speculative verify step of ``stepping`` if one of them drafts and has a draft
         (engine/speculative.py); None: a plain decode step. Tokens still in flight are read
         back first (a draft continues the last token)."""
-        if not any(drafts_for(r) for r in stepping):
+        if not any(self.spec.drafts_for(r) for r in stepping):
             return None
         if any(r.num_pending for r in stepping):
             outputs.extend(self.drain())
             self.release_finished()
             stepping = self.decode.stepping()
-            if not any(drafts_for(r) for r in stepping):
+            if not any(self.spec.drafts_for(r) for r in stepping):
                 return None
         return self.spec.schedule(stepping)
 

@@ -23,8 +23,10 @@ advanced through every row, is restored and advanced over the kept rows again
 A constrained request's verify rows are masked by its grammar after each prefix of its draft
 (``RequestGrammar.fill_draft_rows``): a draft token the grammar refuses has probability 0 and
 is never kept. A request with a penalty-pool row (penalties, ``logit_bias``,
-``min_new_tokens``) does not draft: it rides the verify step as one row, sampled from the
-pool's logits as a plain decode row is, so it never holds the others' drafts back. Logprobs
+``min_new_tokens``) drafts too: verify row j is sampled from the pool's logits as if the
+draft tokens before it had been sampled (``PenaltyPool.apply``'s ``drafted``: counted, and
+generated), and the tokens it keeps are counted in the pool on the device. Under synthetic
+acceptance (a verdict the target did not give) such a request does not draft. Logprobs
 (and the top-k) of every kept token come from its verify row's logits, the model's own. A
 step where no request drafts is a plain decode step.
 On CUDA a verify step replays the prefill graphs (their small buckets,
@@ -44,18 +46,11 @@ from breakgraph.common import envs
 from breakgraph.engine.acceptance import SyntheticAcceptance, kept, kept_logprobs, verify_sample
 from breakgraph.engine.logprobs import token_logprobs
 from breakgraph.engine.ngram import NgramProposer
-from breakgraph.engine.penalties import NEUTRAL_ROW
+from breakgraph.engine.penalties import NEUTRAL_ROW, Drafted
 from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req
 from breakgraph.forward_batch import ForwardBatch, upload_many
-
-
-def drafts_for(req: Req) -> bool:
-    """Whether ``req`` drafts: not with a penalty-pool row (penalties, ``logit_bias``,
-    ``min_new_tokens``: a row after a draft token would need the counts with it). Such a
-    request rides a verify step as one plain row (see the module's docstring)."""
-    return req.penalty_row is None
 
 
 @dataclass
@@ -147,6 +142,35 @@ def draft_tokens(args, model) -> int:
     return args.speculative_num_draft_tokens
 
 
+def _pool_rows(verify: Verify, input_ids: torch.Tensor) -> tuple:
+    """A verify step's penalty-pool rows (each row its request's; neutral where it holds
+    none); what each row counts beyond the pool: row j of a request (j >= 1, after draft
+    token j) the draft tokens 1..j (the step's input rows 1..j, read on the device) and j
+    tokens generated; and each row's request's first row."""
+    pen, before, first, rows, src = [], [], [], [], []
+    for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
+        n = 1 + len(draft)
+        pen += [req.penalty_row or NEUTRAL_ROW] * n
+        before += range(n)
+        first += [start] * n
+        if req.penalty_row is not None:
+            for j in range(1, n):
+                rows += [start + j] * j
+                src += range(start + 1, start + j + 1)
+    device = input_ids.device
+    pen_rows, at, tok_at, first_t = upload_many([pen, rows, src, first], torch.int64, device)
+    (before_t,) = upload_many([before], torch.int32, device)
+    return pen_rows, Drafted(at, input_ids[tok_at], before_t), first_t
+
+
+def _emitted(accept: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Whether each verify row's token is emitted: every row of its request before it
+    accepted its draft token (device ops)."""
+    rejected = (~accept).to(torch.int32)
+    before = rejected.cumsum(0) - rejected  # rejections before each row
+    return before == before[first]
+
+
 class SpecDecoder:
     """A scheduler's speculative steps: drafts and the verify batch (``schedule``), the
     drafts (a draft model's, on the device), the verify forward and its acceptance queued
@@ -198,13 +222,19 @@ class SpecDecoder:
         if self.drafter is not None:
             self.drafter.mirror(batch, reqs)
 
+    def drafts_for(self, req: Req) -> bool:
+        """Whether ``req`` drafts: not with a penalty-pool row under synthetic acceptance
+        (the pool counts the tokens the target's verdict keeps). Such a request rides a
+        verify step as one plain row."""
+        return self.synthetic is None or req.penalty_row is None
+
     def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
         """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
         drafts them on the device); padded to full length for synthetic acceptance."""
         k, limit = self.num_draft, self.max_context_len
         limits = [
             min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1
-            if drafts_for(r)
+            if self.drafts_for(r)
             else 0
             for r in stepping
         ]
@@ -273,21 +303,24 @@ class SpecDecoder:
         if self.drafter is not None and any(r.grammar is not None for r in verify.reqs):
             # the host needs them for the masks: the one sync of such a step
             drafts = np.split(flat.cpu().numpy(), np.cumsum(lens)[:-1])
-        self._sample(verify, logits, draft_next, drafts, readback, grammar_mask, penalties)
+        pooled = None
+        if penalties is not None and any(r.penalty_row is not None for r in verify.reqs):
+            pooled = _pool_rows(verify, batch.input_ids)
+        self._sample(verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled)
         return verify
 
-    def _sample(self, verify, logits, draft_next, drafts, readback, grammar_mask, penalties):
-        """Every row's acceptance and choice from ``logits`` with the penalty pool applied to
-        the rows of requests that hold one (they have no draft: their one row is a plain
-        decode row, counted in the pool) and constrained rows masked; each row's logprobs of
-        its draft token and its choice (the model's own), where a request wants them."""
+    def _sample(
+        self, verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled
+    ):
+        """Every row's acceptance and choice from ``logits`` with the penalty pool applied
+        (``pooled``: the rows of requests that hold one, each after its draft tokens before
+        it) and constrained rows masked; the tokens the pool's rows keep counted in it; each
+        row's logprobs of its draft token and its choice (the model's own), where a request
+        wants them."""
         reqs, starts = verify.reqs, verify.starts
         sizes = [1 + len(d) for d in verify.drafts]
-        pen_rows = None
-        if penalties is not None and any(r.penalty_row is not None for r in reqs):
-            held = [r.penalty_row or NEUTRAL_ROW for r in reqs]
-            (pen_rows,) = upload_many([np.repeat(held, sizes)], torch.int64, logits.device)
-        target = logits if pen_rows is None else penalties.apply(logits, pen_rows)
+        pen_rows = None if pooled is None else pooled[0]
+        target = logits if pooled is None else penalties.apply(logits, pen_rows, pooled[1])
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained and grammar_mask is not None:
             if target is logits and any(r.return_logprob for r in reqs):
@@ -299,8 +332,10 @@ class SpecDecoder:
         params = [r.sampling for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
         gens = [r.generator for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
         accept, choice = verify_sample(target, params, gens, draft_next)
-        if pen_rows is not None:
-            penalties.record(pen_rows, choice)  # neutral rows count nothing
+        if pooled is not None:  # each emitted row's token: its draft token if kept, else choice
+            emitted = _emitted(accept, pooled[2])
+            kept_tok = torch.where(accept, draft_next, choice)
+            penalties.record(torch.where(emitted, pen_rows, NEUTRAL_ROW), kept_tok)
         verify.choice, verify.accept = readback.add(choice), readback.add(accept)
         if any(r.return_logprob for r in reqs):
             k = max(r.top_logprobs_num if r.return_logprob else 0 for r in reqs)

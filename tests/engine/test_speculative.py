@@ -13,7 +13,9 @@ import torch
 
 from breakgraph.engine.acceptance import kept, verify_sample
 from breakgraph.engine.ngram import NgramProposer
-from breakgraph.engine.request import SamplingParams
+from breakgraph.engine.penalties import PenaltyPool, apply_penalties
+from breakgraph.engine.request import Req, SamplingParams
+from breakgraph.engine.speculative import Verify, _pool_rows
 from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
@@ -115,28 +117,59 @@ def test_sampled_requests_verify_and_nothing_leaks(llama_dir):
     assert_no_leak(engine)
 
 
-def _verify_batches(engine) -> list[list[bool]]:
+def _verify_batches(engine) -> list[list[tuple[bool, int]]]:
     """Each verify step's requests, recorded as it is scheduled: whether each holds a
-    penalty-pool row."""
+    penalty-pool row, and its draft's length."""
     spec, seen = engine.scheduler.spec, []
     schedule = spec.schedule
 
     def record(stepping):
         out = schedule(stepping)
         if out is not None:
-            seen.append([r.penalty_row is not None for r in stepping])
+            drafts = spec.pending.drafts
+            seen.append(
+                [(r.penalty_row is not None, len(d)) for r, d in zip(stepping, drafts, strict=True)]
+            )
         return out
 
     spec.schedule = record
     return seen
 
 
+def test_each_verify_row_counts_the_draft_tokens_before_it():
+    """The pool's logits of verify row j of a penalized request (penalties, logit_bias,
+    min_new_tokens) equal a plain step's after its draft tokens 1..j were sampled (a pool
+    that acquired the request with them in its output); a request without a row beside it
+    reads the neutral row."""
+    sp = SamplingParams(max_new_tokens=20, frequency_penalty=0.5, presence_penalty=0.3,
+                        repetition_penalty=1.3, min_new_tokens=3, logit_bias={"2": 1.5},
+                        stop_token_ids=[9])  # fmt: skip
+    prompt = np.array([3, 4, 5], dtype=np.int32)
+    pool = PenaltyPool(16, torch.device("cpu"), {1})
+    req = Req(rid="p", input_ids=prompt, sampling=sp, output_ids=[5])
+    pool.acquire(req)
+    other = Req(rid="o", input_ids=prompt, sampling=SamplingParams(max_new_tokens=20))
+    draft = np.array([9, 9, 2], dtype=np.int32)
+    verify = Verify([other, req], [np.array([7], np.int32), draft], [0, 2], 6)
+    input_ids = torch.tensor([8, 7, 5, 9, 9, 2])
+    pen_rows, drafted, _ = _pool_rows(verify, input_ids)
+    logits = torch.randn(6, 16)
+    got = pool.apply(logits, pen_rows, drafted)
+    torch.testing.assert_close(got[:2], logits[:2], rtol=0, atol=0)
+    for j in range(4):
+        ref = PenaltyPool(16, torch.device("cpu"), {1})
+        seen = Req(rid="r", input_ids=prompt, sampling=sp, output_ids=[5, *draft[:j].tolist()])
+        ref.acquire(seen)
+        want = ref.apply(logits[2 + j : 3 + j], torch.tensor([seen.penalty_row]))
+        torch.testing.assert_close(got[2 + j : 3 + j], want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_requests_with_a_pool_row_ride_the_verify_steps(llama_dir, overlap):
-    """Penalties, logit_bias and min_new_tokens (a penalty-pool row) do not draft but take
-    one row of the verify steps beside drafting requests, sampled from the pool's logits and
-    counted in it: every request's tokens are plain decoding's, and the drafting requests
-    keep verifying beside them."""
+def test_requests_with_a_pool_row_draft(llama_dir, overlap):
+    """Penalties, logit_bias and min_new_tokens (a penalty-pool row) draft too: each verify
+    row is sampled from the pool's logits as if the draft tokens before it had been sampled
+    (counted, generated), and the kept tokens are counted in the pool: every request's
+    tokens are plain decoding's."""
     ps = [repeating(1, 7, 40), repeating(2, 5, 23), repeating(3, 6, 30), repeating(4, 4, 20)]
     (base,) = make_engine(llama_dir).generate(ps[3:], greedy(1))
     params = [
@@ -154,7 +187,7 @@ def test_requests_with_a_pool_row_ride_the_verify_steps(llama_dir, overlap):
     batches = _verify_batches(engine)
     spec = engine.generate(ps, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-    assert any(any(pooled) for pooled in batches)
+    assert any(pooled and n for step in batches for pooled, n in step)
     assert engine.scheduler.spec_stats.accepted > 0
     assert_no_leak(engine)
 
@@ -269,18 +302,49 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine(llama_dir):
     a residual draw or a bonus draw. Its empirical distribution against the exact one
     (sum over the first token of p(t1) p(t2 | t1), from HF's logits): a chi-square test
     over the bins, at the 0.001 level."""
+    _check_distribution(llama_dir, {}, position=1)
+
+
+PENALTIES = dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.2)
+
+
+def test_penalized_sampled_tokens_keep_their_distribution(llama_dir):
+    """As above with penalties, on the third token: two drafts a step, so the third token is
+    drawn from the first verify step's second row (after the first draft token, which the
+    pool counts there as if sampled) or from the next step's first row; the exact
+    distribution sums p(t1) p(t2 | t1) p(t3 | t1, t2) under the pool's formula."""
+    _check_distribution(llama_dir, PENALTIES, position=2)
+
+
+def _check_distribution(llama_dir, penalties: dict, position: int) -> None:
+    """Seeded requests sample ``position + 2`` tokens (top-k 8) with the model drafting for
+    itself: the empirical distribution of the token at ``position`` against the exact one,
+    a chi-square test at the 0.001 level."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).float().eval()
     prompt = repeating(3, 5, 15)
+    names = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
     def probs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        if penalties:  # the pool's formula: output counts, prompt and output seen
+            out = torch.tensor(ids[len(prompt) :], dtype=torch.long)
+            counts = torch.bincount(out, minlength=logits.numel()).float()
+            seen = torch.zeros(logits.numel(), dtype=torch.bool)
+            seen[torch.tensor(ids)] = True
+            params = torch.tensor([[penalties[k] for k in names]])
+            logits = apply_penalties(logits[None], counts[None], seen[None], params)[0]
         top = torch.topk(logits, 8)
         return torch.zeros_like(logits).scatter(0, top.indices, torch.softmax(top.values, 0))
 
-    p1 = probs(prompt)
-    exact = sum(p1[t] * probs([*prompt, t]) for t in torch.nonzero(p1).flatten().tolist())
+    def exact(ids: list[int], depth: int) -> torch.Tensor:
+        p = probs(ids)
+        if depth == 0:
+            return p
+        return sum(p[t] * exact([*ids, t], depth - 1) for t in torch.nonzero(p).flatten().tolist())
+
+    want = exact(prompt, position)
     n = 3000
     engine = make_engine(
         llama_dir, speculative_algorithm="STANDALONE", speculative_num_draft_tokens=2,
@@ -288,14 +352,15 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine(llama_dir):
         max_running_requests=512,
     )  # fmt: skip
     sps = [
-        SamplingParams(max_new_tokens=3, temperature=1.0, top_k=8, seed=i, ignore_eos=True)
+        SamplingParams(max_new_tokens=position + 2, temperature=1.0, top_k=8, seed=i,
+                       ignore_eos=True, **penalties)
         for i in range(n)
-    ]
+    ]  # fmt: skip
     outs = engine.generate([prompt] * n, sps)
     stats = engine.scheduler.spec_stats
     assert 100 < stats.accepted < 0.9 * stats.drafted, stats  # kept at times, not always
-    counts = np.bincount([r.output_ids[1] for r in outs], minlength=exact.numel())
-    expected = exact.double().numpy() * n
+    counts = np.bincount([r.output_ids[position] for r in outs], minlength=want.numel())
+    expected = want.double().numpy() * n
     big = expected >= 5  # the rest pooled into one bin
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
