@@ -1,15 +1,18 @@
 """What a verify step keeps (engine/speculative.py): speculative sampling against a draft
 with all its mass on one token (``verify_sample``), the kept run of a request's rows
 (``kept``) and their logprobs (``kept_logprobs``), and a benchmark's fixed mean accepted
-length in place of the target's verdict (``SyntheticAcceptance``)."""
+length in place of the target's verdict (``SyntheticAcceptance``); what the penalty pool
+counts per verify row (``pool_rows``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from breakgraph.engine.penalties import NEUTRAL_ROW, Drafted
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.sampler import exponential_noise, filtered_probs
+from breakgraph.forward_batch import upload_many
 
 
 def kept(draft: np.ndarray, accept: list[bool], choice: list[int]) -> list[int]:
@@ -87,3 +90,24 @@ class SyntheticAcceptance:
         it as the mean."""
         a = self.mean_length - 1.0
         return int(a) + int(self.rng.random() < a - int(a))
+
+
+def pool_rows(verify, input_ids: torch.Tensor) -> tuple:
+    """A verify step's penalty-pool rows (each row its request's; neutral where it holds
+    none); what each row counts beyond the pool: row j of a request (j >= 1, after draft
+    token j) the draft tokens 1..j (the step's input rows 1..j, read on the device) and j
+    tokens generated; and each row's request's first row."""
+    pen, before, first, rows, src = [], [], [], [], []
+    for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
+        n = 1 + len(draft)
+        pen += [req.penalty_row or NEUTRAL_ROW] * n
+        before += range(n)
+        first += [start] * n
+        if req.penalty_row is not None:
+            for j in range(1, n):
+                rows += [start + j] * j
+                src += range(start + 1, start + j + 1)
+    device = input_ids.device
+    pen_rows, at, tok_at, first_t = upload_many([pen, rows, src, first], torch.int64, device)
+    (before_t,) = upload_many([before], torch.int32, device)
+    return pen_rows, Drafted(at, input_ids[tok_at], before_t), first_t

@@ -28,6 +28,9 @@ class SchedulerConfig:
     # engine/speculative.py); a benchmark's fixed mean accepted length (None: the target's)
     speculative_num_draft_tokens: int = 0
     speculative_synthetic_accept_length: float | None = None
+    # with overlap, verify steps back to back where they can be (engine/spec_chain.py; not
+    # under TP: the workers rebuild a step from host lengths)
+    speculative_chain: bool = True
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:

@@ -25,6 +25,7 @@ import torch
 from breakgraph.cache.kv_pool import KVPool
 from breakgraph.engine.model_runner import ModelRunner
 from breakgraph.engine.prefill import extend_batch
+from breakgraph.engine.spec_chain import device_batch
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 from breakgraph.models.loader import load_model
 
@@ -122,5 +123,38 @@ class DraftModel:
             )  # fmt: skip
             (idx,) = upload_many([live], torch.int64, self.device)
             batch.input_ids = drafts[idx, j - 1]
+            drafts[idx, j] = self.runner.forward(batch).argmax(dim=-1)
+        return drafts
+
+    def propose_chained(self, reqs, lens: list[int], base, prev, last) -> torch.Tensor:
+        """``propose`` for a verify step chained to the one still on the device
+        (engine/spec_chain.py): request i's last token ``last[i]`` at position ``base[i]``
+        and the token before it ``prev[i]`` (device tensors). Its first step always runs
+        both rows (the one before has no draft KV when the step before kept every draft);
+        the positions, and the KV slots the table holds there, are gathered on the device."""
+        n, k = len(reqs), max(lens)
+        drafts = torch.zeros(n, k, dtype=torch.int64, device=self.device)
+        live = [i for i in range(n) if lens[i] > 0]
+        for req in reqs:
+            req.draft_hole = -1
+        if not live:
+            return drafts
+        table = self.req_pool.table
+        upper = [reqs[i].kv_len for i in live]  # bounds of the positions
+        rows = [reqs[i].req_pool_idx for i in live]
+        (idx,) = upload_many([live], torch.int64, self.device)
+        ids = torch.stack([prev[idx], last[idx]], dim=1).flatten()
+        batch = device_batch(
+            ForwardMode.EXTEND, table, rows, base[idx] - 1, [2] * len(live), upper, ids, False
+        )
+        drafts[idx, 0] = self.runner.forward(batch).argmax(dim=-1)
+        for j in range(1, k):
+            keep = [m for m, i in enumerate(live) if lens[i] > j]
+            live = [live[m] for m in keep]
+            (idx,) = upload_many([live], torch.int64, self.device)
+            batch = device_batch(
+                ForwardMode.DECODE, table, [reqs[i].req_pool_idx for i in live], base[idx] + j,
+                [1] * len(live), [reqs[i].kv_len for i in live], drafts[idx, j - 1], False,
+            )  # fmt: skip
             drafts[idx, j] = self.runner.forward(batch).argmax(dim=-1)
         return drafts

@@ -37,9 +37,9 @@ from breakgraph.engine.rank import build_rank, claim_device, rank_device
 from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.scheduler import Scheduler
-from breakgraph.engine.speculative import draft_tokens
 from breakgraph.engine.step_timer import StepTiming
 from breakgraph.engine.tp.driver import TPDriver
+from breakgraph.engine.verify_step import draft_tokens
 from breakgraph.engine.warmup import WarmupReport, warmup_serving_shapes
 from breakgraph.kernels import jit_watch
 from breakgraph.models.loader import peek_config
@@ -145,6 +145,7 @@ class Engine:
                 prefix_recompute=getattr(self.model, "prefix_recompute", 0),
                 speculative_num_draft_tokens=draft_tokens(args, self.model),
                 speculative_synthetic_accept_length=args.bench_synthetic_accept_length,
+                speculative_chain=driver is None,
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,

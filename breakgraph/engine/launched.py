@@ -20,7 +20,7 @@ from breakgraph.engine.logprobs import ReadBack, token_logprobs
 from breakgraph.engine.prompt_logprobs import PromptRows
 from breakgraph.engine.request import Req
 from breakgraph.engine.sampler import sample
-from breakgraph.engine.speculative import Verify
+from breakgraph.engine.verify_step import Verify
 from breakgraph.forward_batch import ForwardBatch
 
 # (batch, pool rows) -> (logits, logits with the penalty pool applied)

@@ -55,14 +55,16 @@ from breakgraph.engine.prompt_logprobs import (
     take_prompt_logprobs,
 )
 from breakgraph.engine.request import Req
-from breakgraph.engine.speculative import SpecDecoder, SpecStats
+from breakgraph.engine.spec_steps import SpecSteps
+from breakgraph.engine.speculative import SpecDecoder
 from breakgraph.engine.step_timer import StepTimer
+from breakgraph.engine.verify_step import SpecStats
 from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
 __all__ = ["Scheduler"]
 
 
-class Scheduler:
+class Scheduler(SpecSteps):
     def __init__(
         self,
         forward: Callable[[ForwardBatch], torch.Tensor],
@@ -171,7 +173,9 @@ class Scheduler:
             self.last_step_tokens = batch.num_tokens
             launched = self.launch(reqs, batch)
             self.prefill.cache_computed()  # the radix insert, while the GPU runs the step
-        if self.cfg.overlap and (launched is None or launched.verify is None):
+        # a verify step stays in flight where the next may be chained to it (spec_chain.py)
+        stays = launched is None or launched.verify is None or self.spec.chain
+        if self.cfg.overlap and stays:
             previous, self.in_flight = self.in_flight, launched
             launched = previous
         if launched is not None:
@@ -192,6 +196,10 @@ class Scheduler:
 
         Requests finished without a forward have their outputs appended to ``outputs``.
         """
+        if self.in_flight is not None and self.in_flight.verify is not None:
+            chained = self._verify_in_flight(outputs)
+            if chained is not None:
+                return chained
         no_forward: list[Req] = []
         scheduled = self.prefill.schedule_batch(no_forward)
         for req in no_forward:
@@ -223,41 +231,6 @@ class Scheduler:
             )
             return None
         return self.decode.schedule_batch(self.decode.stepping())
-
-    def _schedule_verify(
-        self, stepping: list[Req], outputs: list[TokenDelta]
-    ) -> tuple[list[Req], ForwardBatch] | None:
-        """A speculative verify step of ``stepping`` if one of them drafts and has a draft
-        (engine/speculative.py); None: a plain decode step. Tokens still in flight are read
-        back first (a draft continues the last token)."""
-        if not any(self.spec.drafts_for(r) for r in stepping):
-            return None
-        if any(r.num_pending for r in stepping):
-            outputs.extend(self.drain())
-            self.release_finished()
-            stepping = self.decode.stepping()
-            if not any(self.spec.drafts_for(r) for r in stepping):
-                return None
-        return self.spec.schedule(stepping)
-
-    def _launch_verify(self, batch: ForwardBatch) -> Launched:
-        """Drafts, every row's logits, their acceptance queued for the read-back (no sync)."""
-        rb = ReadBack()
-        self.timer.forward_begin()
-        verify = self.spec.launch(batch, self.forward, rb, self.grammar_mask, self.penalties)
-        self.timer.forward_end()
-        rb.start()
-        return Launched(done=verify.reqs, readback=rb, verify=verify)
-
-    def _process_verify(self, launched: Launched) -> list[TokenDelta]:
-        """Keep each request's accepted draft prefix plus the next token; free the rejected
-        rows' slots; finish checks token by token."""
-        values = launched.readback.fetch()  # the step's one host sync
-        outputs = []
-        for req, toks, (lps, tops) in self.spec.accepted(launched.verify, values):
-            out, reason = self.output.append_tokens(req, toks, lps, tops)
-            outputs.append(self._finish(req, reason, out) if reason else fill_meta(out, req))
-        return outputs
 
     def launch(self, reqs: list[Req], batch: ForwardBatch) -> Launched:
         """Forward and sample on the device, queueing what the host reads back (no sync).

@@ -37,138 +37,25 @@ before the next step is scheduled (no overlap across them).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from breakgraph.common import envs
-from breakgraph.engine.acceptance import SyntheticAcceptance, kept, kept_logprobs, verify_sample
+from breakgraph.engine.acceptance import (
+    SyntheticAcceptance,
+    kept,
+    kept_logprobs,
+    pool_rows,
+    verify_sample,
+)
 from breakgraph.engine.logprobs import token_logprobs
 from breakgraph.engine.ngram import NgramProposer
-from breakgraph.engine.penalties import NEUTRAL_ROW, Drafted
-from breakgraph.engine.prefill import extend_batch
+from breakgraph.engine.penalties import NEUTRAL_ROW
 from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req
-from breakgraph.forward_batch import ForwardBatch, upload_many
-
-
-@dataclass
-class Verify:
-    """A verify step's requests, their drafts and each request's first row; once sampled,
-    the read-back handles of every row's choice and acceptance."""
-
-    reqs: list[Req]
-    drafts: list[np.ndarray]
-    starts: list[int]
-    rows: int
-    prefixes: list[int] = field(default_factory=list)  # each request's KV length before
-    choice: int | None = None
-    accept: int | None = None
-    draft_ids: int | None = None  # a draft model's drafts, read back with the step
-    logprobs: tuple[int, int | None, int | None, int] | None = None  # handles, top-k
-    saved: bool = False  # the model's per-request state was kept before it (rank_ops.py)
-    hidden: torch.Tensor | None = None  # its streams, for NEXTN's MTP (engine/mtp.py)
-
-
-@dataclass
-class SpecStats:
-    """Verify steps, drafted and accepted draft tokens (the mean accepted length per step
-    and request is ``1 + accepted / verified``)."""
-
-    steps: int = 0
-    verified: int = 0  # request-steps
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.verified if self.verified else 0.0
-
-    def totals(self) -> dict[str, int | float]:
-        """As the scheduler's live stats name them (/metrics, /get_server_info)."""
-        return {
-            "spec_verify_steps": self.steps,
-            "spec_draft_tokens": self.drafted,
-            "spec_accepted_tokens": self.accepted,
-            "spec_accept_length": self.mean_accepted_length,
-        }
-
-
-def build_verify(
-    reqs: list[Req], drafts: list[np.ndarray], slots: torch.Tensor, req_pool, device
-) -> tuple[Verify, ForwardBatch]:
-    """The verify batch of ``reqs`` (every one with its last token on the host): rows
-    ``[last, *draft]`` at positions ``kv_len ..``, the new slots appended to each request,
-    the logits of every row."""
-    ext = [1 + len(d) for d in drafts]
-    prefixes = [r.kv_len for r in reqs]
-    parts, starts, at = [], [], 0
-    for req, draft, n in zip(reqs, drafts, ext, strict=True):
-        parts.append(np.concatenate([np.asarray([req.output_ids[-1]], np.int32), draft]))
-        starts.append(at)
-        at += n
-    at = 0
-    for req, n in zip(reqs, ext, strict=True):
-        req.append_kv(slots[at : at + n])
-        at += n
-    table_rows = [r.req_pool_idx for r in reqs]
-    batch = extend_batch(np.concatenate(parts), slots, table_rows, prefixes, ext, req_pool, device)
-    batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
-    return Verify(reqs, drafts, starts, at), batch
-
-
-def draft_tokens(args, model) -> int:
-    """The draft length the scheduler uses (0: speculation off); one line naming what does
-    not support it yet."""
-    algorithm = args.speculative_algorithm
-    synthetic = args.bench_synthetic_accept_length
-    if synthetic is not None and not (algorithm and envs.BENCH.get()):
-        raise ValueError(
-            "--bench-synthetic-accept-length is a benchmark aid (its outputs are not the "
-            "model's): it needs --speculative-algorithm and BREAKGRAPH_BENCH=1"
-        )
-    if not algorithm:
-        return 0
-    why = None
-    if algorithm == "NEXTN" and getattr(model, "mtp", None) is None:
-        why = f"for {type(model).__name__} (it has no MTP layers: STANDALONE or NGRAM)"
-    elif algorithm == "STANDALONE" and not args.speculative_draft_model_path:
-        why = "without --speculative-draft-model-path (the draft model)"
-    if why:
-        raise ValueError(f"--speculative-algorithm {algorithm} is not supported {why}")
-    if algorithm in ("STANDALONE", "NEXTN") and args.speculative_num_steps:
-        return args.speculative_num_steps
-    return args.speculative_num_draft_tokens
-
-
-def _pool_rows(verify: Verify, input_ids: torch.Tensor) -> tuple:
-    """A verify step's penalty-pool rows (each row its request's; neutral where it holds
-    none); what each row counts beyond the pool: row j of a request (j >= 1, after draft
-    token j) the draft tokens 1..j (the step's input rows 1..j, read on the device) and j
-    tokens generated; and each row's request's first row."""
-    pen, before, first, rows, src = [], [], [], [], []
-    for req, draft, start in zip(verify.reqs, verify.drafts, verify.starts, strict=True):
-        n = 1 + len(draft)
-        pen += [req.penalty_row or NEUTRAL_ROW] * n
-        before += range(n)
-        first += [start] * n
-        if req.penalty_row is not None:
-            for j in range(1, n):
-                rows += [start + j] * j
-                src += range(start + 1, start + j + 1)
-    device = input_ids.device
-    pen_rows, at, tok_at, first_t = upload_many([pen, rows, src, first], torch.int64, device)
-    (before_t,) = upload_many([before], torch.int32, device)
-    return pen_rows, Drafted(at, input_ids[tok_at], before_t), first_t
-
-
-def _emitted(accept: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Whether each verify row's token is emitted: every row of its request before it
-    accepted its draft token (device ops)."""
-    rejected = (~accept).to(torch.int32)
-    before = rejected.cumsum(0) - rejected  # rejections before each row
-    return before == before[first]
+from breakgraph.engine.spec_chain import Carry, carry_of, device_batch, emitted
+from breakgraph.engine.verify_step import SpecStats, Verify, build_verify
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
 
 
 class SpecDecoder:
@@ -189,6 +76,7 @@ class SpecDecoder:
         drafter=None,
         synthetic: float | None = None,
         states: StateRewind | None = None,
+        chain: bool = False,
     ):
         self.num_draft = num_draft
         self.proposer = NgramProposer(num_draft) if drafter is None else None
@@ -204,6 +92,10 @@ class SpecDecoder:
         # rejected, restored and advanced again over the kept rows
         self.states = states
         self._forward = None  # the verify step's forward, for the rewind
+        # verify steps back to back under overlap (spec_chain.py): a draft model's drafts,
+        # no per-request state
+        self.chain = chain and drafter is not None and hasattr(drafter, "propose_chained")
+        self.chain = self.chain and not states
 
     @classmethod
     def of(
@@ -214,7 +106,8 @@ class SpecDecoder:
         if not k:
             return None
         synthetic = config.speculative_synthetic_accept_length
-        return cls(k, cache, config.max_context_len, device, drafter, synthetic, states)
+        chain = config.overlap and config.speculative_chain
+        return cls(k, cache, config.max_context_len, device, drafter, synthetic, states, chain)
 
     def mirror(self, batch: ForwardBatch, reqs: list[Req]) -> None:
         """A target step (of ``reqs``) that is not a verify step: the drafter writes its KV
@@ -265,6 +158,63 @@ class SpecDecoder:
         self.pending.prefixes = prefixes
         return stepping, batch
 
+    def schedule_chained(
+        self, prev: Verify, stepping: list[Req]
+    ) -> tuple[list[Req], ForwardBatch] | None:
+        """The verify step of ``stepping`` chained to ``prev``, still on the device (see
+        spec_chain.py): drafts sized for the most ``prev`` may keep, ``1 + k`` slots more per
+        request, rows at the carried positions. None where it cannot be: a request not in
+        ``prev`` or with a grammar, one that may need more room than the context has, or
+        too few free slots (the caller reads ``prev`` back first)."""
+        index = {id(r): i for i, r in enumerate(prev.reqs)}
+        if (
+            not self.chain
+            or prev.carry is None
+            or any(id(r) not in index or r.grammar is not None for r in stepping)
+        ):
+            return None
+        k, ctx = self.num_draft, self.max_context_len
+        lens, at = [], []
+        for req in stepping:
+            i = index[id(req)]
+            most = len(prev.drafts[i]) + 1  # tokens prev may keep
+            room = min(req.sampling.max_new_tokens - len(req.output_ids) - most,
+                       ctx - req.fill_len - most) - 1  # fmt: skip
+            if req.kv_len + max(room, 0) + 1 > ctx:
+                return None
+            lens.append(max(0, min(k, room)) if self.drafts_for(req) else 0)
+            at.append(i)
+        need = len(stepping) + sum(lens)
+        if need == len(stepping) or self.cache.available < need:
+            return None
+        slots = self.cache.alloc(need)
+        upper = [r.kv_len for r in stepping]  # a bound of each prefix: all of prev kept
+        ext = [n + 1 for n in lens]
+        rows = [r.req_pool_idx for r in stepping]
+        req_pool = self.cache.req_pool
+        req_pool.write_many(
+            np.repeat(rows, ext), np.concatenate([np.arange(u, u + e) for u, e in zip(upper, ext,
+                                                  strict=True)]), slots,
+        )  # fmt: skip
+        done = 0
+        for req, e in zip(stepping, ext, strict=True):
+            req.append_kv(slots[done : done + e])
+            done += e
+        (pick,) = upload_many([at], torch.int64, self.device)
+        base = prev.carry.base[pick]
+        starts = (np.cumsum(ext) - ext).tolist()
+        ids = torch.zeros(need, dtype=torch.int64, device=self.device)
+        (first,) = upload_many([starts], torch.int64, self.device)
+        ids[first] = prev.carry.last[pick]
+        batch = device_batch(
+            ForwardMode.EXTEND, req_pool.table, rows, base, ext, upper, ids, all_logits=True
+        )
+        drafts = [np.zeros(n, dtype=np.int32) for n in lens]
+        self.pending = Verify(stepping, drafts, starts, need, [None] * len(stepping))
+        self.pending.chained_to, self.pending.extent = prev, ext
+        self.pending.carry = Carry(base, prev.carry.last[pick], prev.carry.prev[pick])
+        return stepping, batch
+
     def launch(
         self, batch: ForwardBatch, forward, readback, grammar_mask=None, penalties=None
     ) -> Verify:
@@ -279,7 +229,11 @@ class SpecDecoder:
         ]
         if self.drafter is not None:
             lens = [len(d) for d in verify.drafts]
-            table = self.drafter.propose(verify.reqs, lens, verify.prefixes)
+            if verify.chained_to is not None:  # from the carried tokens, on the device
+                c = verify.carry
+                table = self.drafter.propose_chained(verify.reqs, lens, c.base, c.prev, c.last)
+            else:
+                table = self.drafter.propose(verify.reqs, lens, verify.prefixes)
             cells = [i * table.shape[1] + j for i, n in enumerate(lens) for j in range(n)]
             at, cell = upload_many([rows, cells], torch.int64, batch.input_ids.device)
             flat = table.view(-1)[cell]
@@ -305,9 +259,31 @@ class SpecDecoder:
             drafts = np.split(flat.cpu().numpy(), np.cumsum(lens)[:-1])
         pooled = None
         if penalties is not None and any(r.penalty_row is not None for r in verify.reqs):
-            pooled = _pool_rows(verify, batch.input_ids)
-        self._sample(verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled)
+            pooled = pool_rows(verify, batch.input_ids)
+        if self.synthetic is not None:
+            verify.fixed = [min(self.synthetic.draw(), len(d)) for d in verify.drafts]
+        accept, choice = self._sample(
+            verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled
+        )
+        if self.chain:
+            self._carry(verify, batch, accept, choice)
         return verify
+
+    def _carry(self, verify: Verify, batch: ForwardBatch, accept, choice) -> None:
+        """What a verify step leaves the next one chained to it (spec_chain.Carry)."""
+        sizes = [1 + len(d) for d in verify.drafts]
+        owner = np.repeat(np.arange(len(sizes)), sizes)
+        fixed = [] if verify.fixed is None else verify.fixed
+        prefixes = [] if verify.chained_to is not None else verify.prefixes
+        owner_t, starts, first, fixed_t, pre = upload_many(
+            [owner, verify.starts, np.asarray(verify.starts)[owner], fixed, prefixes],
+            torch.int64, self.device,
+        )  # fmt: skip
+        base = verify.carry.base if verify.chained_to is not None else pre
+        verify.carry = carry_of(
+            accept, choice, batch.input_ids, base, owner_t, starts, first,
+            fixed_t if verify.fixed is not None else None,
+        )  # fmt: skip
 
     def _sample(
         self, verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled
@@ -333,9 +309,9 @@ class SpecDecoder:
         gens = [r.generator for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
         accept, choice = verify_sample(target, params, gens, draft_next)
         if pooled is not None:  # each emitted row's token: its draft token if kept, else choice
-            emitted = _emitted(accept, pooled[2])
+            kept_rows = emitted(accept, pooled[2])
             kept_tok = torch.where(accept, draft_next, choice)
-            penalties.record(torch.where(emitted, pen_rows, NEUTRAL_ROW), kept_tok)
+            penalties.record(torch.where(kept_rows, pen_rows, NEUTRAL_ROW), kept_tok)
         verify.choice, verify.accept = readback.add(choice), readback.add(accept)
         if any(r.return_logprob for r in reqs):
             k = max(r.top_logprobs_num if r.return_logprob else 0 for r in reqs)
@@ -343,11 +319,16 @@ class SpecDecoder:
             lp, top_v, top_i = token_logprobs(logits, both, k)
             tops = (None, None) if top_v is None else (readback.add(top_v), readback.add(top_i))
             verify.logprobs = (readback.add(lp), *tops, k)
+        return accept, choice
 
-    def accepted(self, verify: Verify, values) -> Iterator[tuple[Req, list[int], tuple]]:
+    def accepted(
+        self, verify: Verify, values, nxt: Verify | None = None
+    ) -> Iterator[tuple[Req, list[int], tuple]]:
         """Each request, the tokens it keeps and their (logprobs, top-k) (``None``s where it
         wants none), from the read-back ``values``; its KV cut to its last token and the kept
-        draft, the rejected rows' slots freed."""
+        draft (and the rows ``nxt``, the verify step chained to it, may write past them), the
+        rejected rows' slots freed. A request that finished while it ran is skipped."""
+        later = {} if nxt is None else {id(r): i for i, r in enumerate(nxt.reqs)}
         choice, accept = values[verify.choice], values[verify.accept]
         drafts = verify.drafts
         if verify.draft_ids is not None:  # a draft model's, read back with the step
@@ -357,17 +338,26 @@ class SpecDecoder:
         stats.steps += 1
         rewind: list[tuple[Req, list[int]]] = []
         kept_drafts: list[int] = []
-        for req, draft, start in zip(verify.reqs, drafts, verify.starts, strict=True):
+        for i, (req, draft, start) in enumerate(zip(verify.reqs, drafts, verify.starts,
+                                                    strict=True)):  # fmt: skip
+            if req.finished:  # ended by the step before (chained): nothing of it is kept
+                kept_drafts.append(None)
+                continue
             rows = slice(start, start + 1 + len(draft))
-            if self.synthetic is not None:
-                j = min(self.synthetic.draw(), len(draft))
+            if verify.fixed is not None:
+                j = verify.fixed[i]
                 toks = [*draft[:j].tolist(), int(choice[start + j])]
             else:
                 toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
             stats.verified += 1
             stats.drafted += len(draft)
             stats.accepted += len(toks) - 1
-            self.cache.allocator.free(req.truncate_kv(req.kv_len - len(draft) + len(toks) - 1))
+            end = verify.prefixes[i] + len(toks)
+            j = later.get(id(req))
+            if j is not None:  # the chained step's prefix, and the rows it may write
+                nxt.prefixes[j] = end
+                end += nxt.extent[j]
+            self.cache.allocator.free(req.truncate_kv(end))
             kept_drafts.append(len(toks) - 1)
             if verify.saved and len(toks) <= len(draft):
                 rewind.append((req, toks[:-1]))
@@ -377,6 +367,8 @@ class SpecDecoder:
             self.drafter.accepted(
                 verify, [None if f else n for f, n in zip(done, kept_drafts, strict=True)]
             )
+        if nxt is not None:
+            nxt.chained_to = None  # its prefixes are known now
         rewind = [(req, kept_draft) for req, kept_draft in rewind if not req.finished]
         if rewind:  # before the next step (the caller has taken every request's tokens)
             self.states.rewind(verify, rewind, self._forward)

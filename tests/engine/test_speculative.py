@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from breakgraph.engine.acceptance import kept, verify_sample
+from breakgraph.engine.acceptance import kept, pool_rows, verify_sample
 from breakgraph.engine.ngram import NgramProposer
 from breakgraph.engine.penalties import PenaltyPool, apply_penalties
 from breakgraph.engine.request import Req, SamplingParams
-from breakgraph.engine.speculative import Verify, _pool_rows
+from breakgraph.engine.verify_step import Verify
 from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
@@ -152,7 +152,7 @@ def test_each_verify_row_counts_the_draft_tokens_before_it():
     draft = np.array([9, 9, 2], dtype=np.int32)
     verify = Verify([other, req], [np.array([7], np.int32), draft], [0, 2], 6)
     input_ids = torch.tensor([8, 7, 5, 9, 9, 2])
-    pen_rows, drafted, _ = _pool_rows(verify, input_ids)
+    pen_rows, drafted, _ = pool_rows(verify, input_ids)
     logits = torch.randn(6, 16)
     got = pool.apply(logits, pen_rows, drafted)
     torch.testing.assert_close(got[:2], logits[:2], rtol=0, atol=0)

@@ -7,6 +7,7 @@ written a round later), no slot leaked, and the refusals in one line."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from breakgraph.common import envs
 from breakgraph.engine.request import SamplingParams
@@ -128,4 +129,118 @@ def test_slots_exact_after_thousands_of_verify_steps(target_dir, draft_dir):
     stats = engine.scheduler.spec_stats
     # hundreds of verify steps, each after k draft steps: thousands of forwards
     assert stats.verified > 500 and stats.accepted < stats.drafted / 2, stats
+    assert_no_leak(engine)
+
+
+def _count_chained(engine) -> list[int]:
+    """The requests of each verify step chained to the one in flight (spec_chain.py)."""
+    spec, seen = engine.scheduler.spec, []
+    schedule = spec.schedule_chained
+
+    def record(prev, stepping):
+        out = schedule(prev, stepping)
+        if out is not None:
+            seen.append(len(stepping))
+        return out
+
+    spec.schedule_chained = record
+    return seen
+
+
+@pytest.mark.parametrize("same_draft", [True, False])
+def test_chained_verify_steps_keep_the_greedy_tokens(target_dir, draft_dir, same_draft):
+    """Under overlap scheduling verify steps run back to back, the next built on the device
+    from what the one in flight keeps: the greedy tokens of plain decoding (a draft that
+    agrees always, so every position's draft KV is written by the chained first steps, and
+    one that rarely does, so the slots past the kept rows are freed at every read-back);
+    requests ending inside a chain (stop ids, lengths, a stop string's length at any step),
+    penalized and logprob requests beside them; nothing leaked."""
+    draft = target_dir if same_draft else draft_dir
+    plain_engine = make_engine(target_dir)
+    engine = standalone(target_dir, draft, k=3, overlap_schedule=True)
+    chained = _count_chained(engine)
+    plain = plain_engine.generate(PROMPTS, greedy(24))
+    stop = plain[1].output_ids[13]
+    params = [greedy(24), greedy(24, stop_token_ids=[stop]), greedy(7), greedy(19)]
+    want = plain_engine.generate(PROMPTS, params)
+    got = engine.generate(PROMPTS, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert len(chained) >= 3, chained
+    stats = engine.scheduler.spec_stats
+    if same_draft:  # every draft kept: the draft's KV is right at every position
+        assert stats.accepted >= 0.95 * stats.drafted, stats
+    params = [greedy(20, repetition_penalty=1.3, frequency_penalty=0.3), greedy(20)]
+    kw = dict(return_logprob=True, top_logprobs_num=2)
+    want = plain_engine.generate(PROMPTS[:2], params, **kw)
+    got = engine.generate(PROMPTS[:2], params, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.output_ids == w.output_ids
+        assert g.output_logprobs == pytest.approx(w.output_logprobs, abs=1e-5)
+        assert [[i for _, i in t] for t in g.output_top_logprobs] == [
+            [i for _, i in t] for t in w.output_top_logprobs
+        ]
+    assert_no_leak(engine)
+
+
+def test_a_request_arriving_mid_chain_ends_it_and_is_served(target_dir, draft_dir):
+    """A request waiting to prefill is not kept behind a chain: the verify step in flight is
+    read back, the prompt prefilled, and the chain starts again; the tokens are plain
+    decoding's."""
+    plain = make_engine(target_dir).generate(PROMPTS, greedy(30))
+    engine = standalone(target_dir, target_dir, k=3, overlap_schedule=True)
+    chained = _count_chained(engine)
+    rids = [engine.add_request(PROMPTS[0], greedy(30))]
+    outs: dict[str, list[int]] = {rids[0]: []}
+    steps = 0
+    while engine.has_work or len(rids) < len(PROMPTS):
+        if steps in (4, 5, 9) and len(rids) < len(PROMPTS):
+            rids.append(engine.add_request(PROMPTS[len(rids)], greedy(30)))
+            outs[rids[-1]] = []
+        for out in engine.step():
+            outs[out.rid] += out.token_ids
+        steps += 1
+    assert [outs[r] for r in rids] == [r.output_ids for r in plain]
+    assert len(chained) > 3
+    assert_no_leak(engine)
+
+
+def test_chained_synthetic_acceptance_keeps_its_mean(target_dir, draft_dir):
+    """The benchmark's fixed acceptance is drawn at launch, so a chained step's positions
+    follow it on the device: the asked mean, every request its full length, nothing leaked."""
+    with envs.BENCH.override(True):
+        engine = standalone(
+            target_dir, draft_dir, bench_synthetic_accept_length=3.5, overlap_schedule=True
+        )
+    chained = _count_chained(engine)
+    outs = engine.generate(PROMPTS, greedy(60))
+    assert [len(r.output_ids) for r in outs] == [60] * 4
+    assert 3.2 < engine.scheduler.spec_stats.mean_accepted_length < 3.8
+    assert chained
+    assert_no_leak(engine)
+
+
+def test_chained_draft_kv_is_the_targets_at_every_kept_position(target_dir):
+    """A draft with the target's weights: after every step of a chain, its KV at each
+    running request's kept positions equals the target's (the chained draft steps write
+    the carried tokens at the carried positions, the row before included), but for the
+    last kept draft token of an unchained round, which its next round writes."""
+    engine = standalone(target_dir, target_dir, k=3, overlap_schedule=True)
+    chained = _count_chained(engine)
+    target = engine.kv_pool
+    draft = engine.scheduler.spec.drafter.kv_pool
+    for p in PROMPTS:
+        engine.add_request(p, greedy(30))
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        for req in engine.scheduler.decode.running:
+            keep = [i for i in range(req.fill_len - 1) if i != req.draft_hole]
+            slots = req.kv_slots[keep]  # (the hole: written by its next round)
+            for layer in (0, target.num_layers - 1):
+                torch.testing.assert_close(
+                    draft.k_buffers[layer][slots], target.k_buffers[layer][slots],
+                    atol=1e-4, rtol=1e-4,
+                )  # fmt: skip
+            checked += 1
+    assert chained and checked > 20
     assert_no_leak(engine)
