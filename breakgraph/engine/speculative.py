@@ -30,8 +30,9 @@ acceptance (a verdict the target did not give) such a request does not draft. Lo
 (and the top-k) of every kept token come from its verify row's logits, the model's own. A
 step where no request drafts is a plain decode step.
 On CUDA a verify step replays the prefill graphs (their small buckets,
-graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs; a verify step is read back
-before the next step is scheduled (no overlap across them).
+graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs. Under overlap scheduling a
+draft model's verify steps run back to back (``schedule_chained``, engine/spec_chain.py);
+others are read back before the next step is scheduled.
 """
 
 from __future__ import annotations
