@@ -166,6 +166,11 @@ def add_spec_args(p) -> None:
         help="keep this mean number of tokens per verify step whatever the model says "
         "(--bench-synthetic-accept-length: the mechanics, not the model)",
     )  # fmt: skip
+    p.add_argument(
+        "--unchained", action="store_true",
+        help="also run STANDALONE with each verify step read back before the next "
+        "(BREAKGRAPH_SPEC_CHAIN=0): what verify steps back to back give, under overlap",
+    )  # fmt: skip
     add_device(p, "cpu")
     add_outputs(p)
 
@@ -281,6 +286,7 @@ EXAMPLES = {
     "--output-len 16 --requests-per-level 2 --rounds 1",
     "host": "breakgraph bench host decode --batch 1 8 --steps 8 --rounds 1",
     "spec": "breakgraph bench spec --output-len 32\n"
+    "breakgraph bench spec --algorithm STANDALONE --unchained --output-len 32\n"
     "breakgraph bench spec --model-path deepseek-v4-tiny --algorithm NEXTN --input-len 64 "
     "--output-len 16",
     "grammar": "breakgraph bench grammar --batch-sizes 1 8 --steps 10 --warmup-steps 3 "

@@ -6,7 +6,9 @@ decodes without speculation, then one per ``--algorithm`` (NGRAM; STANDALONE wit
 ``--draft-model-path``, by default the model itself; NEXTN, a model's own MTP layers), each
 on the same prompt, greedy, after a short warm-up. With ``--input-len`` (or a model without a
 tokenizer: a built-in config, dummy weights) the prompt is that many random token ids.
-Reports decode tok/s of each, the ratio to plain decoding, verify steps and the mean
+With ``--unchained`` STANDALONE runs once more with each verify step read back before the
+next (on CUDA, where overlap scheduling chains them: engine/spec_chain.py). Reports decode
+tok/s of each, the ratio to plain decoding, verify steps and the mean
 accepted length (tokens a request kept per verify step), and whether the answers are the
 same tokens (greedy: they must be, unless ``--synthetic-accept-length`` fixes the tokens
 kept, a benchmark of the mechanics, not of the model; or dummy weights in bfloat16, whose
@@ -41,11 +43,14 @@ def run_spec_bench(args) -> int:
     dummy = args.model_path in BUILTIN_MODELS
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tokens = args.input_len + args.output_len
-    for algorithm in (None, *args.algorithm):
+    runs = [(a, True) for a in (None, *args.algorithm)]
+    if args.unchained and "STANDALONE" in args.algorithm:
+        runs.append(("STANDALONE", False))
+    for algorithm, chain in runs:
         draft = None
         if algorithm == "STANDALONE":
             draft = args.draft_model_path or args.model_path or str(find_embedded_gguf())
-        with envs.BENCH.override(True):
+        with envs.BENCH.override(True), envs.SPEC_CHAIN.override(chain):
             engine = Engine(
                 EngineArgs(
                     model_path=args.model_path, device="cuda" if cuda else "cpu",
@@ -69,7 +74,7 @@ def run_spec_bench(args) -> int:
         answers.append(res.output_ids)
         rows.append(
             {
-                "speculation": algorithm or "off",
+                "speculation": (algorithm or "off") + ("" if chain else " unchained"),
                 "prompt_tokens": len(ids),
                 "output_tokens": len(res.output_ids),
                 "seconds": seconds,

@@ -208,6 +208,12 @@ API_KEY = Str(
     "(server/launch.py).",
 )  # fmt: skip
 
+SPEC_CHAIN = Bool(
+    "BREAKGRAPH_SPEC_CHAIN", True, kind="setting",
+    doc="Under overlap scheduling, a draft model's speculative verify steps run back to back, "
+    "each built on the device from what the one in flight keeps; 0: each is read back before "
+    "the next is scheduled (engine/spec_chain.py).",
+)  # fmt: skip
 BENCH = Bool(
     "BREAKGRAPH_BENCH", False, kind="setting",
     doc="This engine serves a benchmark: benchmark aids that change outputs "

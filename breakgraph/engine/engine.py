@@ -17,7 +17,7 @@ import torch
 
 from breakgraph.cache.kv_pool import SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
-from breakgraph.common import gc_watch
+from breakgraph.common import envs, gc_watch
 from breakgraph.common.messages import TokenDelta
 from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
@@ -145,7 +145,7 @@ class Engine:
                 prefix_recompute=getattr(self.model, "prefix_recompute", 0),
                 speculative_num_draft_tokens=draft_tokens(args, self.model),
                 speculative_synthetic_accept_length=args.bench_synthetic_accept_length,
-                speculative_chain=driver is None,
+                speculative_chain=driver is None and envs.SPEC_CHAIN.get(),
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,

@@ -56,7 +56,7 @@ from breakgraph.engine.rank_ops import StateRewind
 from breakgraph.engine.request import Req
 from breakgraph.engine.spec_chain import Carry, carry_of, device_batch, emitted
 from breakgraph.engine.verify_step import SpecStats, Verify, build_verify
-from breakgraph.forward_batch import ForwardBatch, ForwardMode, upload_many
+from breakgraph.forward_batch import ForwardBatch, ForwardMode, token_positions, upload_many
 
 
 class SpecDecoder:
@@ -181,9 +181,10 @@ class SpecDecoder:
             most = len(prev.drafts[i]) + 1  # tokens prev may keep
             room = min(req.sampling.max_new_tokens - len(req.output_ids) - most,
                        ctx - req.fill_len - most) - 1  # fmt: skip
-            if req.kv_len + max(room, 0) + 1 > ctx:
+            n = max(0, min(k, room)) if self.drafts_for(req) else 0
+            if req.kv_len + n + 1 > ctx:  # the table's row ends before its worst case
                 return None
-            lens.append(max(0, min(k, room)) if self.drafts_for(req) else 0)
+            lens.append(n)
             at.append(i)
         need = len(stepping) + sum(lens)
         if need == len(stepping) or self.cache.available < need:
@@ -193,19 +194,16 @@ class SpecDecoder:
         ext = [n + 1 for n in lens]
         rows = [r.req_pool_idx for r in stepping]
         req_pool = self.cache.req_pool
-        req_pool.write_many(
-            np.repeat(rows, ext), np.concatenate([np.arange(u, u + e) for u, e in zip(upper, ext,
-                                                  strict=True)]), slots,
-        )  # fmt: skip
+        cols = token_positions(np.asarray(upper), np.asarray(ext))
+        req_pool.write_many(np.repeat(rows, ext), cols, slots)
         done = 0
         for req, e in zip(stepping, ext, strict=True):
             req.append_kv(slots[done : done + e])
             done += e
-        (pick,) = upload_many([at], torch.int64, self.device)
-        base = prev.carry.base[pick]
         starts = (np.cumsum(ext) - ext).tolist()
+        pick, first = upload_many([at, starts], torch.int64, self.device)
+        base = prev.carry.base[pick]
         ids = torch.zeros(need, dtype=torch.int64, device=self.device)
-        (first,) = upload_many([starts], torch.int64, self.device)
         ids[first] = prev.carry.last[pick]
         batch = device_batch(
             ForwardMode.EXTEND, req_pool.table, rows, base, ext, upper, ids, all_logits=True
