@@ -113,11 +113,14 @@ def test_synthetic_acceptance_is_a_benchmark_aid(target_dir, draft_dir):
             assert_no_leak(engine)
 
 
-def test_slots_exact_after_thousands_of_verify_steps(target_dir, draft_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_slots_exact_after_thousands_of_verify_steps(target_dir, draft_dir, overlap):
     """Sampled requests, so that drafts are often rejected: verify steps free rows over and
-    over; after hundreds of them (and thousands of draft steps), with requests finishing and starting in
-    between, every slot is accounted for."""
-    engine = standalone(target_dir, draft_dir, k=3, max_total_tokens=4096)
+    over; after hundreds of them (and thousands of draft steps), with requests finishing and
+    starting in between, every slot is accounted for. With overlap the verify steps are
+    chained, each request's table filled to the worst case and trimmed at every read-back."""
+    engine = standalone(target_dir, draft_dir, k=3, max_total_tokens=4096,
+                        overlap_schedule=overlap)  # fmt: skip
     ps = prompts(6, [3, 40, 11, 25, 8, 60], seed=21)
     lens = [150, 60, 250, 40, 200, 100]
     sps = [

@@ -31,7 +31,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
-    """The draft is the target itself (the same dummy weights): every draft token kept."""
+    """The draft is the target itself (the same dummy weights): every draft token kept; with
+    a draft model the verify steps run back to back (chained on the device, no host sync)."""
     ps = prompts()
     plain = engine(small_dir, graphs=True).generate(ps, greedy(24))
     spec = engine(
@@ -40,6 +41,15 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
     )  # fmt: skip
     forbid_host_syncs_in_steps(spec)
     runner = spec.runner
+    chained = []  # verify steps chained to the one in flight (overlap on: spec_chain.py)
+    schedule = spec.scheduler.spec.schedule_chained
+
+    def chain(*a):
+        out = schedule(*a)
+        chained.append(out is not None)
+        return out
+
+    spec.scheduler.spec.schedule_chained = chain
     for lone in ps:  # a lone request's verify steps: the whole graph of a small bucket
         (r,) = spec.generate([lone], greedy(24))
         assert r.output_ids == plain[ps.index(lone)].output_ids
@@ -53,6 +63,7 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
         assert drafter.count(DECODE) > 0 and drafter.count(EAGER) == 0, drafter.step_counts
         stats = spec.scheduler.spec_stats
         assert stats.accepted >= 0.9 * stats.drafted, stats
+        assert any(chained), "verify steps back to back"
     assert_no_leak(spec)
 
 
