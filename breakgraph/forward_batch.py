@@ -61,6 +61,10 @@ class ForwardBatch:
     # step's table write is one kernel (``ReqToTokenPool.write_batch``)
     table_cells: torch.Tensor | None = None
     table_slots: torch.Tensor | None = None
+    # a step whose positions only the device knows (engine/spec_chain.py's ``device_batch``):
+    # request r's rows are at ``device_base[r] + 0, 1, ...`` and the host lengths are bounds;
+    # TP rank 0 broadcasts it and the workers rebuild the step from it
+    device_base: torch.Tensor | None = None
     # per-step state the attention break derives once and every layer reuses: launch plans
     # keyed by what they depend on besides the step (heads, head_dim, scale, window)
     attention_plans: dict[tuple, Any] = field(

@@ -28,8 +28,7 @@ class SchedulerConfig:
     # engine/speculative.py); a benchmark's fixed mean accepted length (None: the target's)
     speculative_num_draft_tokens: int = 0
     speculative_synthetic_accept_length: float | None = None
-    # with overlap, verify steps back to back where they can be (engine/spec_chain.py; not
-    # under TP: the workers rebuild a step from host lengths)
+    # with overlap, verify steps back to back where they can be (engine/spec_chain.py)
     speculative_chain: bool = True
 
     def __post_init__(self) -> None:

@@ -145,7 +145,7 @@ class Engine:
                 prefix_recompute=getattr(self.model, "prefix_recompute", 0),
                 speculative_num_draft_tokens=draft_tokens(args, self.model),
                 speculative_synthetic_accept_length=args.bench_synthetic_accept_length,
-                speculative_chain=driver is None and envs.SPEC_CHAIN.get(),
+                speculative_chain=envs.SPEC_CHAIN.get(),
             ),
             device,
             stop_text=self._stop_text if self.tokenizer is not None else None,

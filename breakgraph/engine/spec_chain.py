@@ -22,8 +22,9 @@ KV released at once (later steps are queued after step k + 1 on the stream).
 Chained only where the host needs nothing of step k to build step k + 1: a draft model's
 drafts (STANDALONE: they start from the carried token), no grammar (its masks need the
 tokens on the host), no model state beside the KV (DeepSeek V4's compressors read host
-positions), one rank (the workers rebuild a step from host lengths), no request waiting to
-prefill. Otherwise step k is read back first, as before.
+positions), no request waiting to prefill. Otherwise step k is read back first, as before.
+Under TP rank 0 broadcasts a chained step's carried base with its input ids, and the workers
+rebuild the step from it (``device_batch``, ``ForwardBatch.device_base``).
 """
 
 from __future__ import annotations
@@ -119,4 +120,5 @@ def device_batch(
         prefix_lens_cpu=up.tolist(),
         extend_lens_cpu=ext.tolist(),
         req_pool_indices_cpu=list(table_rows),
+        device_base=base,
     )

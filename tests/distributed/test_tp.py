@@ -164,24 +164,42 @@ def test_tp2_prompt_logprobs_equal_tp1(checkpoints):
         assert_prompt_logprobs_equal(tp1, tp2, prompts([12, 30], seed=6), top_k=3)
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
-def test_tp2_speculative_decoding_equals_tp1_plain(checkpoints, algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "overlap"), [("NGRAM", False), ("STANDALONE", False), ("STANDALONE", True)]
+)
+def test_tp2_speculative_decoding_equals_tp1_plain(checkpoints, algorithm, overlap):
     """Verify steps under TP: the workers compute every row's logits as rank 0 does (the LM
-    head's gather is collective); a draft model runs whole on rank 0 only."""
+    head's gather is collective); a draft model runs whole on rank 0 only. With overlap its
+    verify steps run back to back: rank 0 broadcasts each chained step's carried base and
+    the workers rebuild its rows on the device (engine/spec_chain.py)."""
     base = prompts([7], seed=4)[0]
     ps = [(base * 6)[:40], *prompts([9, 21], seed=5)]
     path = checkpoints["llama"]
     plain = Engine(make_args(path)).generate(ps, greedy(20))
-    tp2 = Engine(
-        make_args(
-            path, tp_size=2, speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
-            speculative_draft_model_path=str(path),
-        )
+    kw = dict(
+        speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+        speculative_draft_model_path=str(path), overlap_schedule=overlap,
     )  # fmt: skip
+    tp1 = Engine(make_args(path, **kw))
+    tp2 = Engine(make_args(path, tp_size=2, **kw))
     try:
-        spec = tp2.generate(ps, greedy(20))
-        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+        tap1, tap2 = LogitsTap(tp1), LogitsTap(tp2)
+        tp1.generate(ps, greedy(20))
+        chained = []
+        spec = tp2.scheduler.spec
+        schedule = spec.schedule_chained
+
+        def chain(*a):
+            out = schedule(*a)
+            chained.append(out is not None)
+            return out
+
+        spec.schedule_chained = chain
+        got = tp2.generate(ps, greedy(20))
+        assert [r.output_ids for r in got] == [r.output_ids for r in plain]
         assert tp2.scheduler.spec_stats.accepted > 0
+        assert any(chained) == overlap
+        assert_same_steps(tap1, tap2)  # every verify row's logits, TP2 as TP1
     finally:
         tp2.shutdown()
 

@@ -185,7 +185,8 @@ class TPDriver:
         rows_w, cols_w, slots_w = self.req_pool.drain_writes() or (None, None, None)
         msg = StepMessage(
             mode=batch.mode.value,
-            out_cache_loc=_i32(batch.out_cache_loc_cpu),
+            # a device step's slots are gathered from the table on each rank
+            out_cache_loc=_i32(batch.out_cache_loc_cpu if batch.device_base is None else []),
             req_pool_indices=_i32(batch.req_pool_indices_cpu),
             prefix_lens=_i32(batch.prefix_lens_cpu),
             extend_lens=_i32(batch.extend_lens_cpu),
@@ -196,13 +197,14 @@ class TPDriver:
             prompt_rows=-1 if rows is None else rows.shape[0],
             top_k=top_k,
             all_rows=batch.logits_rows.shape[0] != batch.batch_size,
+            device_base=batch.device_base is not None,
         )
         msg.sent_at = time.perf_counter()
         self._send(msg)
         if self._trace is not None:
             self._trace.add(msg.sent_at, time.perf_counter())
         try:
-            broadcast_inputs(self.group, batch.input_ids, rows, targets)
+            broadcast_inputs(self.group, batch.input_ids, rows, targets, batch.device_base)
             yield
         except Exception as e:
             self._raise_dead(e, wait_s=2.0)

@@ -19,7 +19,7 @@ class StepMessage:
     """One step as rank 0 sends it: everything but the input ids (broadcast as a tensor)."""
 
     mode: str  # ForwardMode value
-    out_cache_loc: np.ndarray = field(metadata=PACKED_INT32)  # [T]
+    out_cache_loc: np.ndarray = field(metadata=PACKED_INT32)  # [T] (none with device_base)
     req_pool_indices: np.ndarray = field(metadata=PACKED_INT32)  # [B]
     prefix_lens: np.ndarray = field(metadata=PACKED_INT32)  # [B]
     extend_lens: np.ndarray = field(metadata=PACKED_INT32)  # [B]
@@ -31,6 +31,9 @@ class StepMessage:
     prompt_rows: int = -1  # forward_prompt: rows (and targets) broadcast after the ids; -1: none
     top_k: int = 0
     all_rows: bool = False  # logits of every row (a speculative verify step), not each last
+    # the rows' positions are a broadcast base per request plus their offsets (a verify step
+    # chained to the one in flight: engine/spec_chain.py); the lengths above are bounds
+    device_base: bool = False
     sent_at: float = 0.0  # rank 0's time.perf_counter() at sending (CLOCK_MONOTONIC: host-wide)
 
     @property
@@ -161,9 +164,9 @@ def recv(conn):
     return CODEC.decode(conn.recv_bytes())
 
 
-def broadcast_inputs(group: TPGroup, input_ids, rows=None, targets=None) -> None:
+def broadcast_inputs(group: TPGroup, input_ids, rows=None, targets=None, base=None) -> None:
     """Rank 0's step tensors into the workers' buffers of the same shapes (int64)."""
-    for t in (input_ids, rows, targets):
+    for t in (input_ids, rows, targets, base):
         if t is not None:
             if group.rank == 0 and (t.dtype != torch.int64 or not t.is_contiguous()):
                 t = t.to(torch.int64).contiguous()  # a copy to send; rank 0 keeps its own

@@ -19,6 +19,7 @@ from breakgraph.engine import rank_ops
 from breakgraph.engine.memory import MemoryPlanError
 from breakgraph.engine.rank import Rank, build_rank, claim_device, rank_device
 from breakgraph.engine.rank_ops import StateRewind
+from breakgraph.engine.spec_chain import device_batch
 from breakgraph.engine.tp import teardown, wire
 from breakgraph.engine.tp.trace import StepTrace
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
@@ -124,6 +125,8 @@ def run_step(
     req_pool, device = rank.req_pool, rank.device
     if msg.table_writes is not None:
         req_pool.apply_writes(*msg.table_writes)
+    if msg.device_base:
+        return _run_device_step(msg, rank, group)
     n = len(msg.out_cache_loc)
     decode = msg.mode == ForwardMode.DECODE.value
     batch = ForwardBatch.build(
@@ -154,3 +157,19 @@ def run_step(
         wire.broadcast_inputs(group, batch.input_ids, rows, targets)
         rank.runner.execute_prompt(batch, rows, targets, msg.top_k)
     return batch.input_ids
+
+
+def _run_device_step(msg: wire.StepMessage, rank: Rank, group: TPGroup) -> torch.Tensor:
+    """A step whose positions rank 0 broadcasts as a base per request (a verify step chained
+    to the one in flight: engine/spec_chain.py), rebuilt from it on this rank's table."""
+    device, n = rank.device, int(msg.extend_lens.sum())
+    input_ids = torch.empty(n, dtype=torch.int64, device=device)
+    base = torch.empty(len(msg.req_pool_indices), dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        wire.broadcast_inputs(group, input_ids, base=base)
+        batch = device_batch(
+            ForwardMode(msg.mode), rank.req_pool.table, msg.req_pool_indices.tolist(), base,
+            msg.extend_lens.tolist(), msg.prefix_lens.tolist(), input_ids, msg.all_rows,
+        )  # fmt: skip
+        rank.runner.execute(msg.key, batch)
+    return input_ids
