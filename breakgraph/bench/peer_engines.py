@@ -59,6 +59,7 @@ class EngineSpec:
     cold_cache_env: tuple[str, ...] = ()  # a cold start points these at empty folders
     extra_flags: list[str] = field(default_factory=list)
     vllm_site: str | None = None  # the vllm preset's tree (PYTHONPATH)
+    path_first: tuple[str, ...] = ()  # put before it on PYTHONPATH (--vllm-extra-path)
 
     def has_setting(self, setting: str) -> bool:
         return setting == "default" or bool(self.settings.get(setting))
@@ -74,7 +75,7 @@ class EngineSpec:
         env = dict(self.env)
         if self.vllm_site is not None:
             env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (self.vllm_site, os.environ.get("PYTHONPATH")) if p
+                p for p in (*self.path_first, self.vllm_site, os.environ.get("PYTHONPATH")) if p
             )
             if long_context:
                 env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
@@ -92,7 +93,33 @@ class EngineSpec:
                 f"{site / VLLM_MOE_LIBRARY} is missing (an MoE model needs it): cat "
                 f"moe_C.so.xz.part* | xz -dc > {site / VLLM_MOE_LIBRARY}"
             )
+        if is_gemma4(config):
+            return self._gemma4_transformers()
         return None
+
+    def _gemma4_transformers(self) -> str | None:
+        """vLLM 0.25.1 reads Gemma 4's ``head_dim`` and ``global_head_dim`` off the text
+        config; transformers 5.15 and later make that config heterogeneous (a per-layer
+        ``head_dim``, ``global_head_dim`` folded into it) and refuse the global read
+        (``AmbiguousGlobalPerLayerAttributeError``; vLLM reads them per layer from 0.28).
+        Which transformers vLLM's path imports, asked of a child with its PYTHONPATH."""
+        env = {**os.environ, "PYTHONPATH": self.added_env(False)["PYTHONPATH"]}
+        probe = "import transformers; print(transformers.__version__)"
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        if out.returncode:
+            last = (out.stderr.strip().splitlines() or ["?"])[-1]
+            return f"transformers does not import on vLLM's path: {last}"
+        found = out.stdout.strip()
+        major, minor = (int(x) for x in found.split(".")[:2])
+        if (major, minor) < (5, 15):
+            return None
+        return (
+            f"vLLM 0.25.1 cannot read Gemma 4's config under transformers {found} (5.15 and "
+            "later refuse a global head_dim: AmbiguousGlobalPerLayerAttributeError): put "
+            "transformers 5.14.1 and tokenizers 0.22.2 first on its path (pip install --no-deps "
+            "--target DIR; --vllm-extra-path DIR)"
+        )
 
 
 @dataclass
@@ -113,6 +140,10 @@ class EngineRun:
     serving: list[dict] = field(default_factory=list)  # a LevelResult each, every round
     error: str | None = None
     log: str = ""
+
+
+def is_gemma4(config: dict) -> bool:
+    return str(config.get("model_type", "")).startswith("gemma4")
 
 
 def is_moe(config: dict) -> bool:
@@ -146,10 +177,15 @@ def breakgraph_spec(extra_flags: list[str], latency_flags: list[str]) -> EngineS
 
 
 def vllm_spec(
-    site: str, cache_root: str, extra_flags: list[str], latency_flags: list[str] | None
+    site: str,
+    cache_root: str,
+    extra_flags: list[str],
+    latency_flags: list[str] | None,
+    path_first: tuple[str, ...] = (),
 ) -> EngineSpec:
     """vLLM from the tree at ``site``, started as its README says (python3 -m ... serve, dummy
-    weights, no tokenizer, its own generation config, prompt token details reported)."""
+    weights, no tokenizer, its own generation config, prompt token details reported);
+    ``path_first``: folders before the tree on its PYTHONPATH (another transformers)."""
     command = ["{python}", "-m", "vllm.entrypoints.cli.main", "serve", "{model_dir}",
                "--load-format", "dummy", "--skip-tokenizer-init", "--generation-config", "vllm",
                "--host", "{host}", "--port", "{port}", "--max-model-len", "{context_length}",
@@ -168,6 +204,7 @@ def vllm_spec(
         cold_cache_env=("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"),
         extra_flags=extra_flags,
         vllm_site=site,
+        path_first=tuple(path_first),
     )
 
 

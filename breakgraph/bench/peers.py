@@ -54,6 +54,9 @@ def add_peers_args(p) -> None:
                    "--peer-command")  # fmt: skip
     g.add_argument("--vllm-site", default="/tmp/vllm-site/site", help="vllm: the unpacked tree")
     g.add_argument("--vllm-cache", default="/tmp/vllm-cache", help="vllm: VLLM_CACHE_ROOT")
+    g.add_argument("--vllm-extra-path", nargs="*", default=[], metavar="DIR",
+                   help="vllm: folders before the tree on its PYTHONPATH (Gemma 4 needs "
+                   "transformers 5.14.1 and tokenizers 0.22.2 there)")  # fmt: skip
     g.add_argument("--peer-name", default="peer", help="command: the peer's name in the tables")
     g.add_argument("--peer-command", help="command: its command line, with {python}, "
                    "{model_dir}, {host}, {port} and {context_length} filled in (default: none)")  # fmt: skip
@@ -119,7 +122,10 @@ def specs(args):
     if args.peer_name == bg.name:
         raise SystemExit("error: --peer-name must differ from breakgraph")
     if args.peer == "vllm":
-        peer = pe.vllm_spec(args.vllm_site, args.vllm_cache, split(args.peer_flags), peer_latency)
+        peer = pe.vllm_spec(
+            args.vllm_site, args.vllm_cache, split(args.peer_flags), peer_latency,
+            tuple(args.vllm_extra_path),
+        )  # fmt: skip
     else:
         if not args.peer_command:
             raise SystemExit("error: --peer command needs --peer-command")

@@ -69,6 +69,28 @@ def test_vllm_preset_starts_vllm_as_its_readme_says(tmp_path):
     assert spec.preflight(moe) is None
 
 
+def test_gemma4_under_vllm_needs_a_transformers_before_5_15(tmp_path):
+    """vLLM 0.25.1 reads Gemma 4's head_dim globally, which transformers 5.15 and later
+    refuse: said before start-up, with the fix (--vllm-extra-path, another transformers
+    first on vLLM's path); with one there the preflight passes."""
+    transformers = pytest.importorskip("transformers")
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    _, gemma, _ = pe.write_model_dir("gemma-4-e2b", tmp_path, 70000)
+    spec = pe.vllm_spec(str(site), "/tmp/vllm-cache", [], None)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) >= (5, 15):
+        assert "put transformers 5.14.1" in spec.preflight(gemma)
+    older = tmp_path / "tf514"
+    (older / "transformers").mkdir(parents=True)
+    (older / "transformers" / "__init__.py").write_text('__version__ = "5.14.1"\n')
+    spec = pe.vllm_spec(str(site), "/tmp/vllm-cache", [], None, (str(older),))
+    assert spec.added_env(False)["PYTHONPATH"].split(":")[:2] == [str(older), str(site)]
+    assert spec.preflight(gemma) is None
+    (older / "transformers" / "__init__.py").write_text("raise ImportError('tokenizers')\n")
+    assert "transformers does not import on vLLM's path" in spec.preflight(gemma)
+
+
 def test_an_engine_that_does_not_start_is_reported_with_its_log(tmp_path):
     from breakgraph.bench.peers import measure
 
