@@ -93,10 +93,9 @@ class SpecDecoder:
         # rejected, restored and advanced again over the kept rows
         self.states = states
         self._forward = None  # the verify step's forward, for the rewind
-        # verify steps back to back under overlap (spec_chain.py): a draft model's drafts,
-        # no per-request state
-        self.chain = chain and drafter is not None and hasattr(drafter, "propose_chained")
-        self.chain = self.chain and not states
+        # verify steps back to back under overlap (spec_chain.py): a draft model's drafts
+        # (DraftModel.propose_chained), no per-request state
+        self.chain = chain and hasattr(drafter, "propose_chained") and not states
 
     @classmethod
     def of(
