@@ -33,10 +33,13 @@ class SpecSteps:
 
     def _verify_in_flight(self, outputs: list[TokenDelta]):
         """With a verify step in flight: the next verify step chained to it, else None once
-        it is read back (what comes next needs its tokens on the host). A request waiting to
-        prefill is not kept waiting behind a chain."""
+        it is read back (what comes next needs its tokens on the host). A request that could
+        be admitted to prefill is not kept waiting behind a chain (one waiting for a running
+        request to end is)."""
         prev = self.in_flight.verify
-        if not self.prefill.has_work:
+        prefill = self.prefill
+        full = len(self.decode.running) >= self.cfg.max_running_requests
+        if prefill.chunked is None and (not prefill.waiting or full):
             stepping = [r for r in self.decode.stepping() if not _ends_with(r, self.cfg)]
             if stepping:
                 chained = self.spec.schedule_chained(prev, stepping)

@@ -207,6 +207,29 @@ def test_a_request_arriving_mid_chain_ends_it_and_is_served(target_dir, draft_di
     assert_no_leak(engine)
 
 
+def test_a_queue_waiting_for_room_does_not_end_the_chain(target_dir):
+    """With --max-running-requests reached, the requests waiting in the queue cannot be
+    admitted before one ends: the verify steps stay chained meanwhile."""
+    engine = standalone(target_dir, target_dir, k=3, overlap_schedule=True,
+                        max_running_requests=2)  # fmt: skip
+    waiting: list[int] = []
+    spec = engine.scheduler.spec
+    schedule = spec.schedule_chained
+
+    def record(prev, stepping):
+        out = schedule(prev, stepping)
+        if out is not None:
+            waiting.append(len(engine.scheduler.prefill.waiting))
+        return out
+
+    spec.schedule_chained = record
+    plain = make_engine(target_dir).generate(PROMPTS, greedy(20))
+    outs = engine.generate(PROMPTS, greedy(20))
+    assert [r.output_ids for r in outs] == [r.output_ids for r in plain]
+    assert any(n > 0 for n in waiting), waiting
+    assert_no_leak(engine)
+
+
 def test_chained_synthetic_acceptance_keeps_its_mean(target_dir, draft_dir):
     """The benchmark's fixed acceptance is drawn at launch, so a chained step's positions
     follow it on the device: the asked mean, every request its full length, nothing leaked."""
