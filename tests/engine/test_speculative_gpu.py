@@ -32,7 +32,8 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
     """The draft is the target itself (the same dummy weights): every draft token kept; with
-    a draft model the verify steps run back to back (chained on the device, no host sync)."""
+    a draft model the verify steps run back to back (chained on the device, no host sync);
+    a penalized request and logprobs inside verify steps (float32) as plain decoding's."""
     ps = prompts()
     plain = engine(small_dir, graphs=True).generate(ps, greedy(24))
     spec = engine(
@@ -64,6 +65,17 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
         stats = spec.scheduler.spec_stats
         assert stats.accepted >= 0.9 * stats.drafted, stats
         assert any(chained), "verify steps back to back"
+    # penalties and logprobs inside (chained) verify steps: plain decoding's tokens, logprobs
+    params = [SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True,
+                             repetition_penalty=1.2, frequency_penalty=0.3), greedy(16)]  # fmt: skip
+    kw = dict(return_logprob=True, top_logprobs_num=2)
+    want = engine(small_dir, graphs=True).generate(ps[:2], params, **kw)
+    got = spec.generate(ps[:2], params, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.output_ids == w.output_ids
+        torch.testing.assert_close(
+            torch.tensor(g.output_logprobs), torch.tensor(w.output_logprobs), atol=1e-3, rtol=0
+        )
     assert_no_leak(spec)
 
 
