@@ -13,6 +13,10 @@
 #   host     the host path: each server workload beside the in-process step it should approach
 #   coldab   cold 256 x1 on this tree and OLD, both up at once, ROUNDS alternating rounds
 #            (OLD=. OLD_FLAGS="..." compares one flag on this tree)
+#   spec     speculative decoding, 3.51 tokens kept a step (synthetic): in process (STANDALONE
+#            with verify steps chained and not), then bench serving (8K in / SPEC_OUT out,
+#            CONC) with it and without (MODEL default qwen3-8b, DRAFT qwen3-0.6b)
+#   nextn    DeepSeek V4's MTP drafts in process (deepseek-v4-flash-e32, synthetic 3.51)
 #   OUT=$OUT [MODEL=...] [OLD=...] bash benchmarks/h200_serve.sh [STAGE ...]
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
@@ -134,6 +138,23 @@ coldab_stage() {  # both servers up at once (started in turn: --mem-fraction-sta
   done
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
   (cd "$OUT" && tar czf coldab.tgz coldab && rm -rf coldab)
+}
+spec_stage() {
+  local m=${MODEL:-qwen3-8b} d=${DRAFT:-qwen3-0.6b} out=${SPEC_OUT:-1024}
+  local spec="--speculative-algorithm STANDALONE --speculative-draft-model-path $d"
+  inproc spec --model-path "$m" --algorithm STANDALONE --draft-model-path "$d" --input-len 8192 \
+    --output-len "$out" --draft-tokens 3 --synthetic-accept-length 3.51 --unchained \
+    --device cuda --json "$OUT/spec_inproc_$m.json"
+  MODEL=$m serve "spec_off_$m" --context-length 16384 \
+    && { serving "spec_off_$m" 8192 "$out" ${CONC:-1 8}; stop; }
+  BREAKGRAPH_BENCH=1 MODEL=$m serve "spec_on_$m" --context-length 16384 $spec \
+    --speculative-num-steps 3 --bench-synthetic-accept-length 3.51 \
+    && { serving "spec_on_$m" 8192 "$out" ${CONC:-1 8}; stop; }
+}
+nextn_stage() {
+  inproc spec --model-path deepseek-v4-flash-e32 --algorithm NEXTN --input-len 8192 \
+    --output-len ${SPEC_OUT:-1024} --draft-tokens 3 --synthetic-accept-length 3.51 \
+    --device cuda --json "$OUT/spec_inproc_nextn.json"
 }
 stages=${*:-warmup prefill}
 for stage in $stages; do "${stage}_stage"; done
