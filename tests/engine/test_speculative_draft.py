@@ -270,3 +270,26 @@ def test_chained_draft_kv_is_the_targets_at_every_kept_position(target_dir):
             checked += 1
     assert chained and checked > 20
     assert_no_leak(engine)
+
+
+def test_an_abort_mid_chain_leaks_nothing(target_dir, draft_dir):
+    """A request aborted while a verify step chained to another is in flight: its KV goes
+    back at once, its rows of the steps in flight are dropped at their read-backs, the
+    others keep plain decoding's tokens, and every slot is accounted for."""
+    plain = make_engine(target_dir).generate(PROMPTS, greedy(30))
+    engine = standalone(target_dir, draft_dir, k=3, overlap_schedule=True)
+    chained = _count_chained(engine)
+    rids = [engine.add_request(p, greedy(30)) for p in PROMPTS]
+    outs: dict[str, list[int]] = {r: [] for r in rids}
+    steps = 0
+    while engine.has_work:
+        if steps == 6:
+            assert chained, "a chain in flight"
+            engine.abort(rids[1])
+        for out in engine.step():
+            outs[out.rid] += out.token_ids
+        steps += 1
+    kept = [0, 2, 3]
+    assert [outs[rids[i]] for i in kept] == [plain[i].output_ids for i in kept]
+    assert len(outs[rids[1]]) < 30
+    assert_no_leak(engine)
