@@ -190,7 +190,7 @@ def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir
     own bank, reading the fixed penalty pool): no host sync inside a step, and the same
     greedy tokens and penalized logits with graphs as eager (float32); a batch with no
     such request replays the plain bank."""
-    import breakgraph.engine.scheduler as scheduler_mod
+    import breakgraph.engine.launched as launched_mod  # where a step samples
 
     sp = SamplingParams(
         max_new_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
@@ -199,14 +199,14 @@ def test_penalties_bias_and_min_tokens_sync_free_and_equal_with_graphs(small_dir
     )  # fmt: skip
     prompts = [[5, 6, 7, 8, 9] * 3, [7] * 20, list(range(100, 140))]
     outs, sampled = [], []
-    sample = scheduler_mod.sample
+    sample = launched_mod.sample
     for graphs in (True, False):
         eng = engine(small_dir, graphs=graphs)
         pool = eng.scheduler.penalties
         assert pool.fixed == graphs and pool.capacity == (64 if graphs else 4)
-        monkeypatch.setattr(scheduler_mod, "sample", sample)  # restored after the test
+        monkeypatch.setattr(launched_mod, "sample", sample)  # restored after the test
         # the (penalized) logits each step samples; a graph's output buffer is reused: copy
-        sampled.append(counting(scheduler_mod, "sample", keep=torch.Tensor.clone))
+        sampled.append(counting(launched_mod, "sample", keep=torch.Tensor.clone))
         if graphs:
             forbid_host_syncs_in_steps(eng)
             replays = counting(eng.runner.decode_graphs.penalized_bank, "replay")

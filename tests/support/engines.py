@@ -19,6 +19,9 @@ def assert_no_leak(engine: Engine) -> None:
     tree, alloc = engine.tree, engine.allocator
     assert tree.protected_size == 0, "a finished request still locks tree nodes"
     assert alloc.available + tree.total_size() == alloc.capacity
-    assert engine.req_pool.available == engine.max_running_requests + 1
+    # a runner with graphs holds the padding row their steps read (rank.capture_graphs)
+    runner = engine.runner
+    pad = int(runner.decode_graphs is not None or runner.prefill_graphs is not None)
+    assert engine.req_pool.available == engine.max_running_requests + 1 - pad
     assert engine.flush_cache()
     assert alloc.available == alloc.capacity
