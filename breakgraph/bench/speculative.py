@@ -17,6 +17,7 @@ flat logits' near ties may differ between the verify and decode kernels).
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -84,6 +85,10 @@ def run_spec_bench(args) -> int:
             }
         )
         engine.shutdown()
+        del engine  # its KV pool and graph pools, before the next engine sizes its own
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     print("| speculation | output tokens | tok/s | verify steps | mean accepted length |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
