@@ -65,6 +65,10 @@ class ForwardBatch:
     # request r's rows are at ``device_base[r] + 0, 1, ...`` and the host lengths are bounds;
     # TP rank 0 broadcasts it and the workers rebuild the step from it
     device_base: torch.Tensor | None = None
+    # a few rows per request, each of which may run as a decode row (``as_decode_rows``):
+    # speculative decoding's verify steps and a draft model's first step, which the decode
+    # graphs replay (engine/graphs/dispatch.py)
+    decode_rows: bool = False
     # per-step state the attention break derives once and every layer reuses: launch plans
     # keyed by what they depend on besides the step (heads, head_dim, scale, window)
     attention_plans: dict[tuple, Any] = field(
@@ -129,6 +133,35 @@ class ForwardBatch:
             seq_lens_cpu=list(self.seq_lens_cpu),
             prefix_lens_cpu=[s - 1 for s in self.seq_lens_cpu],
             extend_lens_cpu=[1] * b,
+        )
+
+    def as_decode_rows(self) -> ForwardBatch:
+        """The step as a decode step of one row per token: row t of request r attends to r's
+        keys up to its own position, as it does in the extend step, provided the request
+        table holds every row's slot at its position (each layer stores the step's keys
+        before any row attends). Each row's logits; device ops and one upload, no host sync
+        (the positions may be known to the device only: ``device_base``)."""
+        ext = np.asarray(self.extend_lens_cpu, dtype=np.int64)
+        n, device = self.num_tokens, self.positions.device
+        rows = np.repeat(np.asarray(self.req_pool_indices_cpu, dtype=np.int64), ext)
+        (rows_t,) = upload_many([rows], torch.int64, device)
+        seq = (self.positions + 1).to(torch.int32)
+        seq_cpu = token_positions(np.asarray(self.prefix_lens_cpu, dtype=np.int64), ext) + 1
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=rows_t,
+            seq_lens=seq,
+            prefix_lens=seq - 1,
+            extend_lens=torch.ones(n, dtype=torch.int32, device=device),
+            extend_start_loc=torch.arange(n, dtype=torch.int32, device=device),
+            logits_rows=torch.arange(n, dtype=torch.int64, device=device),
+            seq_lens_cpu=seq_cpu.tolist(),
+            prefix_lens_cpu=(seq_cpu - 1).tolist(),
+            extend_lens_cpu=[1] * n,
+            req_pool_indices_cpu=rows.tolist(),
         )
 
     @classmethod

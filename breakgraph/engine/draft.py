@@ -111,6 +111,7 @@ class DraftModel:
             np.asarray(ids, dtype=np.int32), torch.cat(slot_rows), rows, pre, ext,
             self.req_pool, self.device,
         )  # fmt: skip
+        batch.decode_rows = True
         (idx,) = upload_many([live], torch.int64, self.device)
         drafts[idx, 0] = self.runner.forward(batch).argmax(dim=-1)
         for j in range(1, k):
@@ -147,6 +148,7 @@ class DraftModel:
         batch = device_batch(
             ForwardMode.EXTEND, table, rows, base[idx] - 1, [2] * len(live), upper, ids, False
         )
+        batch.decode_rows = True
         drafts[idx, 0] = self.runner.forward(batch).argmax(dim=-1)
         for j in range(1, k):
             keep = [m for m, i in enumerate(live) if lens[i] > j]

@@ -27,7 +27,7 @@ from torch import nn
 from breakgraph.engine.graphs.base import GraphTarget, decode_batch_sizes
 from breakgraph.engine.graphs.decode import DecodeGraphs
 from breakgraph.engine.graphs.dispatch import PROMPT_LOGPROBS, StepDispatcher
-from breakgraph.engine.graphs.key import DECODE_PENALIZED, EAGER, StepKey
+from breakgraph.engine.graphs.key import DECODE_BANKS, DECODE_PENALIZED, EAGER, StepKey
 from breakgraph.engine.graphs.prefill import PrefillGraphs
 from breakgraph.engine.logprobs import chunked_row_logprobs
 from breakgraph.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
@@ -152,6 +152,8 @@ class ModelRunner:
         0's key; ``DECODE_PENALIZED`` on a worker: its logits with the neutral pool row)."""
         if key.eager:
             return self._eager(batch)
+        if key.bank in DECODE_BANKS and batch.mode is ForwardMode.EXTEND:
+            return self._decode_rows(key, batch)
         graphs = self.decode_graphs if batch.mode is ForwardMode.DECODE else self.prefill_graphs
         if key.bank == DECODE_PENALIZED:
             logits = graphs.replay(key, batch, graphs.neutral_rows(batch.batch_size))[0]
@@ -159,6 +161,15 @@ class ModelRunner:
             logits = graphs.replay(key, batch)
         self.hidden = graphs.last_hidden
         return logits
+
+    def _decode_rows(self, key: StepKey, batch: ForwardBatch) -> torch.Tensor:
+        """An extend step of a few rows per request through a decode graph, one decode row
+        per token (``ForwardBatch.as_decode_rows``) -> the logits of its ``logits_rows``."""
+        logits = self.decode_graphs.replay(key, batch.as_decode_rows())
+        self.hidden = self.decode_graphs.last_hidden
+        if batch.logits_rows.shape[0] == batch.num_tokens:  # every row, in order
+            return logits
+        return logits[batch.logits_rows]
 
     def _eager(self, batch: ForwardBatch) -> torch.Tensor:
         ctx = ForwardContext(batch=batch, kv_pool=self.kv_pool, req_to_token=self.req_to_token)

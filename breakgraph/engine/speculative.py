@@ -207,6 +207,7 @@ class SpecDecoder:
         batch = device_batch(
             ForwardMode.EXTEND, req_pool.table, rows, base, ext, upper, ids, all_logits=True
         )
+        batch.decode_rows = True
         drafts = [np.zeros(n, dtype=np.int32) for n in lens]
         self.pending = Verify(stepping, drafts, starts, need, [None] * len(stepping))
         self.pending.chained_to, self.pending.extent = prev, ext

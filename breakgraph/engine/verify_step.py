@@ -85,6 +85,7 @@ def build_verify(
     table_rows = [r.req_pool_idx for r in reqs]
     batch = extend_batch(np.concatenate(parts), slots, table_rows, prefixes, ext, req_pool, device)
     batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
+    batch.decode_rows = True
     return Verify(reqs, drafts, starts, at), batch
 
 

@@ -1,7 +1,8 @@
-"""Speculative decoding on the GPU: verify steps replay the small prefill buckets
-(graph_plan.SPEC_BUCKETS: a lone request's whole graph, a batch's breakable one), a draft
-model's steps replay its own graphs (no eager step on either), and with NEXTN (DeepSeek V4's MTP
-layer) the target's steps replay graphs whose streams it reads; greedy tokens equal plain
+"""Speculative decoding on the GPU: verify steps replay the decode graphs (each row a decode
+row of its request), a draft model's steps replay its own decode graphs (no eager step on
+either), and with NEXTN (DeepSeek V4's MTP layer: its state keeps verify steps on the small
+prefill buckets, graph_plan.SPEC_BUCKETS) the target's steps replay graphs whose streams it
+reads; greedy tokens equal plain
 decoding's with graphs (float32), no host sync inside a step, nothing leaked."""
 
 from __future__ import annotations
@@ -51,12 +52,16 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
         return out
 
     spec.scheduler.spec.schedule_chained = chain
-    for lone in ps:  # a lone request's verify steps: the whole graph of a small bucket
+    keys = []  # the verify steps' (every row a decode row: the decode bank)
+    dispatch = runner.dispatch
+    runner.dispatch = lambda b, p=False: (k := dispatch(b, p), keys.append((b.decode_rows, k)))[0]
+    for lone in ps:
         (r,) = spec.generate([lone], greedy(24))
         assert r.output_ids == plain[ps.index(lone)].output_ids
-    assert runner.count(PREFILL_WHOLE) > 0
-    outs = spec.generate(ps, greedy(24))  # a batch's: the breakable bank
+    assert runner.count(PREFILL_WHOLE) > 0  # the lone prompts
+    outs = spec.generate(ps, greedy(24))
     assert [r.output_ids for r in outs] == [r.output_ids for r in plain]
+    assert {k.bank for rows, k in keys if rows} == {DECODE}, keys
     assert spec.scheduler.spec_stats.steps > 0
     assert runner.count(EAGER) == 0, runner.step_counts  # every step a graph's
     if algorithm == "STANDALONE":

@@ -48,6 +48,11 @@ class DecodeGraphs(GraphsBase):
         if self.penalized_bank is not None:
             self.banks[DECODE_PENALIZED] = self.penalized_bank
         self._static_rows(self.bank.max_size)
+        # several rows of one request in a step (``ForwardBatch.as_decode_rows``): a model
+        # whose decode step keeps no per-request state beside the KV (DeepSeek V4's
+        # compressors advance one token per request and step)
+        states = getattr(self.model, "request_state_shapes", None)
+        self.rows_per_request_ok = not (states and states())
         # a TP worker's penalized replays: every row on the pool's neutral row 0 (a view of
         # one element, for any batch size: no allocation per step)
         self._neutral = torch.zeros(1, dtype=torch.int64, device=self.device)

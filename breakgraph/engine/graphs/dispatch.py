@@ -43,19 +43,29 @@ class StepDispatcher:
         """The key of ``batch``'s forward; ``penalized``: the step applies the penalty pool
         (a decode graph bank may apply it inside its replay)."""
         if batch.mode is ForwardMode.DECODE:
-            return self._decode(batch, penalized)
+            return self._decode(batch.batch_size, batch.max_seq_len, penalized)
+        rows = self.decode
+        if (
+            batch.decode_rows
+            and rows is not None
+            and rows.rows_per_request_ok
+            and batch.num_tokens <= rows.bank.max_size
+        ):
+            # a verify step (1 + k rows per request) or a draft model's first step: each
+            # row a decode row of its request, a decode graph over them all (decode
+            # attention's split-KV; the prefill bank's attention is an eager break per layer)
+            return self._decode(batch.num_tokens, batch.max_seq_len, penalized=False)
         return self._prefill(batch)
 
-    def _decode(self, batch: ForwardBatch, penalized: bool) -> StepKey:
+    def _decode(self, bs: int, max_seq_len: int, penalized: bool) -> StepKey:
         graphs = self.decode
         if graphs is None:
             return eager("no decode graphs")
-        bs = batch.batch_size
         if penalized and graphs.penalized_bank is not None:
             name = DECODE_PENALIZED
         elif (
             bs <= graphs.long_bank.max_size
-            and batch.max_seq_len >= decode_attention.LONG_CONTEXT_MIN_TOKENS
+            and max_seq_len >= decode_attention.LONG_CONTEXT_MIN_TOKENS
         ):
             name = DECODE_LONG
         else:

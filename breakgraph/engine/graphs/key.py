@@ -13,6 +13,7 @@ DECODE_PENALIZED = "decode_penalized"  # the forward followed by the penalty poo
 PREFILL = "prefill"  # the breakable bank per token bucket
 PREFILL_WHOLE = "prefill_whole"  # a lone short request, attention captured inline
 BANKS = (EAGER, DECODE, DECODE_LONG, DECODE_PENALIZED, PREFILL, PREFILL_WHOLE)  # wire order
+DECODE_BANKS = (DECODE, DECODE_LONG, DECODE_PENALIZED)  # one row per request (decode graphs)
 TAIL = "tail"  # bounded prefill's tail bank, replayed inside a PREFILL key (``StepKey.tail``)
 MTP_DECODE = "mtp_decode"  # NEXTN's MTP layer's draft steps (rank 0's own: not on the wire)
 
