@@ -29,8 +29,8 @@ generated), and the tokens it keeps are counted in the pool on the device. Under
 acceptance (a verdict the target did not give) such a request does not draft. Logprobs
 (and the top-k) of every kept token come from its verify row's logits, the model's own. A
 step where no request drafts is a plain decode step.
-On CUDA a verify step replays the prefill graphs (their small buckets,
-graph_plan.SPEC_BUCKETS), a draft model's steps its own graphs. Under overlap scheduling a
+On CUDA a verify step replays the decode graphs, a row per decode row (engine/graphs/
+dispatch.py; DeepSeek V4's the prefill graphs' small buckets), a draft model's steps its own. Under overlap scheduling a
 draft model's verify steps run back to back (``schedule_chained``, engine/spec_chain.py);
 others are read back before the next step is scheduled.
 """
