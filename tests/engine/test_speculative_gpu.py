@@ -54,7 +54,13 @@ def test_verify_and_draft_steps_replay_graphs(small_dir, algorithm):
     spec.scheduler.spec.schedule_chained = chain
     keys = []  # the verify steps' (every row a decode row: the decode bank)
     dispatch = runner.dispatch
-    runner.dispatch = lambda b, p=False: (k := dispatch(b, p), keys.append((b.decode_rows, k)))[0]
+
+    def spy(batch, penalized=False):
+        key = dispatch(batch, penalized)
+        keys.append((batch.decode_rows, key))
+        return key
+
+    runner.dispatch = spy
     for lone in ps:
         (r,) = spec.generate([lone], greedy(24))
         assert r.output_ids == plain[ps.index(lone)].output_ids
