@@ -20,7 +20,8 @@ A request that ends at step k (a stop token, a length) has its step k + 1 rows d
 KV released at once (later steps are queued after step k + 1 on the stream).
 
 Chained only where the host needs nothing of step k to build step k + 1: a draft model's
-drafts (STANDALONE: they start from the carried token), no grammar (its masks need the
+drafts (STANDALONE: they start from the carried token) or n-gram drafts looked up as if step
+k keeps all of its own (NGRAM: ``NgramProposer.propose_after``), no grammar (its masks need the
 tokens on the host), no model state beside the KV (DeepSeek V4's compressors read host
 positions), no request waiting to prefill. Otherwise step k is read back first, as before.
 Under TP rank 0 broadcasts a chained step's carried base with its input ids, and the workers

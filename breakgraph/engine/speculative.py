@@ -93,9 +93,10 @@ class SpecDecoder:
         # rejected, restored and advanced again over the kept rows
         self.states = states
         self._forward = None  # the verify step's forward, for the rewind
-        # verify steps back to back under overlap (spec_chain.py): a draft model's drafts
-        # (DraftModel.propose_chained), no per-request state
-        self.chain = chain and hasattr(drafter, "propose_chained") and not states
+        # verify steps back to back under overlap (spec_chain.py): n-gram drafts or a draft
+        # model's (DraftModel.propose_chained), no per-request state
+        chains = drafter is None or hasattr(drafter, "propose_chained")
+        self.chain = chain and chains and not states
 
     @classmethod
     def of(
@@ -176,15 +177,23 @@ class SpecDecoder:
         ):
             return None
         k, ctx = self.num_draft, self.max_context_len
-        lens, at = [], []
+        lens, at, drafts = [], [], []
         for req in stepping:
             i = index[id(req)]
             room = self._room(req, ahead=len(prev.drafts[i]) + 1)  # all prev may keep
             n = max(0, min(k, room)) if self.drafts_for(req) else 0
+            draft = np.zeros(n, dtype=np.int32)  # a draft model's: drafted on the device
+            if self.proposer is not None and n:  # n-gram drafts, past what prev verifies
+                draft = self.proposer.propose_after(req.fill_ids, prev.drafts[i], n)
+                if self.synthetic is not None:  # any tokens: the benchmark keeps them
+                    draft = np.resize(np.append(draft, req.output_ids[-1]), n)
+                draft = draft.astype(np.int32)
+                n = len(draft)
             if req.kv_len + n + 1 > ctx:  # the table's row ends before its worst case
                 return None
             lens.append(n)
             at.append(i)
+            drafts.append(draft)
         need = len(stepping) + sum(lens)
         if need == len(stepping) or self.cache.available < need:
             return None
@@ -200,15 +209,16 @@ class SpecDecoder:
             req.append_kv(slots[done : done + e])
             done += e
         starts = (np.cumsum(ext) - ext).tolist()
-        pick, first = upload_many([at, starts], torch.int64, self.device)
+        host_ids = np.zeros(need, dtype=np.int64)  # n-gram drafts after each first row
+        for s, d in zip(starts, drafts, strict=True):
+            host_ids[s + 1 : s + 1 + len(d)] = d
+        pick, first, ids = upload_many([at, starts, host_ids], torch.int64, self.device)
         base, last = prev.carry.base[pick], prev.carry.last[pick]
-        ids = torch.zeros(need, dtype=torch.int64, device=self.device)
         ids[first] = last
         batch = device_batch(
             ForwardMode.EXTEND, req_pool.table, rows, base, ext, upper, ids, all_logits=True
         )
         batch.decode_rows = True
-        drafts = [np.zeros(n, dtype=np.int32) for n in lens]
         self.pending = Verify(stepping, drafts, starts, need, [None] * len(stepping))
         self.pending.chained_to, self.pending.extent = prev, ext
         self.pending.carry = Carry(base, last, prev.carry.prev[pick])

@@ -27,6 +27,13 @@ def test_ngram_drafts_continue_the_latest_earlier_occurrence():
     assert p.propose(toks, 10).tolist() == [1, 2, 5]
     assert p.propose(toks, 2).tolist() == [1, 2]
     assert p.propose(np.array([1, 2, 3, 4], dtype=np.int32), 4).tolist() == []
+    # a loop: past the end, the continuation repeats ("7 8" followed "7 8 9": 9 7 8 9 ...)
+    loop = np.array([7, 8, 9, 7, 8, 9, 7, 8], dtype=np.int32)
+    assert p.propose(loop, 3).tolist() == [9, 7, 8]
+    assert p.propose(np.array([4, 4, 4], dtype=np.int32), 3).tolist() == [4, 4, 4]
+    # the step after one still on the device, which verifies "9" after ``loop``: the
+    # continuation past the token it predicts there ("7"): 8 9 7
+    assert p.propose_after(loop, np.array([9], dtype=np.int32), 3).tolist() == [8, 9, 7]
     assert p.propose(toks, 0).tolist() == []
 
 
@@ -73,17 +80,22 @@ def repeating(seed: int, period: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_tokens_equal_plain_decoding(llama_dir, overlap):
-    """With overlap scheduling a verify step first reads the step in flight back."""
+    """With overlap scheduling verify steps run back to back (spec_chain.py): the next
+    one's n-gram drafts assume the one in flight keeps its drafts and the lookup's token."""
     ps = [repeating(1, 7, 40), repeating(2, 5, 23), *prompts(2, [9, 30], seed=3)]
     plain = make_engine(llama_dir).generate(ps, greedy(24))
     engine = make_engine(
         llama_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
         overlap_schedule=overlap,
     )  # fmt: skip
+    chained = []
+    schedule = engine.scheduler.spec.schedule_chained
+    engine.scheduler.spec.schedule_chained = lambda *a: chained.append(schedule(*a)) or chained[-1]
     spec = engine.generate(ps, greedy(24))
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     stats = engine.scheduler.spec_stats
     assert stats.steps > 0 and stats.drafted > 0
+    assert any(c is not None for c in chained) == overlap, chained
     assert_no_leak(engine)
 
 
