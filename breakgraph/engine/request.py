@@ -66,6 +66,8 @@ class Req:
     # NEXTN: the position whose target streams wait in the MTP's backlog (-1: none;
     # engine/mtp.py)
     mtp_pos: int = -1
+    # NGRAM: the index of its tokens' n-grams (engine/ngram.py; built at its first draft)
+    ngram: Any = None
     # timeline, wall clock (time.time: comparable with the API process's stamps)
     received_at: float = field(default_factory=time.time)
     scheduled_at: float | None = None  # first scheduled

@@ -129,6 +129,12 @@ class SpecDecoder:
                    self.max_context_len - req.fill_len)  # fmt: skip
         return left - ahead - 1
 
+    def _index(self, req: Req):
+        """``req``'s n-gram index (ngram.NgramIndex), made at its first draft."""
+        if req.ngram is None:
+            req.ngram = self.proposer.new_index()
+        return req.ngram
+
     def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
         """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
         drafts them on the device); padded to full length for synthetic acceptance."""
@@ -137,7 +143,8 @@ class SpecDecoder:
         if self.proposer is None:
             return [np.zeros(max(0, min(k, n)), dtype=np.int32) for n in limits]
         drafts = [
-            self.proposer.propose(r.fill_ids, n) for r, n in zip(stepping, limits, strict=True)
+            self.proposer.propose(r.fill_ids, n, self._index(r))
+            for r, n in zip(stepping, limits, strict=True)
         ]
         if self.synthetic is not None:  # any tokens: the benchmark keeps them regardless
             drafts = [
@@ -184,7 +191,8 @@ class SpecDecoder:
             n = max(0, min(k, room)) if self.drafts_for(req) else 0
             draft = np.zeros(n, dtype=np.int32)  # a draft model's: drafted on the device
             if self.proposer is not None and n:  # n-gram drafts, past what prev verifies
-                draft = self.proposer.propose_after(req.fill_ids, prev.drafts[i], n)
+                ahead = prev.drafts[i]
+                draft = self.proposer.propose_after(req.fill_ids, ahead, n, self._index(req))
                 if self.synthetic is not None:  # any tokens: the benchmark keeps them
                     draft = np.resize(np.append(draft, req.output_ids[-1]), n)
                 draft = draft.astype(np.int32)

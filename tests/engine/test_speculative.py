@@ -37,6 +37,26 @@ def test_ngram_drafts_continue_the_latest_earlier_occurrence():
     assert p.propose(toks, 0).tolist() == []
 
 
+def test_the_index_finds_what_a_scan_finds():
+    """A request's n-gram index (grown with its tokens, rebuilt when they shrink) gives the
+    scan's drafts, with and without drafts still on the device ahead; small alphabets, so
+    that matches of every length abound."""
+    p = NgramProposer(num_draft=3)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        alphabet, n = int(rng.integers(2, 6)), int(rng.integers(2, 60))
+        seq = rng.integers(0, alphabet, n).astype(np.int32)
+        index = p.new_index()
+        for cut in range(1, n + 1, int(rng.integers(1, 4))):
+            toks = seq[:cut]
+            assert p.propose(toks, 3, index).tolist() == p.propose(toks, 3).tolist()
+            ahead = rng.integers(0, alphabet, int(rng.integers(0, 4))).astype(np.int32)
+            want = p.propose_after(toks, ahead, 3).tolist()
+            assert p.propose_after(toks, ahead, 3, index).tolist() == want
+        shorter = seq[: max(1, n // 2)]
+        assert p.propose(shorter, 3, index).tolist() == p.propose(shorter, 3).tolist()
+
+
 def test_kept_takes_the_accepted_prefix_and_the_stopping_rows_choice():
     draft = np.array([4, 5, 6])
     assert kept(draft, [True, True, True], [4, 5, 6, 7]) == [4, 5, 6, 7]
