@@ -127,6 +127,12 @@ def add_host_args(p) -> None:
     )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256], help="decode")
     p.add_argument("--steps", type=int, default=24, help="decode: steps per run")
+    p.add_argument(
+        "--speculative", choices=["NGRAM", "STANDALONE"], default=None,
+        help="decode: time verify steps instead (every draft kept; STANDALONE drafts with "
+        "the model itself)",
+    )  # fmt: skip
+    p.add_argument("--draft-tokens", type=int, default=3, help="decode: with --speculative")
     p.add_argument("--tokens", type=int, nargs="+", default=[256], help="prefill: prompt tokens")
     p.add_argument("--requests", type=int, default=None, help="prefill: 100; api: 128")
     add_device(p, "cpu")

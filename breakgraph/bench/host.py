@@ -99,8 +99,9 @@ def run_host_bench(args) -> dict:
             runs = [(f"prefill {n:5d}", PREFILL_STAGES, 1, "measure_prefill",
                      (model, n, requests, args.device)) for n in args.tokens]  # fmt: skip
         else:
+            spec = (args.speculative, args.draft_tokens) if args.speculative else ()
             runs = [(f"batch {b:4d}", STAGES, b, "measure_decode",
-                     (model, b, args.steps, args.device)) for b in args.batch]  # fmt: skip
+                     (model, b, args.steps, args.device, *spec)) for b in args.batch]  # fmt: skip
         for label, stages, batch, fn, fn_args in runs:
             got: dict[str, list[dict[str, float]]] = defaultdict(list)
             for rnd in range(args.rounds):

@@ -32,25 +32,40 @@ def timed_steps(sch):
     return spent, timed
 
 
-def measure_decode(model: str, batch: int, steps: int, device: str) -> dict[str, float]:
-    """Median µs per decode step of each host stage (runs inside an arm's process)."""
+def measure_decode(
+    model: str, batch: int, steps: int, device: str, speculative: str | None = None,
+    draft_tokens: int = 3,
+) -> dict[str, float]:  # fmt: skip
+    """Median µs per decode step of each host stage (runs inside an arm's process).
+    ``speculative``: an algorithm whose verify steps are the steps timed (``draft_tokens``
+    per request, every one kept: a synthetic acceptance of all of them; overlap on, so
+    verify steps chain)."""
     import torch
 
+    from breakgraph.common import envs
     from breakgraph.engine.args import EngineArgs
     from breakgraph.engine.engine import Engine
     from breakgraph.engine.request import SamplingParams
 
     if device == "cpu":
         torch.set_num_threads(1)
+    per_req = 1 + draft_tokens if speculative else 1  # rows per request and step
     args = EngineArgs(model_path=model, load_format="dummy", device=device,
                       dtype="float32" if device == "cpu" else "auto",
-                      max_total_tokens=batch * 256 + 4096,
+                      max_total_tokens=batch * 256 * per_req + 4096,
                       max_running_requests=max(batch, 8))  # fmt: skip
-    engine = Engine(args)
+    if speculative:
+        args.speculative_algorithm = speculative
+        args.speculative_num_draft_tokens = draft_tokens
+        args.speculative_draft_model_path = model
+        args.bench_synthetic_accept_length = float(per_req)
+        args.overlap_schedule = True
+    with envs.BENCH.override(True):
+        engine = Engine(args)
     sch = engine.scheduler
     spent, _ = timed_steps(sch)
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=(steps + 8) * per_req, temperature=0.0, ignore_eos=True)
     low = min(3, engine.vocab_size // 2)
     for _ in range(batch):
         engine.add_request(
@@ -63,8 +78,8 @@ def measure_decode(model: str, batch: int, steps: int, device: str) -> dict[str,
         t = time.perf_counter()
         engine.step()
         total = time.perf_counter() - t
-        if sch.last_step_tokens != batch or sch.prefill.waiting:
-            continue  # prefill steps
+        if sch.last_step_tokens != batch * per_req or sch.prefill.waiting:
+            continue  # prefill steps (and plain steps beside verify steps)
         decodes += 1
         if decodes <= 3:
             continue  # the first decodes (buffers grow)
