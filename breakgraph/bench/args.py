@@ -128,9 +128,9 @@ def add_host_args(p) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256], help="decode")
     p.add_argument("--steps", type=int, default=24, help="decode: steps per run")
     p.add_argument(
-        "--speculative", choices=["NGRAM", "STANDALONE"], default=None,
-        help="decode: time verify steps instead (every draft kept; STANDALONE drafts with "
-        "the model itself)",
+        "--speculative", choices=["NGRAM"], default=None,
+        help="decode: time NGRAM verify steps instead (every draft kept; a draft model's "
+        "steps would count as host time)",
     )  # fmt: skip
     p.add_argument("--draft-tokens", type=int, default=3, help="decode: with --speculative")
     p.add_argument("--tokens", type=int, nargs="+", default=[256], help="prefill: prompt tokens")

@@ -57,7 +57,6 @@ def measure_decode(
     if speculative:
         args.speculative_algorithm = speculative
         args.speculative_num_draft_tokens = draft_tokens
-        args.speculative_draft_model_path = model
         args.bench_synthetic_accept_length = float(per_req)
         args.overlap_schedule = True
     with envs.BENCH.override(True):
