@@ -503,6 +503,17 @@ def test_host_bench_decode_stages_add_up_and_amortize(tmp_path):
     assert got["batch 16"]["this"]["host"] / 16 < got["batch 1"]["this"]["host"], got
 
 
+def test_host_bench_times_verify_steps(tmp_path):
+    """``bench host decode --speculative NGRAM``: the stages of verify steps (the steps of
+    ``batch x (1 + k)`` rows are timed: without them no step would count and the medians
+    fail), each positive and within the total."""
+    cli("bench", "host", "decode", "--batch", "4", "--steps", "6", "--rounds", "1",
+        "--speculative", "NGRAM", "--json", str(tmp_path / "host.json"), timeout_s=300)  # fmt: skip
+    m = json.loads((tmp_path / "host.json").read_text())["batch 4"]["this"]
+    stages = [m[k] for k in ("schedule", "launch", "process_outputs")]
+    assert min(stages) > 0 and sum(stages) < m["host"], m
+
+
 def test_host_bench_times_a_cold_prefill():
     """``bench host prefill``: a cold prompt's host stages around its forward, each a positive
     time within the step's host total."""
