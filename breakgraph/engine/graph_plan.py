@@ -20,9 +20,10 @@ from breakgraph.engine.graphs.key import (
     TAIL,
 )
 
-# speculative decoding's verify steps (1 + k rows per request) and a draft model's first
-# step (1 or 2 rows per request) are extend steps of a few tokens: buckets below the
-# prefill ones, each at most twice the tokens of the steps it takes
+# speculative decoding's verify steps (1 + k rows per request) replay the decode graphs, a
+# decode row per token; those of a model with per-request state (DeepSeek V4) and those over
+# the largest decode bucket are extend steps of a few tokens: buckets below the prefill
+# ones, each at most twice the tokens of the steps it takes
 SPEC_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 
 
