@@ -142,10 +142,15 @@ class ForwardBatch:
         before any row attends). Each row's logits; device ops and one upload, no host sync
         (the positions may be known to the device only: ``device_base``)."""
         ext = np.asarray(self.extend_lens_cpu, dtype=np.int64)
-        n, device = self.num_tokens, self.positions.device
+        n = self.num_tokens
         rows = np.repeat(np.asarray(self.req_pool_indices_cpu, dtype=np.int64), ext)
-        (rows_t,) = upload_many([rows], torch.int64, device)
-        seq = (self.positions + 1).to(torch.int32)
+        each = np.arange(n)
+        # the rows' tables and the decode metadata in one pinned upload, as ``build``'s
+        (rows_t, logits_rows), (ones, starts) = upload_groups(
+            [([rows, each], torch.int64), ([np.ones(n, dtype=np.int32), each], torch.int32)],
+            self.positions.device,
+        )
+        prefix = self.positions.to(torch.int32)  # a row's keys before it
         seq_cpu = token_positions(np.asarray(self.prefix_lens_cpu, dtype=np.int64), ext) + 1
         return ForwardBatch(
             mode=ForwardMode.DECODE,
@@ -153,11 +158,11 @@ class ForwardBatch:
             positions=self.positions,
             out_cache_loc=self.out_cache_loc,
             req_pool_indices=rows_t,
-            seq_lens=seq,
-            prefix_lens=seq - 1,
-            extend_lens=torch.ones(n, dtype=torch.int32, device=device),
-            extend_start_loc=torch.arange(n, dtype=torch.int32, device=device),
-            logits_rows=torch.arange(n, dtype=torch.int64, device=device),
+            seq_lens=prefix + 1,
+            prefix_lens=prefix,
+            extend_lens=ones,
+            extend_start_loc=starts,
+            logits_rows=logits_rows,
             seq_lens_cpu=seq_cpu.tolist(),
             prefix_lens_cpu=(seq_cpu - 1).tolist(),
             extend_lens_cpu=[1] * n,

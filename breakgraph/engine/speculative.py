@@ -129,12 +129,6 @@ class SpecDecoder:
                    self.max_context_len - req.fill_len)  # fmt: skip
         return left - ahead - 1
 
-    def _index(self, req: Req):
-        """``req``'s n-gram index (ngram.NgramIndex), made at its first draft."""
-        if req.ngram is None:
-            req.ngram = self.proposer.new_index()
-        return req.ngram
-
     def _drafts(self, stepping: list[Req]) -> list[np.ndarray]:
         """Each request's draft: n-gram tokens, or a draft model's length (zeros until it
         drafts them on the device); padded to full length for synthetic acceptance."""
@@ -142,16 +136,23 @@ class SpecDecoder:
         limits = [self._room(r) if self.drafts_for(r) else 0 for r in stepping]
         if self.proposer is None:
             return [np.zeros(max(0, min(k, n)), dtype=np.int32) for n in limits]
-        drafts = [
-            self.proposer.propose(r.fill_ids, n, self._index(r))
-            for r, n in zip(stepping, limits, strict=True)
+        return [
+            self._ngram_draft(r, max(0, min(k, n))) for r, n in zip(stepping, limits, strict=True)
         ]
-        if self.synthetic is not None:  # any tokens: the benchmark keeps them regardless
-            drafts = [
-                np.resize(np.append(d, r.output_ids[-1]), max(0, min(k, n))).astype(np.int32)
-                for d, r, n in zip(drafts, stepping, limits, strict=True)
-            ]
-        return drafts
+
+    def _ngram_draft(self, req: Req, n: int, ahead: np.ndarray | None = None) -> np.ndarray:
+        """``req``'s n-gram draft of at most ``n`` tokens, after ``ahead`` (the drafts of a
+        verify step still on the device: ``propose_after``) if given; exactly ``n`` under
+        synthetic acceptance (any tokens: the benchmark keeps them regardless)."""
+        if req.ngram is None:  # its index, made at its first draft
+            req.ngram = self.proposer.new_index()
+        if ahead is None:
+            draft = self.proposer.propose(req.fill_ids, n, req.ngram)
+        else:
+            draft = self.proposer.propose_after(req.fill_ids, ahead, n, req.ngram)
+        if self.synthetic is not None:
+            draft = np.resize(np.append(draft, req.output_ids[-1]), n)
+        return draft.astype(np.int32, copy=False)
 
     def schedule(self, stepping: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
         """The verify step of ``stepping`` (their last tokens on the host), or None when no
@@ -191,11 +192,7 @@ class SpecDecoder:
             n = max(0, min(k, room)) if self.drafts_for(req) else 0
             draft = np.zeros(n, dtype=np.int32)  # a draft model's: drafted on the device
             if self.proposer is not None and n:  # n-gram drafts, past what prev verifies
-                ahead = prev.drafts[i]
-                draft = self.proposer.propose_after(req.fill_ids, ahead, n, self._index(req))
-                if self.synthetic is not None:  # any tokens: the benchmark keeps them
-                    draft = np.resize(np.append(draft, req.output_ids[-1]), n)
-                draft = draft.astype(np.int32)
+                draft = self._ngram_draft(req, n, ahead=prev.drafts[i])
                 n = len(draft)
             if req.kv_len + n + 1 > ctx:  # the table's row ends before its worst case
                 return None

@@ -17,7 +17,7 @@ from breakgraph.engine.penalties import PenaltyPool, apply_penalties
 from breakgraph.engine.request import Req, SamplingParams
 from breakgraph.engine.verify_step import Verify
 from tests.support.engines import assert_no_leak, make_engine
-from tests.support.hf import make_hf_model, prompts
+from tests.support.hf import prompts
 
 
 def test_ngram_drafts_continue_the_latest_earlier_occurrence():
@@ -82,11 +82,9 @@ def test_verify_sampling_keeps_the_target_distribution(draft):
     assert (got - want).abs().max() < 0.012, (got, want)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("spec-llama")
-    make_hf_model("llama").save_pretrained(path)
-    return path
+@pytest.fixture
+def llama_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def greedy(n: int, **kw) -> SamplingParams:

@@ -15,11 +15,9 @@ from tests.support.engines import assert_no_leak, make_engine
 from tests.support.hf import make_hf_model, prompts
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    make_hf_model("llama").save_pretrained(path)
-    return path
+@pytest.fixture
+def target_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,12 @@ from breakgraph.engine.prefill import extend_batch
 from breakgraph.engine.request import SamplingParams
 from tests.support.cpu_graphs import capture_on_cpu, install_cpu_graphs
 from tests.support.engines import assert_no_leak, make_engine
-from tests.support.hf import make_hf_model, prompts
+from tests.support.hf import prompts
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("verify-llama")
-    make_hf_model("llama").save_pretrained(path)
-    return path
+@pytest.fixture
+def llama_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")

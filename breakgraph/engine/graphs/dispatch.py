@@ -44,12 +44,12 @@ class StepDispatcher:
         (a decode graph bank may apply it inside its replay)."""
         if batch.mode is ForwardMode.DECODE:
             return self._decode(batch.batch_size, batch.max_seq_len, penalized)
-        rows = self.decode
+        decode = self.decode
         if (
             batch.decode_rows
-            and rows is not None
-            and rows.rows_per_request_ok
-            and batch.num_tokens <= rows.bank.max_size
+            and decode is not None
+            and decode.rows_per_request_ok
+            and batch.num_tokens <= decode.bank.max_size
         ):
             # a verify step (1 + k rows per request) or a draft model's first step: each
             # row a decode row of its request, a decode graph over them all (decode
