@@ -22,6 +22,7 @@ from breakgraph.kernels import fused
 from breakgraph.kernels.attention_meta import AttentionMeta
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
+VERIFY_DRAFTS = 3
 
 
 def bench_ms(fn, rep: int = 200) -> float:
@@ -272,6 +273,19 @@ def bench_decode(batch: int, context: int, sweep: bool) -> list[tuple]:
     with dec.long_context():  # the variant batch-1 graphs replay over long contexts
         long_ms = bench_ms(lambda: dec.decode_attention_triton(q, o, *args))
     rows.append(("  long-context variant", shape, long_ms, "bandwidth floor", floor_ms))
+    # a verify step's rows: 1 + 3 per request at consecutive positions (one key pass per
+    # request, kernels/decode_attention.py), against the plain step's time
+    n = 1 + VERIFY_DRAFTS
+    ends = (meta.seq_lens - VERIFY_DRAFTS).repeat_interleave(n)
+    verify = AttentionMeta.decode(
+        meta.req_to_token,
+        meta.req_pool_indices.repeat_interleave(n),
+        ends + torch.arange(n, dtype=torch.int32, device=q.device).repeat(batch),
+    )
+    qv = torch.randn(batch * n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    ov = torch.empty_like(qv)
+    verify_ms = bench_ms(lambda: dec.decode_attention_triton(qv, ov, *args[:2], verify, args[3]))
+    rows.append(("  verify rows", f"{shape}, {n} rows per request", verify_ms, "plain step", ms))
     if sweep:
         for s in (4, 8, 16, 32, 64):
             fn = lambda s=s: dec.decode_attention_triton(q, o, *args, num_kv_splits=s)  # noqa: E731

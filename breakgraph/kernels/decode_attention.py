@@ -140,79 +140,116 @@ def _decode_split_kernel(
     SLIDING: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
-    """Stage 1: one (request, kv head, split); all query heads of the kv head at once.
+    """Stage 1: one (row run, kv head, split); all query heads of the kv head at once.
 
-    The lengths and the request's table index are read before PDL's wait: no predecessor
-    writes them (the kernel before writes q and the newest key and value). Loading the
-    split's first key block then too (all but the newest key) was measured slower on the
-    H200 (Qwen3-0.6B at 8K, batch 4: 2.08 -> 2.41 ms per step): 255 registers, fewer
-    programs resident.
+    A run is up to ``BLOCK_H // group`` consecutive rows of one request at consecutive
+    positions (a verify step's rows, ``ForwardBatch.as_decode_rows``): its first row's
+    program loads each key block once for all of them, row i of the run masking the keys
+    past its own position, and the others' programs return at once. Runs are cut where
+    the row index is a multiple of the rows a tile holds, so that every program finds its
+    run from its neighbours alone (a replay in pieces included). One row per request (a
+    plain decode step, padding rows at length 1) is a run of one: the tile's first
+    ``group`` rows, as before.
+
+    The lengths and the table indices are read before PDL's wait: no predecessor writes
+    them (the kernel before writes q and the newest key and value). Loading the split's
+    first key block then too (all but the newest key) was measured slower on the H200
+    (Qwen3-0.6B at 8K, batch 4: 2.08 -> 2.41 ms per step): 255 registers, fewer programs
+    resident.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    batch = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_t = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < group
     mask_d = offs_d < HEAD_DIM
     k_base = k_cache + kv_head * stride_k_h
     v_base = v_cache + kv_head * stride_v_h
     seq_len = tl.load(seq_lens + b)
-    start = 0
-    if SLIDING:
-        start = tl.maximum(seq_len - window, 0)
-    # Splits are whole key blocks of the attended keys [start, seq_len); trailing splits of
-    # a short sequence are empty and write nothing (the merge skips them by the same
-    # arithmetic).
-    split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    req = tl.load(req_pool_indices + b).to(tl.int64)
-    tokens = req_to_token + req * stride_req
-    pdl.enter(PDL)
-    heads = kv_head * group + offs_h
-    # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous: split 0's rows
-    rows0 = (b.to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS
-    if lo < hi:
-        q_ptrs = q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
-        q_tile = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            offs = n0 + offs_n
-            mask_n = offs < hi
-            slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
-            # keys as [N, D] rows (each row's D contiguous: vector loads, few registers)
-            mask_kv = mask_n[:, None] & mask_d[None, :]
-            k_ptrs = k_base + slots[:, None] * stride_k_s + offs_d[None, :]
-            k = tl.load(k_ptrs, mask=mask_kv, other=0.0)
-            v = tl.load(
-                v_base + slots[:, None] * stride_v_s + offs_d[None, :], mask=mask_kv, other=0.0
-            )
-            acc, m_i, l_i = _attend_loaded(
-                q_tile, acc, m_i, l_i, tl.trans(k), v, mask_n[None, :], qk_scale, DOT_PRECISION
-            )
-
-        rows = rows0 + split
-        o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(part_lse + rows, m_i + tl.math.log2(l_i), mask=mask_h)
+    req = tl.load(req_pool_indices + b)
+    # the run: this row and the next ones of the same request, one position apart, up to the
+    # tile's next multiple of rows (every program computes the same cut)
+    per_tile = BLOCK_H // group
+    prev = tl.maximum(b - 1, 0)
+    leads = (b == 0) | (b % per_tile == 0) | (tl.load(req_pool_indices + prev) != req)
+    leads = leads | (tl.load(seq_lens + prev) + 1 != seq_len)
+    nxt = b + offs_t
+    near = (offs_t > 0) & (offs_t < per_tile - b % per_tile) & (nxt < batch)
+    same = (tl.load(req_pool_indices + nxt, mask=near, other=-1) == req) & near
+    same = same & (tl.load(seq_lens + nxt, mask=near, other=-1) == seq_len + offs_t)
+    run = tl.min(tl.where(same | (offs_t == 0), BLOCK_H, offs_t), 0)  # first row not in it
+    if leads:  # (the others' rows: an earlier row's program attends for them)
+        # tile row t: the run's row t // group, query head t % group of this kv head
+        row_t = offs_t // group
+        live_t = row_t < run
+        heads = kv_head * group + offs_t % group
+        end_t = seq_len + row_t  # each row's keys end at its own position
+        start = 0
+        start_t = 0
+        if SLIDING:
+            start = tl.maximum(seq_len - window, 0)
+            start_t = tl.maximum(end_t - window, 0)
+        # Splits are whole key blocks of the run's keys [start, its last row's end); a split
+        # past them (a short sequence's) writes an empty partial (log-sum-exp -1e30).
+        last = seq_len + run - 1
+        split_len = tl.cdiv(tl.cdiv(last - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * split_len
+        hi = tl.minimum(lo + split_len, last)
+        tokens = req_to_token + req.to(tl.int64) * stride_req
+        pdl.enter(PDL)
+        # partial_o [B, H, S, D] and partial_lse [B, H, S], contiguous: split 0's rows
+        rows = ((b + row_t).to(tl.int64) * tl.num_programs(1) * group + heads) * NUM_SPLITS + split
+        if lo < hi:
+            q_ptrs = q + (b + row_t).to(tl.int64)[:, None] * stride_q_b
+            q_ptrs = q_ptrs + heads[:, None] * stride_q_h + offs_d[None, :]
+            q_tile = tl.load(q_ptrs, mask=live_t[:, None] & mask_d[None, :], other=0.0)
+            m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for n0 in range(lo, hi, BLOCK_N):
+                offs = n0 + offs_n
+                mask_n = offs < hi
+                slots = tl.load(tokens + offs, mask=mask_n, other=0).to(tl.int64)
+                # keys as [N, D] rows (each row's D contiguous: vector loads, few registers)
+                mask_kv = mask_n[:, None] & mask_d[None, :]
+                k_ptrs = k_base + slots[:, None] * stride_k_s + offs_d[None, :]
+                k = tl.load(k_ptrs, mask=mask_kv, other=0.0)
+                v = tl.load(
+                    v_base + slots[:, None] * stride_v_s + offs_d[None, :], mask=mask_kv, other=0.0
+                )
+                visible = offs[None, :] < end_t[:, None]
+                if SLIDING:
+                    visible = visible & (offs[None, :] >= start_t[:, None])
+                acc, m_i, l_i = _attend_loaded(
+                    q_tile, acc, m_i, l_i, tl.trans(k), v, visible, qk_scale, DOT_PRECISION
+                )
+            # a row of the run whose keys all lie before this split (or past its window) saw none
+            seen = l_i > 0
+            o_ptrs = part_o + rows[:, None] * HEAD_DIM + offs_d[None, :]
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            tl.store(o_ptrs, out, mask=live_t[:, None] & mask_d[None, :])
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), -1.0e30)
+            tl.store(part_lse + rows, lse, mask=live_t)
+        else:
+            tl.store(part_lse + rows, tl.full([BLOCK_H], -1.0e30, tl.float32), mask=live_t)
 
 
 @_jit
 def _merge_head(
-    part_o, part_lse, row0, num_keys, offs_d, mask_d, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_o, part_lse, row0, offs_d, mask_d, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One head's output [BLOCK_D] (fp32): its non-empty splits' partials (rows ``row0`` on)
-    merged by log-sum-exp (base 2), every split loaded at once (one round trip, not one per
-    split). An empty sequence gives zeros."""
-    split_len = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    """One head's output [BLOCK_D] (fp32): its splits' partials (rows ``row0`` on) merged by
+    log-sum-exp (base 2), every split loaded at once (one round trip, not one per split).
+    An empty split's log-sum-exp is -1e30 and its output is not read; a row that saw no
+    key gives zeros."""
     offs_s = tl.arange(0, BLOCK_S)
-    live = (offs_s < NUM_SPLITS) & (offs_s * split_len < num_keys)
-    lse = tl.load(part_lse + row0 + offs_s, mask=live, other=-1.0e30, cache_modifier=".cg")
+    lse = tl.load(
+        part_lse + row0 + offs_s, mask=offs_s < NUM_SPLITS, other=-1.0e30, cache_modifier=".cg"
+    )
+    live = lse > -1.0e29
     part = tl.load(
         part_o + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=live[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg",
@@ -226,31 +263,22 @@ def _decode_reduce_kernel(
     part_o,
     part_lse,
     o,
-    seq_lens,
     stride_o_b,
     stride_o_h,
-    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    SLIDING: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
-    """Stage 2: one (request, head); merges the non-empty splits by log-sum-exp (base 2)."""
+    """Stage 2: one (row, head); merges the non-empty splits by log-sum-exp (base 2)."""
     pdl.enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens + b)
-    if SLIDING:
-        seq_len = seq_len - tl.maximum(seq_len - window, 0)  # the attended keys only
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     row0 = (b.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
-    out = _merge_head(
-        part_o, part_lse, row0, seq_len, offs_d, mask_d, HEAD_DIM, BLOCK_N, NUM_SPLITS, BLOCK_S
-    )
+    out = _merge_head(part_o, part_lse, row0, offs_d, mask_d, HEAD_DIM, NUM_SPLITS, BLOCK_S)
     o_ptrs = o + b.to(tl.int64) * stride_o_b + head * stride_o_h + offs_d
     tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_d)
 
@@ -327,16 +355,12 @@ def _launch_decode(
         part_o,
         part_lse,
         o,
-        meta.seq_lens,
         o.stride(0),
         o.stride(1),
-        sliding_window or 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_N=block_n,
         NUM_SPLITS=splits,
         BLOCK_S=block_s,
-        SLIDING=sliding_window is not None,
         num_warps=4,  # every split's [D] partial at once: 64 x 128 fp32 over 128 threads
         **pdl.launch(q.device),
     )

@@ -52,7 +52,51 @@ def main() -> int:
             ok = diff <= 1e-5
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} window={window} splits={splits}: max diff {diff:.1e}")
-    return failed + skinny_gemm() + extend_zero_pad()
+    return failed + decode_rows() + skinny_gemm() + extend_zero_pad()
+
+
+def decode_rows() -> int:
+    """Several rows of one request at consecutive positions (a verify step's decode rows):
+    each run's first program attends for the run's rows, one key pass, each row masked at
+    its own position; runs longer than a tile, runs cut by the batch's end, a request's rows
+    that are not one position apart, padding rows (length 1) and a sliding window. Every row
+    equals the twin's, which attends row by row."""
+    torch.manual_seed(1)
+    head_dim, failed = 32, 0
+    # (request, first row's length, rows): runs of 1-7 rows, short and long contexts
+    runs = [(0, 5, 3), (1, 1, 1), (2, 70, 7), (3, 300, 4), (0, 20, 2), (4, 129, 1), (5, 64, 6)]
+    lens = [n + i for _, n, k in runs for i in range(k)]
+    reqs = [r for r, _, k in runs for _ in range(k)]
+    lens += [1, 1, 1]  # padding rows: the padding request at length 1
+    reqs += [6, 6, 6]
+    slots = 7 * 400 + 1
+    table = torch.randperm(slots - 1)[: 7 * 400].view(7, 400).to(torch.int32) + 1
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMeta.decode(table, torch.tensor(reqs), seq_lens)
+    for kv_heads, group in ((2, 1), (1, 2), (2, 3), (1, 4), (2, 8), (1, 16)):
+        kc = torch.randn(slots, kv_heads, head_dim)
+        vc = torch.randn(slots, kv_heads, head_dim)
+        q = torch.randn(len(lens), kv_heads * group, head_dim)
+        for window in (None, 40):
+            ref = torch.zeros_like(q)
+            dec.decode_attention_torch(q, ref, kc, vc, meta, 0.3, sliding_window=window)
+            worst = 0.0
+            for splits in (1, 3):
+                for cut in (len(lens), 9):  # the whole batch, and a replay piece's first rows
+                    o = torch.full_like(q, 7.0)
+                    part = AttentionMeta.decode(table, meta.req_pool_indices[:cut], seq_lens[:cut])
+                    dec.decode_attention_triton(
+                        q[:cut], o[:cut], kc, vc, part, 0.3, num_kv_splits=splits,
+                        workspace=dec.DecodeWorkspace(), sliding_window=window,
+                    )  # fmt: skip
+                    worst = max(worst, (o[:cut] - ref[:cut]).abs().max().item())
+            ok = worst <= 1e-5
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} decode rows group={group} window={window}: "
+                f"max diff {worst:.1e}"
+            )
+    return failed
 
 
 def extend_zero_pad() -> int:

@@ -384,6 +384,34 @@ def test_decode_attention_under_pdl_equals_plain_launches(num_kv_splits, sliding
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("group", "sliding_window", "num_kv_splits"), [
+    (4, None, None), (2, None, 64), (8, 100, None), (16, None, 3), (4, 300, 64),
+])  # fmt: skip
+def test_decode_attention_over_verify_rows(dtype, group, sliding_window, num_kv_splits):
+    """A verify step's decode rows (1 + k rows of a request at consecutive positions, one
+    kernel program per run of rows): every row equals the twin's, which attends row by row;
+    runs of 1 to 9 rows over short and 10K contexts, and padding rows after them."""
+    runs = [(8000, 4), (1, 1), (63, 9), (10000, 2), (300, 4), (5, 3)]
+    kc, vc, meta, _ = paged_batch(runs, 2, 128, dtype, "cuda")
+    k = torch.tensor([n for _, n in runs], device="cuda")
+    reqs = meta.req_pool_indices.repeat_interleave(k)
+    ends = (meta.seq_lens.repeat_interleave(k) - k.repeat_interleave(k)).int()
+    offs = torch.cat([torch.arange(n, device="cuda") for n in k.tolist()]).int()
+    pad = torch.zeros(3, dtype=torch.int64, device="cuda")
+    seq_lens = torch.cat([ends + offs + 1, torch.ones(3, dtype=torch.int32, device="cuda")])
+    rows = AttentionMeta.decode(meta.req_to_token, torch.cat([reqs, pad]), seq_lens)
+    q = torch.randn(len(seq_lens), 2 * group, 128, device="cuda").to(dtype)
+    o_ref, o = torch.zeros_like(q), torch.zeros_like(q)
+    dec.decode_attention_torch(q, o_ref, kc, vc, rows, 128**-0.5, sliding_window=sliding_window)
+    dec.decode_attention_triton(
+        q, o, kc, vc, rows, 128**-0.5, num_kv_splits=num_kv_splits,
+        workspace=dec.DecodeWorkspace(), sliding_window=sliding_window,
+    )  # fmt: skip
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@gpu
 def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     """Captured once; a replay reads the live seq_lens and req_to_token, not capture's."""
     dtype, head_dim = torch.bfloat16, 128
