@@ -1,4 +1,5 @@
-"""Decode attention: one query row per request over its paged KV."""
+"""Decode attention: each query row over its request's paged KV up to its own position (one row
+per request, or a verify step's several rows of one request)."""
 
 from __future__ import annotations
 
