@@ -5,8 +5,14 @@ OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # ninja's, for FlashInfer's JIT
 fi
+# FlashInfer, pruned (benchmarks/flashinfer_bundle.py) when .fi is carried; its JIT builds (nvcc,
+# minutes per kernel variant) under FLASHINFER_WORKSPACE_BASE for this machine's life
+if [ -f .fi/flashinfer.tar.xz ] && [ ! -d /tmp/site/flashinfer ]; then
+  mkdir -p /tmp/site && tar xJf .fi/flashinfer.tar.xz -C /tmp/site
+fi
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} FLASHINFER_WORKSPACE_BASE=/tmp/fi
 # Triton's cache travels between sessions: h200_suite.sh leaves it in $OUT as tcache.tgz.NN
 # parts (<= 15 MB each, the device tool's per-file limit); copy them to .tcache/ here (git
 # ignores it) and carry .tcache: kernels whose source did not change skip their compile.

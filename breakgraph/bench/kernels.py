@@ -5,8 +5,9 @@ attention (or SDPA's flash backend); extend attention of 256 and 1024 new tokens
 32K cached prefix (the split-KV path; before: the one-pass kernel) against the same
 references with bottom-right causal alignment; decode attention (batch 32 x 8K context)
 against the bandwidth floor, KV bytes / measured device-to-device copy bandwidth, also in
-its long-context variant; the fused norm, activation and RoPE kernels against their torch
-twins. Medians.
+its long-context variant and over a verify step's rows; the fused norm, activation and RoPE
+kernels against their torch twins. Medians. Where FlashInfer imports, its batch prefill over
+the same paged KV is one more extend reference (the candidate fast path on Hopper).
 """
 
 from __future__ import annotations
@@ -120,6 +121,43 @@ def _sdpa_flash_reference(q, k, v):
     return fn
 
 
+def _flashinfer_reference(q, k_cache, v_cache, meta, seq: int):
+    """FlashInfer's batch prefill over the same paged KV (one slot a page), causal, on its
+    Hopper backend (``FLASHINFER_BACKEND``, default fa3), or None (printed why): where a
+    FlashInfer build is importable (on the GPU machine: ``benchmarks/flashinfer_bundle.py``).
+    Planned once, as a step's attention break would for all its layers; the closure runs it.
+    Its first plan JIT-builds the kernel variant (minutes, cached on the machine)."""
+    import os
+    import time
+
+    try:
+        import flashinfer
+    except ImportError as e:
+        print(f"flashinfer: not importable here ({e})")
+        return None
+    backend = os.environ.get("FLASHINFER_BACKEND", "fa3")
+    n, seq_slots = q.shape[0], meta.req_to_token[meta.req_pool_indices[0], :seq]
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    out = torch.empty_like(q)
+    t = time.perf_counter()
+    try:
+        wrapper.plan(
+            torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, seq], dtype=torch.int32),
+            seq_slots.contiguous(), torch.ones(1, dtype=torch.int32), HEADS, KV_HEADS, HEAD_DIM,
+            1, causal=True, sm_scale=HEAD_DIM**-0.5, q_data_type=q.dtype,
+            kv_data_type=k_cache.dtype,
+        )  # fmt: skip
+        wrapper.run(q, (k_cache, v_cache), out=out)
+        torch.cuda.synchronize()
+    except Exception as e:  # a build or an unsupported shape: reported, the bench goes on
+        print(f"flashinfer {backend}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return None
+    print(f"flashinfer {flashinfer.__version__} {backend}: first plan + run (its build "
+          f"included) {time.perf_counter() - t:.1f} s")  # fmt: skip
+    return lambda: wrapper.run(q, (k_cache, v_cache), out=out)
+
+
 def bench_extend(n: int, sweep: bool) -> list[tuple]:
     rows = []
     k_cache, v_cache, meta = _paged_kv([n], shuffle=False)
@@ -135,6 +173,11 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
     if varlen is not None:
         refs.append(("varlen_attn (flash)", bench_ms(varlen)))
     refs.append(("SDPA flash", bench_ms(_sdpa_flash_reference(q, k, v))))
+    flash = _flashinfer_reference(q, k_cache, v_cache, meta, n)
+    if flash is not None:
+        ext.extend_attention_triton(q, o, *args)
+        print(f"  flashinfer: |flashinfer - triton| max {_max_diff(flash(), o):.2e}")
+        refs.append(("flashinfer (paged)", bench_ms(flash)))
     for name, ref_ms in refs:
         rows.append(("extend attention", shape, triton_ms, name, ref_ms))
     k_shuf, v_shuf, meta_shuf = _paged_kv([n], shuffle=True)
@@ -229,6 +272,9 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
         refs.append(("SDPA flash lower-right", sdpa))
     except Exception as e:
         print(f"SDPA flash lower-right unavailable: {type(e).__name__}: {str(e)[:200]}")
+    flash = _flashinfer_reference(q, k_cache, v_cache, meta, seq)
+    if flash is not None:
+        refs.append(("flashinfer (paged)", flash))
     shape = f"1 x {n} new + {prefix} prefix, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     after_ms, before_ms = bench_ms(after), bench_ms(before)
     rows = [(f"extend long prefix ({splits} splits)", shape, after_ms, "", None)]
