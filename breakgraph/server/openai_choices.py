@@ -36,6 +36,8 @@ M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
 def parse_request(model: type[M], raw: bytes, s: ServerState) -> M:
     """A route's body as its request model: parsed, validated, and naming the served model."""
     req = parse_model(model, parse_json(raw))
+    if req.model is None:
+        req.model = s.served_model_name
     if req.model not in (s.served_model_name, DEFAULT_MODEL_ALIAS):
         raise APIError(
             f"the model {req.model!r} does not exist; this server serves {s.served_model_name!r}",

@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM's)
     temperature: Number | None = None
     top_p: Number | None = None
     n: StrictInt = 1

@@ -179,6 +179,8 @@ def test_bad_openai_requests(server):
     r = post(server, "/v1/completions", {"model": "no-such-model", "prompt": [1]})
     assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
     name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    r = post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1})  # no model: the served
+    assert r.status_code == 200 and r.json()["model"] == name, r.text
     r = post(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
     r = post(server, "/v1/completions", {"model": name, "prompt": [1], "temperature": -1})
