@@ -81,3 +81,23 @@ def test_dependent_kernel_waits_first_then_lets_its_successor_in():
     first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
     assert grid[0] < first_load  # nothing a predecessor writes is read before the wait
     assert not [line for line in _ptx(False) if "griddepcontrol" in line]
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_decode_attention_compiles_for_hopper(sliding, use_pdl):
+    """Decode attention's split and merge kernels build for sm_90 (ptxas included) in each
+    variant the decode graphs capture: the interpreter's CPU tests check what they compute,
+    not that the compiler accepts them (the run detection of a verify step's rows: scalar
+    and vector loads of the neighbours' metadata, a data-dependent branch)."""
+    from breakgraph.kernels import decode_attention as dec
+
+    ptrs = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "req_to_token": "*i32",
+            "req_pool_indices": "*i64", "seq_lens": "*i32", "part_o": "*fp32",
+            "part_lse": "*fp32", "qk_scale": "fp32", "o": "*bf16"}  # fmt: skip
+    split = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=128,
+                 DOT_PRECISION="tf32", SLIDING=sliding, PDL=use_pdl)  # fmt: skip
+    lines = _kernel_ptx(dec._decode_split_kernel, split, ptrs)
+    assert any(line.startswith("griddepcontrol.wait") for line in lines) == use_pdl
+    merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=128, BLOCK_S=128, PDL=use_pdl)
+    assert _kernel_ptx(dec._decode_reduce_kernel, merge, ptrs)
