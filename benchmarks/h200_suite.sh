@@ -8,7 +8,8 @@
 source "$(dirname "$0")/device_env.sh"
 # The engine, graph and server tests first: a run the time limit cuts (on a cold Triton cache
 # the kernel tests' config variants take minutes of compiling) has still covered them.
-# (tests/engine/test_memory_gpu.py starts every built-in config: a call of its own)
+# (tests/engine/test_memory_gpu.py starts every built-in config: a call of its own; so does
+# tests/kernels/test_flashinfer_extend.py, with .fi carried: FlashInfer builds its variants)
 FILES=${FILES:-tests/graph/test_graph.py tests/graph/test_graph_memory.py \
   tests/graph/test_shared_outputs_gpu.py tests/cache/test_kv_pool.py \
   tests/engine/test_engine_gpu.py tests/engine/test_speculative_gpu.py \

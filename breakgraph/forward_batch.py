@@ -102,6 +102,7 @@ class ForwardBatch:
             # decode: one row per request, and no key bound (decode kernels need none, and a
             # decode graph's capture batch carries placeholder host lengths)
             decode = self.mode is ForwardMode.DECODE
+            exact = not decode and self.device_base is None  # host lengths, not bounds
             meta = self._attention_meta = AttentionMeta(
                 req_to_token,
                 self.req_pool_indices,
@@ -110,6 +111,8 @@ class ForwardBatch:
                 self.extend_lens,
                 max_extend_len=1 if decode else self.max_extend_len,
                 max_seq_len=None if decode else self.max_seq_len,
+                extend_lens_cpu=self.extend_lens_cpu if exact else None,
+                seq_lens_cpu=self.seq_lens_cpu if exact else None,
             )
         return meta
 

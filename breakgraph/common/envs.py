@@ -161,6 +161,12 @@ PDL = Choice(
     "most 4 rows (where an H200 measured it faster), 1 at every launch, 0 never "
     "(kernels/pdl.py).",
 )  # fmt: skip
+EXTEND_ATTENTION = Choice(
+    "BREAKGRAPH_EXTEND_ATTENTION", "triton", ("triton", "flashinfer"), kind="tuning",
+    doc="Prefill (extend) attention on CUDA: triton (kernels/extend_attention.py) or flashinfer "
+    "(FlashInfer's batch prefill, FA3's kernels, where it serves the step: Hopper, bf16 or "
+    "fp16, head sizes 64-256; kernels/flashinfer_extend.py).",
+)  # fmt: skip
 SKINNY = Str(
     "BREAKGRAPH_SKINNY", "table", kind="tuning",
     doc="Which projections of a few rows take the skinny GEMM: table (the measured "

@@ -3,6 +3,7 @@ query rows are its. Built once per step (``ForwardBatch.attention_meta``); torch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ class AttentionMeta:
     extend_lens: torch.Tensor  # [B] int32, query rows (new tokens) of each request
     max_extend_len: int
     max_seq_len: int | None = None
+    # the exact host lengths where the host knows them (extend steps; None: bounds only),
+    # for kernels that plan on the host (kernels/flashinfer_extend.py)
+    extend_lens_cpu: Sequence[int] | None = None
+    seq_lens_cpu: Sequence[int] | None = None
 
     @classmethod
     def decode(

@@ -13,6 +13,7 @@ from breakgraph.common import envs
 from breakgraph.kernels import compressed_attention as _compressed
 from breakgraph.kernels import decode_attention as _decode
 from breakgraph.kernels import extend_attention as _extend
+from breakgraph.kernels import flashinfer_extend as _flashinfer
 from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import hyper_connection as _hc
@@ -102,6 +103,8 @@ def plan_extend_attention(
     calls (same result, less host work). ``zero_pad`` (one request): o's rows past the
     request's get zeros (``ExtendPlan``)."""
     if _use_triton(q):
+        if _flashinfer.usable(q, k_cache, meta, zero_pad):
+            return _flashinfer.FlashInferPlan(q, k_cache, meta, sm_scale, sliding_window)
         return _extend.ExtendPlan(
             q, k_cache, meta, sm_scale, sliding_window=sliding_window, zero_pad=zero_pad
         )

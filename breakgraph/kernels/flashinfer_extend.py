@@ -1,0 +1,127 @@
+"""Extend attention on FlashInfer's batch prefill (its Hopper backend, FA3's kernels) over the
+paged KV, each slot a page of one token: the candidate for prefill attention at Hopper's
+limit where the Triton kernel (kernels/extend_attention.py) stays the portable path.
+
+Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``triton`` (the default until an H200 measures
+the other faster: ``bench kernels``), ``flashinfer`` where it serves the step (CUDA of
+compute capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths known, not
+inside a capture, no zeroed padding), else Triton. The plan is the step's, shared by its
+layers like ``ExtendPlan``: FlashInfer's ``plan()`` (host scheduling and one non-blocking
+upload) inside the attention break, then one ``run`` per layer. A wrapper per attention
+shape lives for the process (its plan buffers), over one float workspace per device.
+
+FlashInfer reaches the GPU machine pruned (``benchmarks/flashinfer_bundle.py``) and builds
+each kernel variant with the machine's nvcc at its first use (minutes, then cached on disk):
+the warm-up's prefill steps take that cost before the server is ready.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from breakgraph.common import envs
+from breakgraph.kernels.attention_meta import AttentionMeta
+
+logger = logging.getLogger(__name__)
+
+HEAD_DIMS = (64, 128, 256)  # the fa3 backend's; 512 (Gemma 4, DeepSeek V4) stays on Triton
+WORKSPACE_BYTES = 128 << 20
+_wrappers: dict[tuple, object] = {}
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+@functools.cache
+def _flashinfer():
+    try:
+        import flashinfer
+    except ImportError as e:
+        logger.warning("BREAKGRAPH_EXTEND_ATTENTION=flashinfer, but it does not import (%s)", e)
+        return None
+    return flashinfer
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMeta, zero_pad: bool) -> bool:
+    """Whether this step's extend attention runs on FlashInfer (see the module's doc)."""
+    if envs.EXTEND_ATTENTION.get() != "flashinfer":
+        return False
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] in HEAD_DIMS
+        and meta.extend_lens_cpu is not None
+        and not zero_pad
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and not torch.cuda.is_current_stream_capturing()
+        and _flashinfer() is not None
+    )
+
+
+def flat_slots(meta: AttentionMeta, total: int) -> torch.Tensor:
+    """Every request's KV slots, request after request (FlashInfer's page indices at one
+    token a page): ``req_to_token[req_r, :seq_r]`` concatenated, int32 [total]. Device ops
+    sized by the host's ``total`` (the sum of the lengths): no sync."""
+    seq = meta.seq_lens.long()
+    starts = torch.cumsum(seq, 0) - seq
+    rows = torch.repeat_interleave(meta.req_pool_indices, seq, output_size=total)
+    first = torch.repeat_interleave(starts, seq, output_size=total)
+    cols = torch.arange(total, device=seq.device) - first
+    return meta.req_to_token[rows, cols].to(torch.int32)
+
+
+def _wrapper(key: tuple, device: torch.device):
+    wrapper = _wrappers.get(key)
+    if wrapper is None:
+        workspace = _workspaces.get(device)
+        if workspace is None:
+            workspace = _workspaces[device] = torch.empty(
+                WORKSPACE_BYTES, dtype=torch.uint8, device=device
+            )
+        fi = _flashinfer()
+        wrapper = _wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", backend="fa3"
+        )
+    return wrapper
+
+
+class FlashInferPlan:
+    """One step's extend attention on FlashInfer, ``ExtendPlan``'s interface: planned here
+    (host lengths from ``meta``), then ``plan(q, o, k_cache, v_cache)`` per layer writes
+    the live rows of ``o`` (the rows of a bucket past them are left as they are)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        meta: AttentionMeta,
+        sm_scale: float,
+        sliding_window: int | None = None,
+    ):
+        ext = np.asarray(meta.extend_lens_cpu, dtype=np.int64)
+        seq = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        self.rows = int(ext.sum())
+        if self.rows == 0:
+            return
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        window_left = -1 if sliding_window is None else sliding_window - 1
+        key = (num_heads, num_kv_heads, head_dim, window_left, q.dtype, q.device)
+        self.wrapper = _wrapper(key, q.device)
+        indptr = [torch.from_numpy(np.concatenate(([0], np.cumsum(a)))).int() for a in (ext, seq)]
+        self.wrapper.plan(
+            indptr[0], indptr[1], flat_slots(meta, int(seq.sum())),
+            torch.from_numpy((seq > 0).astype(np.int32)), num_heads, num_kv_heads, head_dim, 1,
+            causal=True, sm_scale=sm_scale, window_left=window_left, q_data_type=q.dtype,
+            kv_data_type=k_cache.dtype,
+        )  # fmt: skip
+
+    def __call__(
+        self, q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        if self.rows:
+            n = self.rows
+            self.wrapper.run(q[:n], (k_cache, v_cache), out=o[:n])
