@@ -43,7 +43,10 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
         try:
             srv = _start(name, tmp_path)
         except (RuntimeError, TimeoutError) as e:
-            outcomes[name] = f"did not start: {str(e).splitlines()[0]}"
+            # the server's own one-line cause: its log's ERROR lines (the last two)
+            lines = str(e).splitlines()
+            cause = [line for line in lines if " ERROR " in line][-2:] or lines[-1:]
+            outcomes[name] = f"did not start: {lines[0]} {' | '.join(cause)}"
             continue
         try:
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
@@ -51,8 +54,10 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
             mem = info(srv)["memory"]
             graphs = sum(mem["graph_pool_bytes"].values())
             estimate = mem["graph_pool_estimate_bytes"]
+            banks = ", ".join(f"{b} {n / GIB:.2f}" for b, n in mem["graph_pool_bytes"].items())
             summary = (
-                f"graph pools {graphs / GIB:.2f} of an estimated {estimate / GIB:.2f} GiB, "
+                f"graph pools {graphs / GIB:.2f} ({banks}) of an estimated "
+                f"{estimate / GIB:.2f} GiB, "
                 f"activation reserve {mem['activation_reserve_bytes'] / GIB:.2f} GiB, "
                 f"KV {mem['kv_tokens']} tokens"
             )
