@@ -113,7 +113,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         type=positive_int,
         default=d.context_length,
         help="the longest request, prompt and output (default: the model's "
-        "max_position_embeddings; a larger value extrapolates positions past the trained "
+        "max_position_embeddings, or on CUDA the KV cache's tokens where fewer, logged; given, "
+        "a KV cache short of one such request is a one-line refusal; a larger value extrapolates positions past the trained "
         "length, which degrades the output, with a warning)",
     )
     g.add_argument(

@@ -150,16 +150,19 @@ def kv_budget_slots(
     context_len: int,
     weights_bytes: int,
     reserve: Reserve = NO_RESERVE,
+    least: int | None = None,
 ) -> int:
     """KV slots the budget holds: ``total x fraction`` less what is in use now (the weights
     and everything loaded with them) and the ``reserve``; at least one request of
-    ``context_len`` tokens, else a ``MemoryPlanError`` naming every number."""
+    ``context_len`` tokens (``least`` tokens where the caller fits a default context to the
+    pool: :func:`fit_context`), else a ``MemoryPlanError`` naming every number."""
     used = mem.total - mem.free
     budget = mem.total * fraction - used - reserve.total
-    need = slot_bytes * context_len
+    tokens = context_len if least is None else least
+    need = slot_bytes * tokens
     if budget < need:
         raise MemoryPlanError(
-            f"the KV cache for one {context_len}-token request needs {need / GIB:.2f} GiB, but "
+            f"the KV cache for one {tokens}-token request needs {need / GIB:.2f} GiB, but "
             f"--mem-fraction-static {fraction} of {mem.total / GIB:.1f} GiB leaves "
             f"{max(budget, 0) / GIB:.2f} GiB beside the {used / GIB:.2f} GiB in use "
             f"(weights {weights_bytes / GIB:.2f} GiB), peak activations "
@@ -170,6 +173,15 @@ def kv_budget_slots(
             "--cuda-graph-max-bs, --chunked-prefill-size), or set --max-total-tokens"
         )
     return int(budget // slot_bytes)
+
+
+def fit_context(context_len: int, num_slots: int) -> int:
+    """The context length of a server started without ``--context-length`` whose KV pool
+    holds fewer tokens than the model's context: the pool's, rounded down to a multiple of
+    1024 (a request that long fits the pool alone), else ``context_len``."""
+    if num_slots >= context_len:
+        return context_len
+    return num_slots - num_slots % 1024 if num_slots >= 1024 else num_slots
 
 
 def tensor_bytes(tensors) -> int:

@@ -26,6 +26,7 @@ from breakgraph.engine.memory import (
     NO_RESERVE,
     DeviceMemory,
     Reserve,
+    fit_context,
     kv_budget_slots,
     max_running_requests,
     tensor_bytes,
@@ -120,6 +121,15 @@ def build_rank(
     num_slots = agree_slots(
         num_kv_slots(args, model, dtype, device, context_len, weights, draft or mtp, reserve)
     )
+    if device.type == "cuda" and not (args.context_length or args.max_total_tokens):
+        fitted = fit_context(context_len, num_slots)
+        if fitted < context_len:  # the model's context does not fit: the pool's, at defaults
+            logger.warning(
+                "context length %d, not the model's %d: the KV cache holds %d tokens at "
+                "--mem-fraction-static %s (set --context-length to ask for more and be told "
+                "what it needs)", fitted, context_len, num_slots, args.mem_fraction_static,
+            )  # fmt: skip
+            context_len = fitted
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)
     kv_pool = KVPool.from_model(num_slots + 1, model, dtype, device)
     max_running = max_running_requests(args.max_running_requests, num_slots)
@@ -184,17 +194,20 @@ def num_kv_slots(
     reserve: Reserve = NO_RESERVE,
 ) -> int:
     """KV slots this rank's pool holds: ``--max-total-tokens``, else what the memory budget
-    leaves beside the ``reserve`` (at least one request of the full context: memory.py); a
-    ``draft`` model keeps its KV at the same slots."""
+    leaves beside the ``reserve`` (memory.py): at least one request of ``--context-length``
+    tokens where it is given, else of one prefill chunk (the caller then fits the model's
+    context to the pool: ``fit_context``); a ``draft`` model keeps its KV at the same
+    slots."""
     if args.max_total_tokens:
         return args.max_total_tokens
     if device.type != "cuda":
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    least = None if args.context_length else min(context_len, args.chunked_prefill_size)
     return kv_budget_slots(
         DeviceMemory.of(device), args.mem_fraction_static,
         KVPool.model_slot_bytes(model, dtype)
         + (KVPool.model_slot_bytes(draft, dtype) if draft is not None else 0),
-        context_len, weights_bytes, reserve,
+        context_len, weights_bytes, reserve, least,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from breakgraph.engine.memory import (
     MemoryPlanError,
     Reserve,
     StepPeaks,
+    fit_context,
     graph_pool_estimate,
     kv_budget_slots,
     max_running_requests,
@@ -130,6 +131,22 @@ def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_n
     # exactly one request's worth passes
     fits = kv_budget_slots(mem, 0.8, SLOT, 4 * GIB // SLOT, 55 * GIB)
     assert fits == 4 * GIB // SLOT
+
+
+def test_a_default_context_longer_than_the_pool_is_fitted_to_it():
+    """Started without --context-length (a 1M-token model beside 78 GiB of weights): the
+    budget need only hold one prefill chunk, and the context becomes the pool's, rounded
+    down to a multiple of 1024; a budget short of a chunk still fails in one line."""
+    mem = DeviceMemory(free=60 * GIB, total=140 * GIB)  # 80 GiB in use
+    context = 1 << 20
+    slots = kv_budget_slots(mem, 0.85, SLOT, context, 78 * GIB, least=8192)
+    assert slots == int((140 * 0.85 - 80) * GIB // SLOT) and slots < context
+    fitted = fit_context(context, slots)
+    assert fitted == slots - slots % 1024 and fitted % 1024 == 0
+    assert fit_context(40960, 10**6) == 40960 and fit_context(40960, 1000) == 1000
+    with pytest.raises(MemoryPlanError, match="one 8192-token request needs"):
+        kv_budget_slots(DeviceMemory(1 * GIB, 140 * GIB), 0.85, SLOT, context, 78 * GIB,
+                        least=8192)  # fmt: skip
 
 
 def test_the_refusal_names_the_reserve_it_kept():
