@@ -165,7 +165,8 @@ EXTEND_ATTENTION = Choice(
     "BREAKGRAPH_EXTEND_ATTENTION", "triton", ("triton", "flashinfer"), kind="tuning",
     doc="Prefill (extend) attention on CUDA: triton (kernels/extend_attention.py) or flashinfer "
     "(FlashInfer's batch prefill, FA3's kernels, where it serves the step: Hopper, bf16 or "
-    "fp16, head sizes 64-256; kernels/flashinfer_extend.py).",
+    "fp16, head sizes 64-256, and a step whose keys the Triton kernel would not split; "
+    "kernels/flashinfer_extend.py).",
 )  # fmt: skip
 SKINNY = Str(
     "BREAKGRAPH_SKINNY", "table", kind="tuning",

@@ -103,11 +103,15 @@ def plan_extend_attention(
     calls (same result, less host work). ``zero_pad`` (one request): o's rows past the
     request's get zeros (``ExtendPlan``)."""
     if _use_triton(q):
-        if _flashinfer.usable(q, k_cache, meta, zero_pad):
-            return _flashinfer.FlashInferPlan(q, k_cache, meta, sm_scale, sliding_window)
-        return _extend.ExtendPlan(
+        plan = _extend.ExtendPlan(
             q, k_cache, meta, sm_scale, sliding_window=sliding_window, zero_pad=zero_pad
         )
+        # FlashInfer where the Triton kernel would not split keys: many query rows (an H200
+        # measured it 1.40x faster at 8K new tokens, 1.53x at 1K over a 32K prefix; 0.46x at
+        # 256 over 32K, where the split-KV path fills the GPU)
+        if not plan.empty and plan.splits <= 1 and _flashinfer.usable(q, k_cache, meta, zero_pad):
+            return _flashinfer.FlashInferPlan(q, k_cache, meta, sm_scale, sliding_window)
+        return plan
 
     def plan(q, o, k_cache, v_cache):
         if zero_pad:
