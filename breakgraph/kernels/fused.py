@@ -150,6 +150,23 @@ def gemma_qk_norm_rope_torch(
     return _stored(q, apply_rope_torch(gemma_rms_norm_torch(k, k_weight, eps), cos, sin), store)
 
 
+def rope_tail_torch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, D] or
+    [T, H, D] (neighbouring channels rotate as pairs; in float32, cast back), the others
+    copied; cos/sin [T, r / 2] float32. ``inverse``: the rotation undone (sin negated).
+    DeepSeek V4's partial RoPE, as HF writes it."""
+    sin = -sin if inverse else sin
+    r = 2 * cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
+    x1, x2 = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
 # ---------------------------------------------------------------------------- Triton
 
 
@@ -634,3 +651,52 @@ def gemma_qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin, store=Non
     (and the KV store)."""
     assert q_weight.is_contiguous() and (k_weight is None or k_weight.is_contiguous())
     return _launch_qk_rope(q, k, q_weight, k_weight, eps, cos, sin, gemma=True, store=store)
+
+
+@_jit
+def _rope_tail_kernel(
+    x, cos, sin, out, inner, stride_x0, stride_x1, stride_c, n_cols,
+    HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
+):  # fmt: skip
+    """One row (token, head): its last 2 * HALF channels rotated in neighbouring pairs, in
+    float32 as the twin (the products and the sum each rounded: no FMA), the rest copied."""
+    pdl.enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    i0 = pid // inner
+    row = x + i0 * stride_x0 + (pid % inner) * stride_x1
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    xv = tl.load(row + offs, mask=mask, other=0.0)
+    start = n_cols - 2 * HALF
+    tail = mask & (offs >= start)
+    rel = tl.where(tail, offs - start, 0)
+    even = rel % 2 == 0
+    c = tl.load(cos + i0 * stride_c + rel // 2, mask=tail, other=1.0)
+    s = tl.load(sin + i0 * stride_c + rel // 2, mask=tail, other=0.0)
+    if INVERSE:
+        s = -s
+    partner = tl.load(row + tl.where(even, offs + 1, offs - 1), mask=tail, other=0.0)
+    xf, pf = xv.to(tl.float32), partner.to(tl.float32)
+    # a pair (x1, x2): x1' = x1 cos - x2 sin at the even channel, x2' = x2 cos + x1 sin
+    rotated = tl.where(even, xf * c - pf * s, xf * c + pf * s)
+    tl.store(out + pid * n_cols + offs, tl.where(tail, rotated.to(xv.dtype), xv), mask=mask)
+
+
+def rope_tail_triton(x, cos, sin, inverse=False) -> torch.Tensor:
+    """Triton twin of :func:`rope_tail_torch` (its arguments): one launch."""
+    n_cols, half = x.shape[-1], cos.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    outer, inner, sx0, sx1 = _outer_inner(x)
+    if out.numel() == 0:
+        return out
+    cos, sin = cos.contiguous(), sin.contiguous()
+    assert x.stride(-1) == 1
+    assert 2 * half <= n_cols and cos.shape[0] == x.shape[0]
+    block = triton.next_power_of_2(n_cols)
+    _rope_tail_kernel[(outer * inner,)](
+        x, cos, sin, out, inner, sx0, sx1, cos.stride(0), n_cols, HALF=half, INVERSE=inverse,
+        BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False,
+        **pdl.launch(x.device),
+    )  # fmt: skip
+    return out

@@ -39,6 +39,7 @@ __all__ = [
     "gelu_tanh_mul",
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
+    "rope_tail",
     "hc_collapse",
     "hc_expand",
     "indexer_scores",
@@ -198,6 +199,7 @@ gelu_tanh_mul = _twin(_fused.gelu_tanh_mul_torch, _fused.gelu_tanh_mul_triton)
 rope = _twin(_fused.rope_torch, _fused.rope_triton)
 qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
+rope_tail = _twin(_fused.rope_tail_torch, _fused.rope_tail_triton)
 
 
 # ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)

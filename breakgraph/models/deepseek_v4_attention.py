@@ -60,9 +60,12 @@ class DeepseekV4RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight * h).to(x.dtype)
+        # Gemma 4's norm computes exactly this (one kernel on CUDA, not seven):
+        # h = x.float(); h = h * rsqrt(mean(h^2) + eps); (weight * h).to(x.dtype)
+        if x.dim() > 3 or x.stride(-1) != 1:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return ops.gemma_rms_norm(rows, self.weight, self.variance_epsilon).view(x.shape)
+        return ops.gemma_rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,16 +88,13 @@ class DeepseekV4RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, ..., D] (pairs
-    of neighbouring channels rotate; float32, cast back), cos/sin [T, r / 2]."""
-    r = 2 * cos.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
-    x1, x2 = rope[..., 0], rope[..., 1]
-    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+    of neighbouring channels rotate; float32, cast back), cos/sin [T, r / 2]; ``inverse``
+    undoes it. One kernel on CUDA (``ops.rope_tail``; its twin is HF's arithmetic)."""
+    return ops.rope_tail(x, cos, sin, inverse)
 
 
 class DeepseekV4GroupedLinear(nn.Module):
@@ -335,6 +335,7 @@ class DeepseekV4Attention(nn.Module):
             indexer_q, indexer_weights = self.compressor(x, q_residual, rows)
         o = _zeros_past_capture(torch.empty_like(q))
         compressed_attention(q, o, self, indexer_q, indexer_weights)
-        o = apply_rope(o, cos, -sin)  # V = K carries rope: undone at the query's position
+        # V = K carries rope: undone at the query's position
+        o = apply_rope(o, cos, sin, inverse=True)
         grouped = self.o_a_proj(o.reshape(t, self.o_a_proj.groups, -1))
         return self.o_b_proj(grouped)

@@ -52,7 +52,7 @@ def main() -> int:
             ok = diff <= 1e-5
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} window={window} splits={splits}: max diff {diff:.1e}")
-    return failed + decode_rows() + skinny_gemm() + extend_zero_pad()
+    return failed + decode_rows() + rope_tail() + skinny_gemm() + extend_zero_pad()
 
 
 def decode_rows() -> int:
@@ -96,6 +96,25 @@ def decode_rows() -> int:
                 f"{'ok' if ok else 'FAIL'} decode rows group={group} window={window}: "
                 f"max diff {worst:.1e}"
             )
+    return failed
+
+
+def rope_tail() -> int:
+    """DeepSeek V4's interleaved RoPE on a row's trailing channels (``fused.rope_tail``):
+    [T, D] rows, [T, H, D] heads of a wider tensor (strided), the inverse rotation."""
+    from breakgraph.kernels import fused
+
+    torch.manual_seed(2)
+    failed = 0
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)  # 16 rope channels of 40
+    for x in (torch.randn(5, 40), torch.randn(5, 3, 48)[..., :40]):
+        for inverse in (False, True):
+            ref = fused.rope_tail_torch(x, cos, sin, inverse)
+            diff = (fused.rope_tail_triton(x, cos, sin, inverse) - ref).abs().max().item()
+            ok = diff <= 1e-6
+            failed += not ok
+            print(f"{'ok' if ok else 'FAIL'} rope tail {tuple(x.shape)} inverse={inverse}: "
+                  f"max diff {diff:.1e}")  # fmt: skip
     return failed
 
 

@@ -1067,3 +1067,17 @@ def test_default_workspaces_list_their_buffers_in_allocation_order(monkeypatch):
     decode.get(64, 4, 8, 16, cpu)  # grows after a capture would have listed the others
     after = [b.data_ptr() for b in ops.graph_workspaces()]
     assert after[: len(before)] == before and len(after) == 3
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_matches_twin(dtype, inverse):
+    """DeepSeek V4's interleaved RoPE on the last 64 of 512 channels: [T, H, D] heads (a
+    strided slice) and [T, D] rows, the twin's arithmetic (no FMA): equal up to rounding."""
+    cos, sin = torch.randn(2, 37, 32, device="cuda").unbind(0)
+    for x in (torch.randn(37, 9, 512, device="cuda")[:, 1:], torch.randn(37, 512, device="cuda")):
+        x = x.to(dtype)
+        ref = fused.rope_tail_torch(x, cos, sin, inverse)
+        out = fused.rope_tail_triton(x, cos, sin, inverse)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype] / 100, rtol=TOL[dtype] / 100)

@@ -101,3 +101,13 @@ def test_decode_attention_compiles_for_hopper(sliding, use_pdl):
     assert any(line.startswith("griddepcontrol.wait") for line in lines) == use_pdl
     merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=128, BLOCK_S=128, PDL=use_pdl)
     assert _kernel_ptx(dec._decode_reduce_kernel, merge, ptrs)
+
+
+def test_rope_tail_compiles_for_hopper():
+    """DeepSeek V4's interleaved RoPE kernel builds for sm_90 (ptxas included)."""
+    from breakgraph.kernels import fused
+
+    consts = {"HALF": 32, "INVERSE": True, "BLOCK": 512, "PDL": True}
+    types = dict.fromkeys(("x", "out"), "*bf16") | dict.fromkeys(("cos", "sin"), "*fp32")
+    lines = _kernel_ptx(fused._rope_tail_kernel, consts, types)
+    assert any(line.startswith("griddepcontrol.wait") for line in lines)
