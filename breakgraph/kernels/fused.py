@@ -63,6 +63,12 @@ def gelu_tanh_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def clamped_silu_mul_torch(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek V4's clamped SwiGLU: ``silu(gate clamped to at most L) * (up clamped to
+    [-L, L])`` in the input dtype (HF's arithmetic)."""
+    return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 def gemma_rms_norm_torch(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -350,8 +356,10 @@ def _act_and_mul_kernel(
     stride_up,
     stride_out,
     n_cols,
+    limit,  # with CLAMP: gate clamped to at most L, up to [-L, L] (in their dtype)
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
+    CLAMP: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     pdl.enter(PDL)
@@ -360,6 +368,10 @@ def _act_and_mul_kernel(
     mask = offs < n_cols
     gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0)
+    if CLAMP:  # torch clamps with the limit in the tensor's dtype: exact either way
+        gate = tl.minimum(gate.to(tl.float32), limit).to(gate_ptr.dtype.element_ty)
+        up = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+        up = up.to(up_ptr.dtype.element_ty)
     y = act_and_mul(gate, up, GELU)
     tl.store(out + row * stride_out + offs, y.to(out.dtype.element_ty), mask=mask)
 
@@ -395,6 +407,13 @@ def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _launch_act_and_mul(gate, up, gelu=True)
 
 
+def clamped_silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Triton twin of :func:`clamped_silu_mul_torch` (2D, rows may be strided views): one
+    launch for the two clamps, the activation and the product."""
+    assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype
+    return _launch_act_and_mul(gate, up, gelu=False, limit=limit)
+
+
 def _launch_gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     """[..., 2I] (gate first) -> [..., I]."""
     shape = gate_up.shape
@@ -404,7 +423,9 @@ def _launch_gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     return out.view(*shape[:-1], n_cols)
 
 
-def _launch_act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def _launch_act_and_mul(
+    gate: torch.Tensor, up: torch.Tensor, gelu: bool, limit: float | None = None
+) -> torch.Tensor:
     rows, n_cols = gate.shape
     out = torch.empty((rows, n_cols), dtype=gate.dtype, device=gate.device)
     if rows == 0:
@@ -414,7 +435,8 @@ def _launch_act_and_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> tor
     grid = (rows, triton.cdiv(n_cols, block))
     _act_and_mul_kernel[grid](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_cols,
-        BLOCK=block, GELU=gelu, num_warps=4, enable_fp_fusion=False,
+        0.0 if limit is None else float(limit), BLOCK=block, GELU=gelu,
+        CLAMP=limit is not None, num_warps=4, enable_fp_fusion=False,
         **pdl.launch(gate.device),
     )  # fmt: skip
     return out

@@ -43,7 +43,7 @@ from torch.nn import functional as F
 from breakgraph.common import envs
 from breakgraph.kernels import pdl
 from breakgraph.kernels.extend_attention import _num_sms
-from breakgraph.kernels.fused import silu_and_mul_triton
+from breakgraph.kernels.fused import clamped_silu_mul_triton, silu_and_mul_triton
 
 try:  # Triton is optional: the CPU-only install runs the torch twins
     import triton
@@ -1151,7 +1151,7 @@ def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="s
             h = silu_and_mul_triton(h2)
         else:
             gate, up = h2.chunk(2, dim=-1)
-            h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            h = clamped_silu_mul_triton(gate, up, limit)
     if cfg.atomic_sum:  # the down GEMM sums each token's rows into out itself
         out.zero_()
         y = out

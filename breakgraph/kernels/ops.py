@@ -40,6 +40,7 @@ __all__ = [
     "gemma_qk_norm_rope",
     "gemma_rms_norm",
     "rope_tail",
+    "clamped_silu_mul",
     "hc_collapse",
     "hc_expand",
     "indexer_scores",
@@ -200,6 +201,7 @@ rope = _twin(_fused.rope_torch, _fused.rope_triton)
 qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 rope_tail = _twin(_fused.rope_tail_torch, _fused.rope_tail_triton)
+clamped_silu_mul = _twin(_fused.clamped_silu_mul_torch, _fused.clamped_silu_mul_triton)
 
 
 # ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)

@@ -67,7 +67,8 @@ class DeepseekV4HyperHead(nn.Module):
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """``silu(gate.clamp(max=L)) * up.clamp(-L, L)`` of [T, I] rows: one kernel on CUDA."""
+    return ops.clamped_silu_mul(gate, up, limit)
 
 
 class DeepseekV4MLP(nn.Module):

@@ -52,7 +52,14 @@ def main() -> int:
             ok = diff <= 1e-5
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} window={window} splits={splits}: max diff {diff:.1e}")
-    return failed + decode_rows() + rope_tail() + skinny_gemm() + extend_zero_pad()
+    return (
+        failed
+        + decode_rows()
+        + rope_tail()
+        + clamped_silu_mul()
+        + skinny_gemm()
+        + extend_zero_pad()
+    )
 
 
 def decode_rows() -> int:
@@ -115,6 +122,23 @@ def rope_tail() -> int:
             failed += not ok
             print(f"{'ok' if ok else 'FAIL'} rope tail {tuple(x.shape)} inverse={inverse}: "
                   f"max diff {diff:.1e}")  # fmt: skip
+    return failed
+
+
+def clamped_silu_mul() -> int:
+    """DeepSeek V4's clamped SwiGLU in one kernel: values past the limit both ways, gate and
+    up as strided halves of one [T, 2I] output, against HF's arithmetic."""
+    from breakgraph.kernels import fused
+
+    torch.manual_seed(3)
+    failed = 0
+    for limit in (0.5, 7.0):
+        gate, up = (torch.randn(6, 2 * 70) * 4).chunk(2, dim=-1)
+        ref = fused.clamped_silu_mul_torch(gate, up, limit)
+        diff = (fused.clamped_silu_mul_triton(gate, up, limit) - ref).abs().max().item()
+        ok = diff <= 1e-6
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} clamped silu mul limit={limit}: max diff {diff:.1e}")
     return failed
 
 

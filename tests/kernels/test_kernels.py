@@ -1081,3 +1081,12 @@ def test_rope_tail_matches_twin(dtype, inverse):
         ref = fused.rope_tail_torch(x, cos, sin, inverse)
         out = fused.rope_tail_triton(x, cos, sin, inverse)
         torch.testing.assert_close(out, ref, atol=TOL[dtype] / 100, rtol=TOL[dtype] / 100)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_clamped_silu_mul_matches_twin(dtype):
+    """DeepSeek V4's clamped SwiGLU in one kernel: HF's arithmetic, values past the limit."""
+    gate, up = (torch.randn(33, 2 * 2048, device="cuda") * 8).to(dtype).chunk(2, dim=-1)
+    ref = fused.clamped_silu_mul_torch(gate, up, 7.0)
+    torch.testing.assert_close(fused.clamped_silu_mul_triton(gate, up, 7.0), ref)

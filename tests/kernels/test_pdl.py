@@ -111,3 +111,12 @@ def test_rope_tail_compiles_for_hopper():
     types = dict.fromkeys(("x", "out"), "*bf16") | dict.fromkeys(("cos", "sin"), "*fp32")
     lines = _kernel_ptx(fused._rope_tail_kernel, consts, types)
     assert any(line.startswith("griddepcontrol.wait") for line in lines)
+
+
+def test_clamped_swiglu_compiles_for_hopper():
+    """The activation kernel with DeepSeek V4's clamps builds for sm_90 (ptxas included)."""
+    from breakgraph.kernels.fused import _act_and_mul_kernel as kernel
+
+    consts = {"BLOCK": 1024, "GELU": False, "CLAMP": True, "PDL": False}
+    types = dict.fromkeys(("gate_ptr", "up_ptr", "out"), "*bf16") | {"limit": "fp32"}
+    assert _kernel_ptx(kernel, consts, types)
