@@ -12,11 +12,16 @@ the same paged KV is one more extend reference (the candidate fast path on Hoppe
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import torch
 
+from breakgraph.bench.attention_refs import (
+    flashinfer_reference,
+    sdpa_flash_lower_right_reference,
+    sdpa_flash_reference,
+    varlen_reference,
+)
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
 from breakgraph.kernels import fused
@@ -71,93 +76,6 @@ def _one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
     )
 
 
-def _varlen_reference(q, k, v, n: int, n_k: int | None = None):
-    """A closure running torch's varlen flash attention (causal, GQA), or None.
-
-    With ``n_k`` keys (> ``n`` queries) flash's causal mask is bottom-right aligned: query
-    i sees keys ``0 .. n_k - n + i``, the extend layout (the bench checks the output).
-    """
-    n_k = n if n_k is None else n_k
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)  # causal
-    elif "is_causal" in params:
-        kwargs["is_causal"] = True
-    else:
-        return None
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    else:  # older API: same head count for q and kv
-        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    cu_q = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, n_k], dtype=torch.int32, device="cuda")
-    fn = lambda: varlen_attn(q, k, v, cu_q, cu_k, n, n_k, **kwargs)  # noqa: E731
-    try:
-        fn()
-    except Exception as e:  # report, and the SDPA reference still runs
-        print(f"varlen_attn unavailable here: {type(e).__name__}: {str(e).splitlines()[0]}")
-        return None
-    return fn
-
-
-def _sdpa_flash_reference(q, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    group = HEADS // KV_HEADS
-    qt = q.transpose(0, 1)[None]
-    kt = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    vt = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-
-    def fn():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
-    return fn
-
-
-def _flashinfer_reference(q, k_cache, v_cache, meta, seq: int):
-    """FlashInfer's batch prefill over the same paged KV (one slot a page), causal, on its
-    Hopper backend (``FLASHINFER_BACKEND``, default fa3), or None (printed why): where a
-    FlashInfer build is importable (on the GPU machine: ``benchmarks/flashinfer_bundle.py``).
-    Planned once, as a step's attention break would for all its layers; the closure runs it.
-    Its first plan JIT-builds the kernel variant (minutes, cached on the machine)."""
-    import os
-    import time
-
-    try:
-        import flashinfer
-    except ImportError as e:
-        print(f"flashinfer: not importable here ({e})")
-        return None
-    backend = os.environ.get("FLASHINFER_BACKEND", "fa3")
-    n, seq_slots = q.shape[0], meta.req_to_token[meta.req_pool_indices[0], :seq]
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
-    out = torch.empty_like(q)
-    t = time.perf_counter()
-    try:
-        wrapper.plan(
-            torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, seq], dtype=torch.int32),
-            seq_slots.contiguous(), torch.ones(1, dtype=torch.int32), HEADS, KV_HEADS, HEAD_DIM,
-            1, causal=True, sm_scale=HEAD_DIM**-0.5, q_data_type=q.dtype,
-            kv_data_type=k_cache.dtype,
-        )  # fmt: skip
-        wrapper.run(q, (k_cache, v_cache), out=out)
-        torch.cuda.synchronize()
-    except Exception as e:  # a build or an unsupported shape: reported, the bench goes on
-        print(f"flashinfer {backend}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        return None
-    print(f"flashinfer {flashinfer.__version__} {backend}: first plan + run (its build "
-          f"included) {time.perf_counter() - t:.1f} s")  # fmt: skip
-    return lambda: wrapper.run(q, (k_cache, v_cache), out=out)
-
-
 def bench_extend(n: int, sweep: bool) -> list[tuple]:
     rows = []
     k_cache, v_cache, meta = _paged_kv([n], shuffle=False)
@@ -169,11 +87,11 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
     k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
     shape = f"1 x {n} new, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
     refs = []
-    varlen = _varlen_reference(q, k, v, n)
+    varlen = varlen_reference(q, k, v, n)
     if varlen is not None:
         refs.append(("varlen_attn (flash)", bench_ms(varlen)))
-    refs.append(("SDPA flash", bench_ms(_sdpa_flash_reference(q, k, v))))
-    flash = _flashinfer_reference(q, k_cache, v_cache, meta, n)
+    refs.append(("SDPA flash", bench_ms(sdpa_flash_reference(q, k, v))))
+    flash = flashinfer_reference(q, k_cache, v_cache, meta, n)
     if flash is not None:
         ext.extend_attention_triton(q, o, *args)
         print(f"  flashinfer: |flashinfer - triton| max {_max_diff(flash(), o):.2e}")
@@ -204,26 +122,6 @@ def _extend_at(q, o, k_cache, v_cache, meta, sm_scale, config, splits=0) -> None
     """Extend attention at a (BLOCK_M, BLOCK_N, warps, stages) config: the one-pass kernel
     (``splits`` 0) or the split-KV kernel and merge."""
     ext.ExtendPlan(q, k_cache, meta, sm_scale, config=config, splits=splits)(q, o, k_cache, v_cache)
-
-
-def _sdpa_flash_lower_right_reference(q, k, v):
-    """SDPA's flash backend with a bottom-right causal mask (``causal_lower_right``): for
-    more keys than queries torch calls flash with causal=True, which is bottom-right."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
-    group = HEADS // KV_HEADS
-    qt = q.transpose(0, 1)[None]
-    kt = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    vt = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    mask = causal_lower_right(q.shape[0], k.shape[0])
-
-    def fn():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-        return out[0].transpose(0, 1)
-
-    return fn
 
 
 def _max_diff(out, ref) -> float:
@@ -263,16 +161,16 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
           f"{_max_diff(o, o_one):.2e}")  # fmt: skip
     k, v = k_cache[1:], v_cache[1:]  # the same keys, contiguous
     refs = []
-    varlen = _varlen_reference(q, k, v, n, seq)
+    varlen = varlen_reference(q, k, v, n, seq)
     if varlen is not None:
         refs.append(("varlen_attn (flash)", varlen))
-    sdpa = _sdpa_flash_lower_right_reference(q, k, v)
+    sdpa = sdpa_flash_lower_right_reference(q, k, v)
     try:
         sdpa()
         refs.append(("SDPA flash lower-right", sdpa))
     except Exception as e:
         print(f"SDPA flash lower-right unavailable: {type(e).__name__}: {str(e)[:200]}")
-    flash = _flashinfer_reference(q, k_cache, v_cache, meta, seq)
+    flash = flashinfer_reference(q, k_cache, v_cache, meta, seq)
     if flash is not None:
         refs.append(("flashinfer (paged)", flash))
     shape = f"1 x {n} new + {prefix} prefix, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"

@@ -114,8 +114,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         default=d.context_length,
         help="the longest request, prompt and output (default: the model's "
         "max_position_embeddings, or on CUDA the KV cache's tokens where fewer, logged; given, "
-        "a KV cache short of one such request is a one-line refusal; a larger value extrapolates positions past the trained "
-        "length, which degrades the output, with a warning)",
+        "a KV cache short of one such request is a one-line refusal; a larger value "
+        "extrapolates positions past the trained length, which degrades the output, with a "
+        "warning)",
     )
     g.add_argument(
         "--kv-sharing-fast-prefill",

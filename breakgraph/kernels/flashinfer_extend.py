@@ -38,11 +38,12 @@ _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
 @functools.cache
-def _flashinfer():
+def load():
+    """The ``flashinfer`` module, or None where it does not import (said once)."""
     try:
         import flashinfer
     except ImportError as e:
-        logger.warning("BREAKGRAPH_EXTEND_ATTENTION=flashinfer, but it does not import (%s)", e)
+        logger.warning("flashinfer does not import (%s): extend attention stays on Triton", e)
         return None
     return flashinfer
 
@@ -60,7 +61,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMeta, zero_pad
         and not zero_pad
         and torch.cuda.get_device_capability(q.device)[0] == 9
         and not torch.cuda.is_current_stream_capturing()
-        and _flashinfer() is not None
+        and load() is not None
     )
 
 
@@ -84,7 +85,7 @@ def _wrapper(key: tuple, device: torch.device):
             workspace = _workspaces[device] = torch.empty(
                 WORKSPACE_BYTES, dtype=torch.uint8, device=device
             )
-        fi = _flashinfer()
+        fi = load()
         wrapper = _wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(
             workspace, "NHD", backend="fa3"
         )

@@ -62,9 +62,6 @@ class DeepseekV4RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Gemma 4's norm computes exactly this (one kernel on CUDA, not seven):
         # h = x.float(); h = h * rsqrt(mean(h^2) + eps); (weight * h).to(x.dtype)
-        if x.dim() > 3 or x.stride(-1) != 1:
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return ops.gemma_rms_norm(rows, self.weight, self.variance_epsilon).view(x.shape)
         return ops.gemma_rms_norm(x, self.weight, self.variance_epsilon)
 
 

@@ -181,6 +181,10 @@ def test_bad_openai_requests(server):
     name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     r = post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1})  # no model: the served
     assert r.status_code == 200 and r.json()["model"] == name, r.text
+    r = post(server, "/v1/chat/completions", {"model": 7, "messages": []})  # not a name
+    assert r.status_code == 400 and "model" in r.json()["error"]["message"], r.text
+    after = wait_idle(server)
+    assert (after["num_inflight_requests"], after["kv_tokens_used"]) == (0, 0)
     r = post(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
     r = post(server, "/v1/completions", {"model": name, "prompt": [1], "temperature": -1})
