@@ -18,7 +18,17 @@ def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits [R, V] -> (logprob of targets [R] (or of several per row: [R, m] -> [R, m]),
-    top-k logprobs [R, k], their ids [R, k])."""
+    top-k logprobs [R, k], their ids [R, k]); ``MAX_LOGIT_FLOATS`` logits at a time (a
+    large decode batch's rows: the float32 copy and the log-sum-exp's temporaries)."""
+    rows = max(1, MAX_LOGIT_FLOATS // max(logits.shape[-1], 1))
+    if logits.shape[0] > rows:
+        return _cat(
+            [
+                token_logprobs(logits[i : i + rows], targets[i : i + rows], top_k)
+                for i in range(0, logits.shape[0], rows)
+            ],
+            top_k,
+        )
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, targets.view(targets.shape[0], -1)) - lse
@@ -50,6 +60,11 @@ def chunked_row_logprobs(
         token_logprobs(compute_logits(hidden[i : i + rows]), targets[i : i + rows], top_k)
         for i in range(0, hidden.shape[0], rows)
     ]
+    return _cat(parts, top_k)
+
+
+def _cat(parts: list[tuple], top_k: int):
+    """``token_logprobs``' results of consecutive chunks of rows, as one."""
     chosen = torch.cat([p[0] for p in parts])
     if top_k <= 0:
         return chosen, None, None

@@ -22,6 +22,7 @@ import torch
 
 from breakgraph.engine.request import Req
 from breakgraph.forward_batch import upload_many
+from breakgraph.kernels import ops
 
 NEUTRAL_ROW = 0
 
@@ -173,30 +174,7 @@ class PenaltyPool:
         and min_new_tokens applied. Device ops on fixed-shape gathers only (graph-safe);
         neutral rows come out bit-identical. ``drafted``: a verify step's rows, each after
         the draft tokens before it (counted, and generated, as if sampled already)."""
-        # apply_penalties' formula, in place on the gathered copies: fewer [B, V] buffers
-        # (a graph's pool holds its peak); the same ops in the same order, bit-identical
-        params = self.params[rows]
-        freq, pres, rep = params[:, 0:1], params[:, 1:2], params[:, 2:3]
-        counts = self.counts[rows]  # advanced indexing: a copy, free to overwrite
-        generated = self.generated[rows]
-        if drafted is not None:
-            counts.index_put_(
-                (drafted.rows, drafted.tokens), counts.new_ones(()).expand_as(drafted.rows),
-                accumulate=True,
-            )  # fmt: skip
-            generated += drafted.before
-        present = counts > 0
-        seen = self.prompt_seen[rows]
-        seen |= present
-        out = torch.where(logits > 0, logits / rep, logits * rep)
-        torch.where(seen, out, logits, out=out)
-        out -= counts.mul_(freq)
-        del counts
-        out -= present.to(out.dtype).mul_(pres)
-        out += self.bias[rows]
-        seen = self.banned[rows]
-        seen &= (generated < self.min_new[rows])[:, None]
-        return out.masked_fill_(seen, float("-inf"))
+        return ops.apply_penalties(logits, rows, *self.tensors(), drafted=drafted)
 
     def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Count the sampled ids [B] of the batch rows ``rows`` [B] (neutral rows stay zero);

@@ -1,7 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Runs on the device without host syncs: parameters go up in one pinned copy, sampling
-uses the exponential-race trick (argmax of p / Exp(1)) instead of multinomial.
+uses the exponential-race trick (argmax of p / Exp(1)) instead of multinomial. The filters
+hold about ten [rows, V] temporaries (the sort's values and int64 ids, the cumulative sum,
+the masks, the noise), so a large batch is sampled ``MAX_SAMPLE_FLOATS // V`` rows at a
+time: at 1,024 rows of Gemma 4's 262,144-token vocabulary the unchunked peak was ~13 GiB,
+which the memory plan had to keep free beside the KV pool.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from breakgraph.common.sampling_params import MAX_EFFECTIVE_TEMPERATURE
 from breakgraph.engine.request import SamplingParams
 from breakgraph.forward_batch import upload_many
 
+MAX_SAMPLE_FLOATS = 1 << 24  # a chunk of rows' [rows, V] temporary: 64 MiB of float32
+
 
 def sample(
     logits: torch.Tensor,
@@ -20,6 +26,15 @@ def sample(
     return_logprob: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] float32 -> (token ids [B] int64, logprobs [B] of those ids or None)."""
+    rows = max(1, MAX_SAMPLE_FLOATS // max(logits.shape[-1], 1))
+    if logits.shape[0] > rows:  # a chunk of rows at a time (module docstring)
+        parts = [
+            sample(logits[i : i + rows], params[i : i + rows], generators[i : i + rows],
+                   return_logprob)
+            for i in range(0, logits.shape[0], rows)
+        ]  # fmt: skip
+        ids = torch.cat([p[0] for p in parts])
+        return ids, torch.cat([p[1] for p in parts]) if return_logprob else None
     greedy_ids = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         ids = greedy_ids

@@ -18,6 +18,7 @@ from breakgraph.kernels import fused as _fused
 from breakgraph.kernels import fused_moe as _moe
 from breakgraph.kernels import hyper_connection as _hc
 from breakgraph.kernels import kv_store as _kv_store
+from breakgraph.kernels import penalties as _penalties
 from breakgraph.kernels import skinny_gemm as _skinny
 from breakgraph.kernels import workspace as _workspace
 from breakgraph.kernels.attention_meta import AttentionMeta
@@ -26,6 +27,7 @@ from breakgraph.kernels.kv_store import KVWrite
 
 __all__ = [
     "AttentionMeta",
+    "apply_penalties",
     "DecodeWorkspace",
     "KVWrite",
     "decode_attention",
@@ -222,3 +224,8 @@ hc_expand = _twin(_hc.hc_expand_torch, _hc.hc_expand_triton)
 
 moe_route = _twin(_moe.moe_route_torch, _moe.moe_route_triton)
 fused_experts = _twin(_moe.fused_experts_torch, _moe.fused_experts_triton)
+
+
+# ---- sampling (kernels/penalties.py)
+
+apply_penalties = _twin(_penalties.apply_penalties_torch, _penalties.apply_penalties_triton)

@@ -60,3 +60,30 @@ def test_float32_edge_values_stay_in_the_support():
     ids, _ = sample(logits.expand(n, -1).contiguous(), [SamplingParams(temperature=1e39)] * n, gens)
     counts = torch.bincount(ids, minlength=5)
     assert counts[0] == 0 and (counts[1:] > 50).all()  # uniform over the allowed four
+
+
+def test_a_large_batch_is_sampled_a_chunk_of_rows_at_a_time(monkeypatch):
+    """Past ``MAX_SAMPLE_FLOATS`` logits the rows go through the filters in chunks (the
+    temporaries bounded): seeded, greedy and filtered rows draw exactly what one pass draws,
+    logprobs too; ``token_logprobs`` chunks the same way, with the same values."""
+    from breakgraph.engine import logprobs, sampler
+
+    logits = torch.randn(23, 300) * 3
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.8, top_k=40, min_p=0.02, seed=i)
+        if i % 3 else SamplingParams(temperature=0.0)
+        for i in range(23)
+    ]  # fmt: skip
+
+    def run():
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed else None for p in params]
+        return sample(logits, params, gens, return_logprob=True)
+
+    (ids, lp), targets = run(), torch.randint(0, 300, (23,))
+    whole = logprobs.token_logprobs(logits, targets, 5)
+    monkeypatch.setattr(sampler, "MAX_SAMPLE_FLOATS", 5 * 300)  # 5 rows a chunk
+    monkeypatch.setattr(logprobs, "MAX_LOGIT_FLOATS", 4 * 300)
+    chunked_ids, chunked_lp = run()
+    assert torch.equal(chunked_ids, ids) and torch.equal(chunked_lp, lp)
+    for a, b in zip(logprobs.token_logprobs(logits, targets, 5), whole, strict=True):
+        assert torch.equal(a, b)

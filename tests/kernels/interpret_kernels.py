@@ -57,6 +57,7 @@ def main() -> int:
         + decode_rows()
         + rope_tail()
         + clamped_silu_mul()
+        + apply_penalties()
         + skinny_gemm()
         + extend_zero_pad()
     )
@@ -139,6 +140,40 @@ def clamped_silu_mul() -> int:
         ok = diff <= 1e-6
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} clamped silu mul limit={limit}: max diff {diff:.1e}")
+    return failed
+
+
+def apply_penalties() -> int:
+    """The penalty pool's apply in one pass (``kernels/penalties.py``), bit-identical to the
+    twin: float32 and bfloat16 logits, the neutral row, repetition both ways, counts,
+    presence, logit_bias and min_new_tokens' bans (one row still banned, one past it), a
+    vocabulary not a multiple of the block."""
+    from breakgraph.kernels import penalties as pen
+
+    torch.manual_seed(4)
+    rows_n, vocab = 5, 2 * pen.BLOCK + 77
+    counts = torch.randint(0, 3, (rows_n, vocab)).float()
+    counts[0] = 0
+    seen = torch.rand(rows_n, vocab) < 0.3
+    seen[0] = False
+    bias = torch.randn(rows_n, vocab) * (torch.rand(rows_n, vocab) < 0.1)
+    bias[0] = 0
+    banned = torch.rand(rows_n, vocab) < 0.05
+    params = torch.tensor([[0, 0, 1], [0.5, 0.25, 1.3], [0, 0.7, 0.8], [1.1, 0, 1], [0.2, 0.1, 2]])
+    min_new = torch.tensor([0, 4, 0, 9, 2], dtype=torch.int32)
+    generated = torch.tensor([0, 2, 5, 9, 1], dtype=torch.int32)
+    pool = (counts, seen, bias, banned, params.float(), min_new, generated)
+    rows = torch.tensor([0, 1, 2, 3, 4, 1, 0], dtype=torch.int64)
+    failed = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(len(rows), vocab) * 3).to(dtype)
+        ref = pen.apply_penalties_torch(logits, rows, *pool)
+        out = pen.apply_penalties_triton(logits, rows, *pool)
+        same = out.dtype == ref.dtype and torch.equal(out, ref)
+        neutral = torch.equal(out[0], logits[0].float())
+        failed += not (same and neutral)
+        print(f"{'ok' if same and neutral else 'FAIL'} apply penalties {dtype}: "
+              f"bit-identical {same}, neutral row unchanged {neutral}")  # fmt: skip
     return failed
 
 

@@ -1090,3 +1090,42 @@ def test_clamped_silu_mul_matches_twin(dtype):
     gate, up = (torch.randn(33, 2 * 2048, device="cuda") * 8).to(dtype).chunk(2, dim=-1)
     ref = fused.clamped_silu_mul_torch(gate, up, 7.0)
     torch.testing.assert_close(fused.clamped_silu_mul_triton(gate, up, 7.0), ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_penalty_apply_is_bit_identical_to_twin(dtype):
+    """The penalty pool's one-pass apply over a real pool (Qwen3's vocabulary): every
+    penalty, logit_bias and min_new_tokens' bans, bit-identical to the gathered twin on the
+    device; the neutral row's logits unchanged; inside a CUDA graph it reserves only its
+    output."""
+    from breakgraph.engine.penalties import PenaltyPool
+    from breakgraph.engine.request import Req, SamplingParams
+    from breakgraph.kernels import penalties as pen
+
+    vocab = 151936
+    pool = PenaltyPool(vocab, torch.device("cuda"), {2}, capacity=4)
+    reqs = []
+    for i, sp in enumerate([
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=0.7, logit_bias={"5": 3.0, "9": -100.0}),
+        SamplingParams(min_new_tokens=6, stop_token_ids=[7], presence_penalty=-0.5),
+    ]):  # fmt: skip
+        req = Req(f"r{i}", list(range(i, 4000, 3 + i)), sp)
+        req.output_ids = [11 * i + 1, 5, 5, 9]
+        pool.acquire(req)
+        reqs.append(req)
+    rows = torch.tensor([0, *(r.penalty_row for r in reqs), 0], device="cuda")
+    logits = (torch.randn(len(rows), vocab, device="cuda") * 4).to(dtype)
+    ref = pen.apply_penalties_torch(logits, rows, *pool.tensors())
+    out = pen.apply_penalties_triton(logits, rows, *pool.tensors())
+    assert torch.equal(out, ref)
+    assert torch.equal(out[0], logits[0].float()) and torch.isinf(out[3, 7])
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    with torch.cuda.graph(graph):
+        captured = pool.apply(logits, rows)
+    graph.replay()
+    assert torch.equal(captured, ref)
+    assert torch.cuda.memory_reserved() - before <= 2 * out.numel() * 4 + (2 << 20)

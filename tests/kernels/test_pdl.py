@@ -40,9 +40,11 @@ def test_auto_only_inside_small_decode_graphs():
         assert pdl.enabled()
 
 
-def _kernel_ptx(kernel, consts: dict, types: dict[str, str]) -> list[str]:
-    """The PTX body lines of ``kernel`` compiled for sm_90; parameters not in ``consts`` or
-    ``types`` are i32."""
+def _kernel_ptx(
+    kernel, consts: dict, types: dict[str, str], options: dict | None = None
+) -> list[str]:
+    """The PTX body lines of ``kernel`` compiled for sm_90 (with the launch's compile
+    ``options``); parameters not in ``consts`` or ``types`` are i32."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -57,6 +59,7 @@ def _kernel_ptx(kernel, consts: dict, types: dict[str, str]) -> list[str]:
             compiled = triton.compile(
                 ASTSource(fn=kernel, signature=sig, constexprs=consts),
                 target=GPUTarget("cuda", 90, 32),
+                options=options,
             )
     except RuntimeError as e:  # a Triton without its CUDA toolchain
         pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
@@ -120,3 +123,20 @@ def test_clamped_swiglu_compiles_for_hopper():
     consts = {"BLOCK": 1024, "GELU": False, "CLAMP": True, "PDL": False}
     types = dict.fromkeys(("gate_ptr", "up_ptr", "out"), "*bf16") | {"limit": "fp32"}
     assert _kernel_ptx(kernel, consts, types)
+
+
+def test_penalty_apply_compiles_for_hopper():
+    """The penalty pool's one-pass apply builds for sm_90 (ptxas included), with IEEE
+    division (``div.rn``, the twin's), and waits for its predecessor under PDL."""
+    from breakgraph.kernels.penalties import _apply_penalties_kernel as kernel
+
+    consts = {"BLOCK": 2048, "PDL": True}
+    types = dict.fromkeys(("logits", "out", "counts", "bias", "params"), "*fp32")
+    types |= dict.fromkeys(("prompt_seen", "banned"), "*i1") | {"rows": "*i64"}
+    types |= dict.fromkeys(("min_new", "generated"), "*i32")
+    lines = _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
+    assert any(line.startswith("div.rn.f32") for line in lines)
+    assert not any(line.startswith("fma.") for line in lines)
+    assert lines[[i for i, s in enumerate(lines) if s.startswith("griddep")][0]].startswith(
+        "griddepcontrol.wait"
+    )
