@@ -113,7 +113,7 @@ def _apply_penalties_kernel(
     prompt_seen,
     bias,
     banned,
-    params,
+    row_params,  # a kernel parameter named `params` breaks Triton's argument binder
     min_new,
     generated,
     stride_l,
@@ -126,9 +126,9 @@ def _apply_penalties_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < vocab
     r = tl.load(rows + b).to(tl.int64)
-    freq = tl.load(params + r * 3)
-    pres = tl.load(params + r * 3 + 1)
-    rep = tl.load(params + r * 3 + 2)
+    freq = tl.load(row_params + r * 3)
+    pres = tl.load(row_params + r * 3 + 1)
+    rep = tl.load(row_params + r * 3 + 2)
     ban_now = tl.load(generated + r) < tl.load(min_new + r)
     x = tl.load(logits + b.to(tl.int64) * stride_l + offs, mask=mask, other=0.0).to(tl.float32)
     pool = r * vocab + offs

@@ -131,7 +131,7 @@ def test_penalty_apply_compiles_for_hopper():
     from breakgraph.kernels.penalties import _apply_penalties_kernel as kernel
 
     consts = {"BLOCK": 2048, "PDL": True}
-    types = dict.fromkeys(("logits", "out", "counts", "bias", "params"), "*fp32")
+    types = dict.fromkeys(("logits", "out", "counts", "bias", "row_params"), "*fp32")
     types |= dict.fromkeys(("prompt_seen", "banned"), "*i1") | {"rows": "*i64"}
     types |= dict.fromkeys(("min_new", "generated"), "*i32")
     lines = _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
