@@ -140,3 +140,25 @@ def test_penalty_apply_compiles_for_hopper():
     assert lines[[i for i, s in enumerate(lines) if s.startswith("griddep")][0]].startswith(
         "griddepcontrol.wait"
     )
+
+
+def test_no_kernel_parameter_shadows_tritons_argument_binder():
+    """Triton binds a launch's arguments in a generated function whose locals are ``params``,
+    ``specialization`` and ``options``: a kernel parameter of one of those names reaches the
+    specializer as that local (``TypeError: failed to specialize argument of type: dict`` at
+    the first launch on a GPU; the interpreter and the sm_90 compile tests do not bind)."""
+    import importlib
+    import pkgutil
+
+    import breakgraph.kernels as pkg
+
+    reserved = {"params", "specialization", "options"}
+    kernels = 0
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"breakgraph.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction):
+                kernels += 1
+                clash = reserved & set(inspect.signature(obj.fn).parameters)
+                assert not clash, f"{info.name}.{name}: parameter {clash} shadows the binder"
+    assert kernels > 20
