@@ -1115,17 +1115,26 @@ def test_penalty_apply_is_bit_identical_to_twin(dtype):
         req.output_ids = [11 * i + 1, 5, 5, 9]
         pool.acquire(req)
         reqs.append(req)
-    rows = torch.tensor([0, *(r.penalty_row for r in reqs), 0], device="cuda")
+    held = [0, *(r.penalty_row for r in reqs)]
+    rows = torch.tensor([held[i % 4] for i in range(64)], device="cuda")
     logits = (torch.randn(len(rows), vocab, device="cuda") * 4).to(dtype)
     ref = pen.apply_penalties_torch(logits, rows, *pool.tensors())
     out = pen.apply_penalties_triton(logits, rows, *pool.tensors())
     assert torch.equal(out, ref)
     assert torch.equal(out[0], logits[0].float()) and torch.isinf(out[3, 7])
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_reserved()
-    with torch.cuda.graph(graph):
-        captured = pool.apply(logits, rows)
-    graph.replay()
+
+    def captured_pool(fn):  # what a graph of fn reserves in its own pool, and its output
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        with torch.cuda.graph(graph):
+            result = fn(logits, rows, *pool.tensors())
+        graph.replay()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved() - before, result, graph
+
+    kernel_bytes, captured, _g1 = captured_pool(pen.apply_penalties_triton)
+    twin_bytes, _, _g2 = captured_pool(pen.apply_penalties_torch)
     assert torch.equal(captured, ref)
-    assert torch.cuda.memory_reserved() - before <= 2 * out.numel() * 4 + (2 << 20)
+    # its output alone (the allocator rounds a segment up to 2 MiB); the twin's ~5 copies
+    assert kernel_bytes <= out.numel() * 4 + (2 << 20) < twin_bytes / 3, (kernel_bytes, twin_bytes)
