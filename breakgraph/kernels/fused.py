@@ -91,6 +91,12 @@ def gemma_rms_norm_torch(
     return h if scale is None else h * scale
 
 
+def unweighted_rms_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV4UnweightedRMSNorm over the last dim: the scale computed in float32,
+    rounded to x's dtype and applied there."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -281,6 +287,7 @@ def _gemma_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALE_IN_DTYPE: tl.constexpr = False,  # DeepSeek V4's unweighted norm (no weight)
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     pdl.enter(PDL)
@@ -292,7 +299,10 @@ def _gemma_rms_norm_kernel(
     xv = tl.load(x + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
     h = xv.to(tl.float32)
     variance = tl.sum(h * h, 0) / n_cols
-    y = h * tl.rsqrt(variance + eps)  # torch's pow(x, -0.5) on CUDA is rsqrt
+    if SCALE_IN_DTYPE:  # x * rsqrt(...).to(x.dtype): the scale rounded, the product too
+        y = h * tl.rsqrt(variance + eps).to(xv.dtype).to(tl.float32)
+    else:
+        y = h * tl.rsqrt(variance + eps)  # torch's pow(x, -0.5) on CUDA is rsqrt
     if HAS_WEIGHT:
         y = y * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     y = y.to(xv.dtype)  # type_as(x): the norm's one rounding
@@ -316,9 +326,19 @@ def _outer_inner(x: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError("gemma_rms_norm takes tensors of at most 3 dims")
 
 
+def unweighted_rms_norm_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton twin of :func:`unweighted_rms_norm_torch`: one launch (Gemma's norm kernel with
+    the scale rounded to x's dtype)."""
+    return _launch_gemma_norm(x, None, eps, None, None, scale_in_dtype=True)
+
+
 def gemma_rms_norm_triton(x, weight, eps, residual=None, scale=None) -> torch.Tensor:
     """Triton twin of :func:`gemma_rms_norm_torch` (its arguments): one launch, residual add
     and scale included."""
+    return _launch_gemma_norm(x, weight, eps, residual, scale)
+
+
+def _launch_gemma_norm(x, weight, eps, residual, scale, scale_in_dtype: bool = False):
     n_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outer, inner, sx0, sx1 = _outer_inner(x)
@@ -340,7 +360,7 @@ def gemma_rms_norm_triton(x, weight, eps, residual=None, scale=None) -> torch.Te
         x, x if weight is None else weight, r, x if scale is None else scale, out,
         inner, sx0, sx1, sr0, sr1, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-        HAS_SCALE=scale is not None, BLOCK=block,
+        HAS_SCALE=scale is not None, BLOCK=block, SCALE_IN_DTYPE=scale_in_dtype,
         num_warps=_row_warps(block), enable_fp_fusion=False,
         **pdl.launch(x.device),
     )  # fmt: skip

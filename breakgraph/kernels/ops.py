@@ -57,6 +57,7 @@ __all__ = [
     "sparse_attention",
     "store_kv",
     "triton_available",
+    "unweighted_rms_norm",
 ]
 
 
@@ -204,6 +205,7 @@ qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 rope_tail = _twin(_fused.rope_tail_torch, _fused.rope_tail_triton)
 clamped_silu_mul = _twin(_fused.clamped_silu_mul_torch, _fused.clamped_silu_mul_triton)
+unweighted_rms_norm = _twin(_fused.unweighted_rms_norm_torch, _fused.unweighted_rms_norm_triton)
 
 
 # ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)

@@ -27,8 +27,8 @@ NOT_KERNELS = {
     "aten::resolve_conj", "aten::resolve_neg", "aten::empty_strided", "aten::result_type",
     "aten::unbind", "aten::lift_fresh", "aten::movedim", "aten::promote_types", "aten::to",
     "aten::contiguous", "aten::item", "aten::_local_scalar_dense", "aten::linear",
-    "aten::matmul", "aten::embedding",
-}  # fmt: skip
+    "aten::matmul", "aten::embedding", "aten::flatten", "aten::_reshape_alias",
+}  # fmt: skip (a flatten or reshape that copies shows its copy_ or clone beneath it)
 LAUNCH = "triton_launch"
 
 

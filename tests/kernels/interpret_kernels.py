@@ -58,6 +58,7 @@ def main() -> int:
         + rope_tail()
         + clamped_silu_mul()
         + apply_penalties()
+        + unweighted_rms_norm()
         + skinny_gemm()
         + extend_zero_pad()
     )
@@ -174,6 +175,22 @@ def apply_penalties() -> int:
         failed += not (same and neutral)
         print(f"{'ok' if same and neutral else 'FAIL'} apply penalties {dtype}: "
               f"bit-identical {same}, neutral row unchanged {neutral}")  # fmt: skip
+    return failed
+
+
+def unweighted_rms_norm() -> int:
+    """DeepSeek V4's unweighted q norm in one kernel: [T, H, D] heads of a wider tensor
+    (strided) and [T, D] rows, against HF's arithmetic."""
+    from breakgraph.kernels import fused
+
+    torch.manual_seed(5)
+    failed = 0
+    for x in ((torch.randn(4, 3, 96) * 3)[:, :, :80], torch.randn(6, 80)):
+        ref = fused.unweighted_rms_norm_torch(x, 1e-6)
+        diff = (fused.unweighted_rms_norm_triton(x, 1e-6) - ref).abs().max().item()
+        ok = diff <= 1e-6
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} unweighted rms norm {tuple(x.shape)}: max diff {diff:.1e}")
     return failed
 
 

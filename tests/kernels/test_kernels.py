@@ -1138,3 +1138,13 @@ def test_penalty_apply_is_bit_identical_to_twin(dtype):
     assert torch.equal(captured, ref)
     # its output alone (the allocator rounds a segment up to 2 MiB); the twin's ~5 copies
     assert kernel_bytes <= out.numel() * 4 + (2 << 20) < twin_bytes / 3, (kernel_bytes, twin_bytes)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unweighted_rms_norm_matches_twin(dtype):
+    """DeepSeek V4's unweighted q norm (64 heads of 512, a strided slice) in one kernel: HF's
+    arithmetic, the scale rounded to the dtype before the product."""
+    x = (torch.randn(37, 64, 520, device="cuda") * 3).to(dtype)[:, :, :512]
+    ref = fused.unweighted_rms_norm_torch(x, 1e-6)
+    torch.testing.assert_close(fused.unweighted_rms_norm_triton(x, 1e-6), ref)

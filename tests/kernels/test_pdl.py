@@ -162,3 +162,13 @@ def test_no_kernel_parameter_shadows_tritons_argument_binder():
                 clash = reserved & set(inspect.signature(obj.fn).parameters)
                 assert not clash, f"{info.name}.{name}: parameter {clash} shadows the binder"
     assert kernels > 20
+
+
+def test_unweighted_norm_compiles_for_hopper():
+    """Gemma's norm kernel with DeepSeek V4's scale rounded to bf16 builds for sm_90."""
+    from breakgraph.kernels.fused import _gemma_rms_norm_kernel as kernel
+
+    consts = {"HAS_WEIGHT": False, "HAS_RESIDUAL": False, "HAS_SCALE": False, "BLOCK": 512,
+              "SCALE_IN_DTYPE": True, "PDL": False}  # fmt: skip
+    types = dict.fromkeys(("x", "weight", "residual", "scale", "out"), "*bf16") | {"eps": "fp32"}
+    assert _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
