@@ -561,17 +561,23 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @_jit()
-def _gated(acc, acc_up, c, GELU: tl.constexpr):
+def _gated(acc, acc_up, c, GELU: tl.constexpr, CLAMP: tl.constexpr = False, limit=0.0):
     """act(gate) * up from the fp32 sums, rounded to ``c``'s element type where the twin
-    rounds: gate, up, act(gate), the product (the last by the caller's store)."""
+    rounds: gate, up, act(gate), the product (the last by the caller's store). ``CLAMP``:
+    DeepSeek V4's SwiGLU, gate clamped to at most ``limit`` and up to [-limit, limit] once
+    rounded (``fused.clamped_silu_mul``'s arithmetic)."""
     dtype = c.dtype.element_ty
     g = acc.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
     if GELU:  # tanh via exp: tanh(y) = 1 - 2 / (1 + exp(2y))
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
     else:
         act = g / (1.0 + tl.exp(-g))
-    return act.to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    return act.to(dtype).to(tl.float32) * up
 
 
 @_jit()
@@ -940,6 +946,8 @@ def _moe_gemv_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr,
     GELU: tl.constexpr,
+    CLAMP: tl.constexpr = False,  # clamped SwiGLU (_gated), at ``limit``
+    limit=0.0,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     """h[row] = act(x[token] G^T) * (x[token] U^T) for row = token * TOP_K + k over its
@@ -965,7 +973,7 @@ def _moe_gemv_gate_up_kernel(
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(g * xk[None, :], 1)
         acc_up += tl.sum(u * xk[None, :], 1)
-    out = _gated(acc, acc_up, h, GELU)
+    out = _gated(acc, acc_up, h, GELU, CLAMP, limit)
     tl.store(h + row * stride_hm + offs_n, out.to(h.dtype.element_ty), mask=n_ok)
 
 
@@ -1014,7 +1022,7 @@ def _moe_gemv_down_kernel(
 
 
 def fused_experts_gemv_triton(
-    x, gate_up, down, topk_weights, topk_ids, activation="silu", cfg=None
+    x, gate_up, down, topk_weights, topk_ids, activation="silu", cfg=None, limit=None
 ):
     """The experts of a few tokens in two launches (the GEMV path's note above); the inputs
     as :func:`fused_experts_triton` takes them (the weights' rows unit-strided), ``cfg`` a
@@ -1023,7 +1031,7 @@ def fused_experts_gemv_triton(
     cfg = cfg or gemv_config(x.shape[0])
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
     ids = topk_ids.to(torch.int32).contiguous()
-    h = gemv_gate_up(x, gate_up, ids, cfg.gate_up, activation)
+    h = gemv_gate_up(x, gate_up, ids, cfg.gate_up, activation, limit)
     return gemv_down(h, down, topk_weights.float().contiguous(), ids, cfg.down)
 
 
@@ -1033,9 +1041,11 @@ def gemv_gate_up(
     ids: torch.Tensor,
     cfg: tuple[int, int, int],
     activation: str = "silu",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The GEMV path's first launch: act(gate) * up of each (token, expert) row, [M * K, I];
-    ``x`` contiguous, ``ids`` int32 [M, K], ``cfg`` (BLOCK_N, BLOCK_K, num_warps)."""
+    ``x`` contiguous, ``ids`` int32 [M, K], ``cfg`` (BLOCK_N, BLOCK_K, num_warps); ``limit``:
+    the clamped SwiGLU's."""
     m, hidden = x.shape
     inter = gate_up.shape[1] // 2
     top_k = ids.shape[1]
@@ -1045,7 +1055,8 @@ def gemv_gate_up(
     _moe_gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn))](
         x, gate_up, h, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         h.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, K_CHUNKS=triton.cdiv(hidden, bk),
-        GELU=activation == "gelu_tanh", num_warps=warps, **pdl.launch(x.device),
+        GELU=activation == "gelu_tanh", CLAMP=limit is not None,
+        limit=0.0 if limit is None else float(limit), num_warps=warps, **pdl.launch(x.device),
     )  # fmt: skip
     return h
 
@@ -1105,8 +1116,8 @@ def _moe_sum_kernel(
 def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="silu", limit=None):
     """Triton twin of :func:`fused_experts_torch` (its arguments; float32 top-k sum, one
     rounding). Capturable on CUDA: no host sync, buffers sized by the token count. With
-    ``limit`` (clamped SwiGLU) the gate/up GEMM writes both halves and the clamp and the
-    product run as torch ops between the GEMMs (no GEMV path)."""
+    ``limit`` (clamped SwiGLU) the grouped path's gate/up GEMM writes both halves and one
+    kernel clamps and multiplies between the GEMMs; the GEMV path clamps in its epilogue."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
     if limit is not None and activation != "silu":
@@ -1117,9 +1128,11 @@ def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="s
     top_k = topk_ids.shape[1]
     assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
     x = x.contiguous()  # before out: the sum kernel writes rows of contiguous hidden
-    gemv_ok = limit is None and gate_up.stride(2) == 1 and down.stride(2) == 1
+    gemv_ok = gate_up.stride(2) == 1 and down.stride(2) == 1
     if 0 < m <= envs.MOE_GEMV.get() and gemv_ok:
-        return fused_experts_gemv_triton(x, gate_up, down, topk_weights, topk_ids, activation)
+        return fused_experts_gemv_triton(
+            x, gate_up, down, topk_weights, topk_ids, activation, limit=limit
+        )
     out = torch.empty_like(x)
     if m == 0:
         return out

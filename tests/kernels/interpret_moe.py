@@ -143,27 +143,30 @@ def routes() -> int:
 
 def clamped(gate_up, down) -> int:
     """DeepSeek V4's clamped SwiGLU (``limit``): the gate/up GEMM unfused, the clamp between
-    the GEMMs; a fused-activation config, sorted rows with the top-k sum by atomics, and a
-    few tokens (no GEMV path)."""
+    the GEMMs; a fused-activation config, sorted rows with the top-k sum by atomics, a few
+    tokens on the grouped path and on the GEMV path (its epilogue clamps)."""
     failed = 0
     table = fm.moe_config
     base = fm.MoEConfig(16, 1, (32, 32, 4, 2), (32, 32, 4, 2))
     try:
-        for m, flags in ((7, {"fuse_act": True}), (7, {"sorted_h": True, "atomic_sum": True}),
-                         (3, {})):  # fmt: skip
+        for m, flags, gemv in ((7, {"fuse_act": True}, 0),
+                               (7, {"sorted_h": True, "atomic_sum": True}, 0), (3, {}, 0),
+                               (3, {}, 4)):  # fmt: skip
             x = torch.randn(m, gate_up.shape[2])
             w, ids = fm.moe_route_torch(torch.randn(m, gate_up.shape[0]), 2)
             ref = fm.fused_experts_torch(x, gate_up, down, w, ids, "silu", 0.5)
             cfg = base._replace(**flags)
             fm.moe_config = lambda *_, c=cfg: c
-            got = fm.fused_experts_triton(x, gate_up, down, w, ids, "silu", 0.5)
+            with envs.MOE_GEMV.override(gemv):
+                got = fm.fused_experts_triton(x, gate_up, down, w, ids, "silu", 0.5)
             diff = (got - ref).abs().max().item()
             ok = (
                 diff <= 1e-4
                 and (ref - fm.fused_experts_torch(x, gate_up, down, w, ids)).abs().max() > 1e-3
             )
             failed += not ok
-            print(f"{'ok' if ok else 'FAIL'} moe clamped m={m} {flags}: max diff {diff:.1e}")
+            print(f"{'ok' if ok else 'FAIL'} moe clamped m={m} {flags} gemv={gemv}: "
+                  f"max diff {diff:.1e}")  # fmt: skip
     finally:
         fm.moe_config = table
     return failed

@@ -55,17 +55,19 @@ def make_experts(m, e, hidden, inter, dtype, device=DEVICE, seed=0):
     return [t.to(device=device, dtype=dtype) for t in (x, gate_up, down, logits)]
 
 
-def assert_experts_close(x, gate_up, down, w, ids, activation="silu"):
+def assert_experts_close(x, gate_up, down, w, ids, activation="silu", limit=None):
     """The kernel's output against the twin: within bf16/fp16 noise of the float32 result,
     and no further from it than the twin in the same dtype (HF's own loop) is, up to 2x."""
-    got = fm.fused_experts_triton(x, gate_up, down, w, ids, activation)
-    exact = fm.fused_experts_torch(x.float(), gate_up.float(), down.float(), w, ids, activation)
+    got = fm.fused_experts_triton(x, gate_up, down, w, ids, activation, limit)
+    exact = fm.fused_experts_torch(
+        x.float(), gate_up.float(), down.float(), w, ids, activation, limit
+    )
     scale = exact.abs().max().item()
     err = (got.float() - exact).abs().max().item()
     if x.dtype == torch.float32:
         assert err <= 1e-4 * max(scale, 1.0), err
         return
-    twin = fm.fused_experts_torch(x, gate_up, down, w, ids, activation)
+    twin = fm.fused_experts_torch(x, gate_up, down, w, ids, activation, limit)
     twin_err = (twin.float() - exact).abs().max().item()
     assert err <= 2e-2 * scale, (err, scale)
     assert err <= 2 * twin_err + 1e-3 * scale, (err, twin_err)
@@ -293,6 +295,19 @@ def test_gemv_experts_of_a_few_tokens_match_twin(m, dtype, activation, knobs):
     ids = torch.arange(8, dtype=torch.int32, device=DEVICE).repeat(m, 1)
     w = torch.softmax(torch.randn(m, 8, device=DEVICE), -1)
     assert_experts_close(x, gate_up, down, w, ids, activation)
+
+
+@kernel_test
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_experts_with_deepseek_v4s_clamp_match_twin(m, dtype, knobs):
+    """DeepSeek V4's clamped SwiGLU on the GEMV path (its epilogue clamps gate and up): a
+    limit that clamps (the inputs scaled past it), against the twin."""
+    knobs(MOE_GEMV=8)
+    hidden, inter = _dims(2048, 768)
+    x, gate_up, down, logits = make_experts(m, 32, hidden, inter, dtype)
+    x = x * 8
+    assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 6), limit=2.0)
 
 
 # ----------------------------------------------------------------------------- capture (GPU only)

@@ -49,7 +49,7 @@ def test_hyper_connection_kernels_equal_the_twins():
 
 
 def test_fused_moe_launch_variants():
-    interpret("tests.kernels.interpret_moe", 61)
+    interpret("tests.kernels.interpret_moe", 62)
 
 
 @pytest.mark.parametrize(("skinny", "most"), [("off", 26), ("all", 20)])
@@ -70,10 +70,10 @@ def test_decode_step_kernel_count_does_not_grow(skinny, most):
 
 
 def test_deepseek_v4_decode_step_kernel_count_does_not_grow():
-    """DeepSeek V4's decode step on the Triton path (tiny model, 4 layers): 232 kernels, 58
+    """DeepSeek V4's decode step on the Triton path (tiny model, 4 layers): 220 kernels, 55
     a layer (150 before its norms, its interleaved RoPE, its clamped SwiGLU and its
-    unweighted q norm became one kernel each; at 43 layers a step's launches pace its
-    graph)."""
+    unweighted q norm became one kernel each and its routed experts took the MoE GEMV path;
+    at 43 layers a step's launches pace its graph)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
@@ -82,4 +82,4 @@ def test_deepseek_v4_decode_step_kernel_count_does_not_grow():
     )  # fmt: skip
     found = re.search(r"deepseek_v4 +4 layers: (\d+) kernels per decode step", out.stdout)
     assert out.returncode == 0 and found, out.stdout + out.stderr[-3000:]
-    assert int(found.group(1)) <= 235, out.stdout
+    assert int(found.group(1)) <= 222, out.stdout
