@@ -146,6 +146,42 @@ def pool_windows_torch(
     return pooled
 
 
+def window_score_torch(
+    gate: torch.Tensor, position_bias: torch.Tensor, slot_in_window: torch.Tensor
+) -> torch.Tensor:
+    """A compressor's pooling logits: ``gate`` [T, C] (its projection's output) in float32
+    plus the bias [ratio, C] of each row's slot in its window (``slot_in_window`` [T])."""
+    return gate.float() + position_bias[slot_in_window]
+
+
+def window_score_triton(
+    gate: torch.Tensor, position_bias: torch.Tensor, slot_in_window: torch.Tensor
+) -> torch.Tensor:
+    """Triton twin of :func:`window_score_torch`: one launch (not a cast, a gather and an
+    add), float32 as the twin."""
+    t, c = gate.shape
+    out = torch.empty((t, c), dtype=torch.float32, device=gate.device)
+    if t == 0:
+        return out
+    assert gate.stride(-1) == 1 and position_bias.is_contiguous()
+    block = min(1024, triton.next_power_of_2(c))
+    _window_score_kernel[(t, triton.cdiv(c, block))](
+        gate, position_bias, slot_in_window, out, gate.stride(0), c, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@_jit
+def _window_score_kernel(gate, bias, slot, out, stride_g, c, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < c
+    at = tl.load(slot + row).to(tl.int64)
+    g = tl.load(gate + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(bias + at * c + offs, mask=mask, other=0.0)
+    tl.store(out + row * c + offs, g + b, mask=mask)
+
+
 def _visible_entries(step: CompressedStep, ratio: int, rows: slice) -> tuple[torch.Tensor, ...]:
     """(entry ids [n, E], visible [n, E], their cache slots [n, E]) of ``rows``: every entry
     ``e < max_seq // ratio``, visible where its window closed by the row's position."""

@@ -58,6 +58,7 @@ __all__ = [
     "store_kv",
     "triton_available",
     "unweighted_rms_norm",
+    "window_score",
 ]
 
 
@@ -211,6 +212,7 @@ unweighted_rms_norm = _twin(_fused.unweighted_rms_norm_torch, _fused.unweighted_
 # ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)
 
 pool_windows = _twin(_compressed.pool_windows_torch, _compressed.pool_windows_triton)
+window_score = _twin(_compressed.window_score_torch, _compressed.window_score_triton)
 indexer_scores = _twin(_compressed.indexer_scores_torch, _compressed.indexer_scores_triton)
 sparse_attention = _twin(_compressed.sparse_attention_torch, _compressed.sparse_attention_triton)
 

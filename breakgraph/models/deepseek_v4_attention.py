@@ -201,7 +201,7 @@ class _Compressor(nn.Module):
         pooled windows): what the pooling break reads and writes."""
         slot_in_window = rows.windows(self.ratio)[0]
         kv = self.kv_proj(x)
-        score = self.gate_proj(x).float() + self.position_bias[slot_in_window]
+        score = ops.window_score(self.gate_proj(x), self.position_bias, slot_in_window)
         pooled = torch.zeros((x.shape[0], self.head_dim), dtype=torch.float32, device=x.device)
         return kv, score, pooled
 

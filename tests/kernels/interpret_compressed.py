@@ -78,6 +78,12 @@ def main() -> int:
     same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     failed += check("indexer scores", got[finite], want[finite]) + (not same_mask)
+    gate, bias = torch.randn(t, 2 * d + 3), torch.randn(ratio, 2 * d + 3)  # ragged columns
+    slot = step.positions % ratio
+    failed += check(
+        "window score", ca.window_score_triton(gate, bias, slot),
+        ca.window_score_torch(gate, bias, slot), tol=0.0,
+    )  # fmt: skip
     return failed + pooling(step)
 
 

@@ -1148,3 +1148,17 @@ def test_unweighted_rms_norm_matches_twin(dtype):
     x = (torch.randn(37, 64, 520, device="cuda") * 3).to(dtype)[:, :, :512]
     ref = fused.unweighted_rms_norm_torch(x, 1e-6)
     torch.testing.assert_close(fused.unweighted_rms_norm_triton(x, 1e-6), ref)
+
+
+@gpu
+def test_window_score_matches_twin():
+    """A DeepSeek V4 compressor's pooling logits in one kernel: bf16 projection output plus
+    its window slot's float32 bias, exactly the twin's float32 sum."""
+    from breakgraph.kernels import compressed_attention as ca
+
+    gate = torch.randn(301, 1024, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(4, 1024, device="cuda")
+    slot = torch.randint(0, 4, (301,), device="cuda")
+    assert torch.equal(
+        ca.window_score_triton(gate, bias, slot), ca.window_score_torch(gate, bias, slot)
+    )
