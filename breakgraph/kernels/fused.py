@@ -179,6 +179,31 @@ def rope_tail_torch(
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
 
 
+def norm_rope_tail_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor | None = None,
+    loc: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """DeepSeek V4's normed, roped rows: :func:`gemma_rms_norm_torch` with the float32
+    ``weight`` (its kv norm), or with ``weight`` None :func:`unweighted_rms_norm_torch` (its
+    q norm), then :func:`rope_tail_torch`. With ``cache`` (contiguous [S, D] or [S, 1, D])
+    the rows [T, D] go to its slots ``loc`` [T] (cast to its dtype) and nothing is
+    returned."""
+    if weight is None:
+        normed = unweighted_rms_norm_torch(x, eps)
+    else:
+        normed = gemma_rms_norm_torch(x, weight, eps)
+    out = rope_tail_torch(normed, cos, sin)
+    if cache is None:
+        return out
+    cache.view(cache.shape[0], -1)[loc] = out.to(cache.dtype)
+    return None
+
+
 # ---------------------------------------------------------------------------- Triton
 
 
@@ -287,7 +312,6 @@ def _gemma_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
-    SCALE_IN_DTYPE: tl.constexpr = False,  # DeepSeek V4's unweighted norm (no weight)
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
     pdl.enter(PDL)
@@ -299,10 +323,7 @@ def _gemma_rms_norm_kernel(
     xv = tl.load(x + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
     h = xv.to(tl.float32)
     variance = tl.sum(h * h, 0) / n_cols
-    if SCALE_IN_DTYPE:  # x * rsqrt(...).to(x.dtype): the scale rounded, the product too
-        y = h * tl.rsqrt(variance + eps).to(xv.dtype).to(tl.float32)
-    else:
-        y = h * tl.rsqrt(variance + eps)  # torch's pow(x, -0.5) on CUDA is rsqrt
+    y = h * tl.rsqrt(variance + eps)  # torch's pow(x, -0.5) on CUDA is rsqrt
     if HAS_WEIGHT:
         y = y * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     y = y.to(xv.dtype)  # type_as(x): the norm's one rounding
@@ -326,19 +347,9 @@ def _outer_inner(x: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError("gemma_rms_norm takes tensors of at most 3 dims")
 
 
-def unweighted_rms_norm_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton twin of :func:`unweighted_rms_norm_torch`: one launch (Gemma's norm kernel with
-    the scale rounded to x's dtype)."""
-    return _launch_gemma_norm(x, None, eps, None, None, scale_in_dtype=True)
-
-
 def gemma_rms_norm_triton(x, weight, eps, residual=None, scale=None) -> torch.Tensor:
     """Triton twin of :func:`gemma_rms_norm_torch` (its arguments): one launch, residual add
     and scale included."""
-    return _launch_gemma_norm(x, weight, eps, residual, scale)
-
-
-def _launch_gemma_norm(x, weight, eps, residual, scale, scale_in_dtype: bool = False):
     n_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outer, inner, sx0, sx1 = _outer_inner(x)
@@ -360,7 +371,7 @@ def _launch_gemma_norm(x, weight, eps, residual, scale, scale_in_dtype: bool = F
         x, x if weight is None else weight, r, x if scale is None else scale, out,
         inner, sx0, sx1, sr0, sr1, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-        HAS_SCALE=scale is not None, BLOCK=block, SCALE_IN_DTYPE=scale_in_dtype,
+        HAS_SCALE=scale is not None, BLOCK=block,
         num_warps=_row_warps(block), enable_fp_fusion=False,
         **pdl.launch(x.device),
     )  # fmt: skip
@@ -723,6 +734,75 @@ def _rope_tail_kernel(
     # a pair (x1, x2): x1' = x1 cos - x2 sin at the even channel, x2' = x2 cos + x1 sin
     rotated = tl.where(even, xf * c - pf * s, xf * c + pf * s)
     tl.store(out + pid * n_cols + offs, tl.where(tail, rotated.to(xv.dtype), xv), mask=mask)
+
+
+@_jit
+def _norm_rope_tail_kernel(
+    x, weight, cos, sin, out, loc, inner, stride_x0, stride_x1, stride_c, stride_o, n_cols,
+    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
+    STORE: tl.constexpr, PDL: tl.constexpr = False,  # kernels/pdl.py
+):  # fmt: skip
+    """One row (token, head): Gemma's norm (WEIGHTED) or V4's unweighted one, then its last
+    2 * HALF channels rotated in neighbouring pairs, each value rounded where the two
+    kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_kernel``); the
+    partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``."""
+    pdl.enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    i0 = pid // inner
+    row = x + i0 * stride_x0 + (pid % inner) * stride_x1
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    xv = tl.load(row + offs, mask=mask, other=0.0)
+    h = xv.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
+    start = n_cols - 2 * HALF
+    tail = mask & (offs >= start)
+    rel = tl.where(tail, offs - start, 0)
+    even = rel % 2 == 0
+    at = tl.where(even, offs + 1, offs - 1)
+    pv = tl.load(row + at, mask=tail, other=0.0).to(tl.float32)
+    if WEIGHTED:  # normalized and scaled in fp32, one rounding
+        y = (h * rstd * tl.load(weight + offs, mask=mask, other=0.0)).to(xv.dtype)
+        p = (pv * rstd * tl.load(weight + at, mask=tail, other=0.0)).to(xv.dtype)
+    else:  # the scale rounded to the dtype, the product too
+        r = rstd.to(xv.dtype).to(tl.float32)
+        y = (h * r).to(xv.dtype)
+        p = (pv * r).to(xv.dtype)
+    c = tl.load(cos + i0 * stride_c + rel // 2, mask=tail, other=1.0)
+    s = tl.load(sin + i0 * stride_c + rel // 2, mask=tail, other=0.0)
+    yf, pf = y.to(tl.float32), p.to(tl.float32)
+    rotated = tl.where(even, yf * c - pf * s, yf * c + pf * s)
+    y = tl.where(tail, rotated.to(xv.dtype), y)
+    dst = tl.load(loc + i0).to(tl.int64) if STORE else pid
+    tl.store(out + dst * stride_o + offs, y.to(out.dtype.element_ty), mask=mask)
+
+
+def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
+    """Triton twin of :func:`norm_rope_tail_torch` (its arguments): one launch for the norm,
+    the rotation and (with ``cache``) the store."""
+    n_cols, half = x.shape[-1], cos.shape[-1]
+    outer, inner, sx0, sx1 = _outer_inner(x)
+    store = cache is not None
+    if store:
+        assert x.dim() == 2 and cache.is_contiguous() and cache[0].numel() == n_cols
+        out, stride_o = cache, cache.stride(0)
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        stride_o = n_cols
+    if x.numel() == 0:
+        return None if store else out
+    cos, sin = cos.contiguous(), sin.contiguous()
+    assert x.stride(-1) == 1 and 2 * half <= n_cols and cos.shape[0] == x.shape[0]
+    if weight is not None:
+        assert weight.is_contiguous() and weight.dtype == torch.float32
+    block = triton.next_power_of_2(n_cols)
+    _norm_rope_tail_kernel[(outer * inner,)](
+        x, x if weight is None else weight, cos, sin, out, loc if store else cos, inner, sx0,
+        sx1, cos.stride(0), stride_o, n_cols, eps, HALF=half, BLOCK=block,
+        WEIGHTED=weight is not None, STORE=store, num_warps=_row_warps(block),
+        enable_fp_fusion=False, **pdl.launch(x.device),
+    )  # fmt: skip
+    return None if store else out
 
 
 def rope_tail_triton(x, cos, sin, inverse=False) -> torch.Tensor:

@@ -49,6 +49,7 @@ __all__ = [
     "linear",
     "linear_act_and_mul",
     "norm_linear",
+    "norm_rope_tail",
     "pool_windows",
     "qk_norm_rope",
     "rms_norm",
@@ -57,7 +58,6 @@ __all__ = [
     "sparse_attention",
     "store_kv",
     "triton_available",
-    "unweighted_rms_norm",
     "window_score",
 ]
 
@@ -205,8 +205,8 @@ rope = _twin(_fused.rope_torch, _fused.rope_triton)
 qk_norm_rope = _twin(_fused.qk_norm_rope_torch, _fused.qk_norm_rope_triton)
 gemma_qk_norm_rope = _twin(_fused.gemma_qk_norm_rope_torch, _fused.gemma_qk_norm_rope_triton)
 rope_tail = _twin(_fused.rope_tail_torch, _fused.rope_tail_triton)
+norm_rope_tail = _twin(_fused.norm_rope_tail_torch, _fused.norm_rope_tail_triton)
 clamped_silu_mul = _twin(_fused.clamped_silu_mul_torch, _fused.clamped_silu_mul_triton)
-unweighted_rms_norm = _twin(_fused.unweighted_rms_norm_torch, _fused.unweighted_rms_norm_triton)
 
 
 # ---- compressed attention (DeepSeek V4; kernels/compressed_attention.py)

@@ -65,12 +65,6 @@ class DeepseekV4RMSNorm(nn.Module):
         return ops.gemma_rms_norm(x, self.weight, self.variance_epsilon)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's DeepseekV4UnweightedRMSNorm: the scale computed in float32, applied in x's dtype
-    (one kernel on CUDA, not five)."""
-    return ops.unweighted_rms_norm(x, eps)
-
-
 class DeepseekV4RotaryEmbedding(nn.Module):
     """cos/sin [T, rope_dim / 2] of the ``main`` and ``compress`` ropes (one angle per
     interleaved pair), computed from the positions as HF does: no table."""
@@ -209,9 +203,10 @@ class _Compressor(nn.Module):
         """The closing rows' entries (normed, roped at their window's first position) into
         the per-slot buffer; the other rows' go to slot 0."""
         _, cos, sin, dst = rows.windows(self.ratio)
-        entry = apply_rope(self.kv_norm(pooled.to(dtype)), cos, sin)
         cache = get_forward_context().kv_pool.slot_buffers[self.cache_name]
-        cache[dst] = entry.to(cache.dtype)
+        norm = self.kv_norm  # HF: apply_rope(kv_norm(pooled)), stored: one kernel
+        ops.norm_rope_tail(pooled.to(dtype), norm.weight, norm.variance_epsilon, cos, sin,
+                           cache, dst)  # fmt: skip
 
 
 class DeepseekV4Indexer(_Compressor):
@@ -324,10 +319,13 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = rows.rope(self.rope_kind)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        # HF: q = apply_rope(q_norm(q)); kv = apply_rope(kv_norm(kv_proj(x))), then the
+        # cache's store: one kernel each (norm, rope and store: fused.norm_rope_tail)
+        q = ops.norm_rope_tail(q, None, self.eps, cos, sin)
         kv_cache = ctx.kv_pool.k_buffers[self.layer_id]
-        kv_cache[rows.out_cache_loc, 0] = kv.to(kv_cache.dtype)
+        norm = self.kv_norm
+        ops.norm_rope_tail(self.kv_proj(x), norm.weight, norm.variance_epsilon, cos, sin,
+                           kv_cache, rows.out_cache_loc)  # fmt: skip
         indexer_q = indexer_weights = None
         if self.compressor is not None:
             indexer_q, indexer_weights = self.compressor(x, q_residual, rows)

@@ -58,7 +58,7 @@ def main() -> int:
         + rope_tail()
         + clamped_silu_mul()
         + apply_penalties()
-        + unweighted_rms_norm()
+        + norm_rope_tail()
         + skinny_gemm()
         + extend_zero_pad()
     )
@@ -178,19 +178,31 @@ def apply_penalties() -> int:
     return failed
 
 
-def unweighted_rms_norm() -> int:
-    """DeepSeek V4's unweighted q norm in one kernel: [T, H, D] heads of a wider tensor
-    (strided) and [T, D] rows, against HF's arithmetic."""
+def norm_rope_tail() -> int:
+    """DeepSeek V4's norm, interleaved RoPE and store in one kernel: its unweighted q norm
+    over [T, H, D] heads of a wider tensor (strided), its weighted kv norm over [T, D] rows
+    stored at slots of a [S, 1, D] cache and of an [S, D] one, against the twin."""
     from breakgraph.kernels import fused
 
     torch.manual_seed(5)
     failed = 0
-    for x in ((torch.randn(4, 3, 96) * 3)[:, :, :80], torch.randn(6, 80)):
-        ref = fused.unweighted_rms_norm_torch(x, 1e-6)
-        diff = (fused.unweighted_rms_norm_triton(x, 1e-6) - ref).abs().max().item()
-        ok = diff <= 1e-6
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)  # 16 rope channels of 80
+    q = (torch.randn(6, 3, 96) * 3)[:, :, :80]
+    diff = (fused.norm_rope_tail_triton(q, None, 1e-6, cos, sin)
+            - fused.norm_rope_tail_torch(q, None, 1e-6, cos, sin)).abs().max().item()  # fmt: skip
+    ok = diff <= 1e-6
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} norm rope tail, unweighted heads: max diff {diff:.1e}")
+    kv, weight, loc = torch.randn(6, 80) * 2, torch.rand(80) + 0.5, torch.tensor([3, 0, 7, 1, 9, 4])
+    for shape in ((11, 1, 80), (11, 80)):
+        got, want = torch.zeros(shape), torch.zeros(shape)
+        fused.norm_rope_tail_triton(kv, weight, 1e-6, cos, sin, got, loc)
+        fused.norm_rope_tail_torch(kv, weight, 1e-6, cos, sin, want, loc)
+        diff = (got - want).abs().max().item()
+        ok = diff <= 1e-6 and bool(got[2].eq(0).all())  # a slot not in loc untouched
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL'} unweighted rms norm {tuple(x.shape)}: max diff {diff:.1e}")
+        print(f"{'ok' if ok else 'FAIL'} norm rope tail, weighted, stored {shape}: "
+              f"max diff {diff:.1e}")  # fmt: skip
     return failed
 
 

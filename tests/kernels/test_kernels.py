@@ -1142,12 +1142,24 @@ def test_penalty_apply_is_bit_identical_to_twin(dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_unweighted_rms_norm_matches_twin(dtype):
-    """DeepSeek V4's unweighted q norm (64 heads of 512, a strided slice) in one kernel: HF's
-    arithmetic, the scale rounded to the dtype before the product."""
-    x = (torch.randn(37, 64, 520, device="cuda") * 3).to(dtype)[:, :, :512]
-    ref = fused.unweighted_rms_norm_torch(x, 1e-6)
-    torch.testing.assert_close(fused.unweighted_rms_norm_triton(x, 1e-6), ref)
+def test_norm_rope_tail_matches_twin(dtype):
+    """DeepSeek V4's norm + interleaved RoPE (+ store) in one kernel, on its shapes: the
+    unweighted q norm over 64 heads of 512 (a strided slice), the weighted kv norm stored
+    at slots of the [S, 1, 512] cache; the twin's roundings (bit-equal in practice, within
+    one rounding of a reduction-order tie)."""
+    cos, sin = torch.randn(2, 37, 32, device="cuda").unbind(0)
+    q = (torch.randn(37, 64, 520, device="cuda") * 3).to(dtype)[:, :, :512]
+    torch.testing.assert_close(
+        fused.norm_rope_tail_triton(q, None, 1e-6, cos, sin),
+        fused.norm_rope_tail_torch(q, None, 1e-6, cos, sin),
+    )
+    kv = (torch.randn(37, 512, device="cuda") * 2).to(dtype)
+    weight = torch.rand(512, device="cuda") + 0.5
+    loc = torch.randperm(100, device="cuda")[:37]
+    got, want = (torch.zeros(100, 1, 512, device="cuda", dtype=dtype) for _ in range(2))
+    fused.norm_rope_tail_triton(kv, weight, 1e-6, cos, sin, got, loc)
+    fused.norm_rope_tail_torch(kv, weight, 1e-6, cos, sin, want, loc)
+    torch.testing.assert_close(got, want)
 
 
 @gpu

@@ -164,11 +164,13 @@ def test_no_kernel_parameter_shadows_tritons_argument_binder():
     assert kernels > 20
 
 
-def test_unweighted_norm_compiles_for_hopper():
-    """Gemma's norm kernel with DeepSeek V4's scale rounded to bf16 builds for sm_90."""
-    from breakgraph.kernels.fused import _gemma_rms_norm_kernel as kernel
+def test_norm_rope_tail_compiles_for_hopper():
+    """DeepSeek V4's norm + RoPE + store kernel builds for sm_90 (ptxas included), both
+    norms, storing or not."""
+    from breakgraph.kernels.fused import _norm_rope_tail_kernel as kernel
 
-    consts = {"HAS_WEIGHT": False, "HAS_RESIDUAL": False, "HAS_SCALE": False, "BLOCK": 512,
-              "SCALE_IN_DTYPE": True, "PDL": False}  # fmt: skip
-    types = dict.fromkeys(("x", "weight", "residual", "scale", "out"), "*bf16") | {"eps": "fp32"}
-    assert _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
+    types = dict.fromkeys(("x", "out"), "*bf16") | dict.fromkeys(("weight", "cos", "sin"), "*fp32")
+    types |= {"loc": "*i64", "eps": "fp32"}
+    for weighted, store in ((False, False), (True, True)):
+        consts = {"HALF": 32, "BLOCK": 512, "WEIGHTED": weighted, "STORE": store, "PDL": True}
+        assert _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
