@@ -57,10 +57,10 @@ def main() -> int:
         + decode_rows()
         + rope_tail()
         + clamped_silu_mul()
-        + apply_penalties()
-        + norm_rope_tail()
         + skinny_gemm()
         + extend_zero_pad()
+        + apply_penalties()  # after the cases that draw from the global generator unseeded
+        + norm_rope_tail()
     )
 
 
