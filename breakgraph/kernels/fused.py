@@ -707,14 +707,10 @@ def gemma_qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin, store=Non
 
 
 @_jit
-def _rope_tail_kernel(
-    x, cos, sin, out, inner, stride_x0, stride_x1, stride_c, n_cols,
-    HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
-):  # fmt: skip
-    """One row (token, head): its last 2 * HALF channels rotated in neighbouring pairs, in
-    float32 as the twin (the products and the sum each rounded: no FMA), the rest copied."""
-    pdl.enter(PDL)
+def _tail_row(x, inner, stride_x0, stride_x1, n_cols, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """A program's row (token, head) of x and the layout of its last 2 * HALF channels:
+    (program, token, row pointer, offsets, mask, the row's values, in the tail, index in
+    the tail, even in its pair, the pair partner's offsets)."""
     pid = tl.program_id(0).to(tl.int64)
     i0 = pid // inner
     row = x + i0 * stride_x0 + (pid % inner) * stride_x1
@@ -725,14 +721,38 @@ def _rope_tail_kernel(
     tail = mask & (offs >= start)
     rel = tl.where(tail, offs - start, 0)
     even = rel % 2 == 0
-    c = tl.load(cos + i0 * stride_c + rel // 2, mask=tail, other=1.0)
-    s = tl.load(sin + i0 * stride_c + rel // 2, mask=tail, other=0.0)
+    return pid, i0, row, offs, mask, xv, tail, rel, even, tl.where(even, offs + 1, offs - 1)
+
+
+@_jit
+def _rotate_pairs(v, partner, cos, sin, rel, even, tail, INVERSE: tl.constexpr):
+    """float32 values and their pair partners rotated, as the twin (the products and the sum
+    each rounded: no FMA): x1' = x1 cos - x2 sin at the even channel, x2' = x2 cos + x1 sin;
+    ``cos``/``sin`` the token's rows."""
+    c = tl.load(cos + rel // 2, mask=tail, other=1.0)
+    s = tl.load(sin + rel // 2, mask=tail, other=0.0)
     if INVERSE:
         s = -s
-    partner = tl.load(row + tl.where(even, offs + 1, offs - 1), mask=tail, other=0.0)
-    xf, pf = xv.to(tl.float32), partner.to(tl.float32)
-    # a pair (x1, x2): x1' = x1 cos - x2 sin at the even channel, x2' = x2 cos + x1 sin
-    rotated = tl.where(even, xf * c - pf * s, xf * c + pf * s)
+    return tl.where(even, v * c - partner * s, v * c + partner * s)
+
+
+@_jit
+def _rope_tail_kernel(
+    x, cos, sin, out, inner, stride_x0, stride_x1, stride_c, n_cols,
+    HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
+):  # fmt: skip
+    """One row (token, head): its last 2 * HALF channels rotated in neighbouring pairs, in
+    float32, the rest copied."""
+    pdl.enter(PDL)
+    pid, i0, row, offs, mask, xv, tail, rel, even, at = _tail_row(
+        x, inner, stride_x0, stride_x1, n_cols, HALF, BLOCK
+    )
+    partner = tl.load(row + at, mask=tail, other=0.0)
+    rotated = _rotate_pairs(
+        xv.to(tl.float32), partner.to(tl.float32), cos + i0 * stride_c, sin + i0 * stride_c,
+        rel, even, tail, INVERSE,
+    )  # fmt: skip
     tl.store(out + pid * n_cols + offs, tl.where(tail, rotated.to(xv.dtype), xv), mask=mask)
 
 
@@ -747,19 +767,11 @@ def _norm_rope_tail_kernel(
     kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_kernel``); the
     partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``."""
     pdl.enter(PDL)
-    pid = tl.program_id(0).to(tl.int64)
-    i0 = pid // inner
-    row = x + i0 * stride_x0 + (pid % inner) * stride_x1
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    xv = tl.load(row + offs, mask=mask, other=0.0)
+    pid, i0, row, offs, mask, xv, tail, rel, even, at = _tail_row(
+        x, inner, stride_x0, stride_x1, n_cols, HALF, BLOCK
+    )
     h = xv.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
-    start = n_cols - 2 * HALF
-    tail = mask & (offs >= start)
-    rel = tl.where(tail, offs - start, 0)
-    even = rel % 2 == 0
-    at = tl.where(even, offs + 1, offs - 1)
     pv = tl.load(row + at, mask=tail, other=0.0).to(tl.float32)
     if WEIGHTED:  # normalized and scaled in fp32, one rounding
         y = (h * rstd * tl.load(weight + offs, mask=mask, other=0.0)).to(xv.dtype)
@@ -768,10 +780,10 @@ def _norm_rope_tail_kernel(
         r = rstd.to(xv.dtype).to(tl.float32)
         y = (h * r).to(xv.dtype)
         p = (pv * r).to(xv.dtype)
-    c = tl.load(cos + i0 * stride_c + rel // 2, mask=tail, other=1.0)
-    s = tl.load(sin + i0 * stride_c + rel // 2, mask=tail, other=0.0)
-    yf, pf = y.to(tl.float32), p.to(tl.float32)
-    rotated = tl.where(even, yf * c - pf * s, yf * c + pf * s)
+    rotated = _rotate_pairs(
+        y.to(tl.float32), p.to(tl.float32), cos + i0 * stride_c, sin + i0 * stride_c, rel,
+        even, tail, False,
+    )  # fmt: skip
     y = tl.where(tail, rotated.to(xv.dtype), y)
     dst = tl.load(loc + i0).to(tl.int64) if STORE else pid
     tl.store(out + dst * stride_o + offs, y.to(out.dtype.element_ty), mask=mask)
