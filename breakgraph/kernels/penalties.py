@@ -73,16 +73,7 @@ def apply_penalties_torch(
 
 
 def apply_penalties_triton(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    counts: torch.Tensor,
-    prompt_seen: torch.Tensor,
-    bias: torch.Tensor,
-    banned: torch.Tensor,
-    params: torch.Tensor,
-    min_new: torch.Tensor,
-    generated: torch.Tensor,
-    drafted=None,
+    logits, rows, counts, prompt_seen, bias, banned, params, min_new, generated, drafted=None
 ) -> torch.Tensor:
     """Triton twin of :func:`apply_penalties_torch`; a verify step's ``drafted`` rows go to
     the twin (their counts change before the apply)."""
