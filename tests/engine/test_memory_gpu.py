@@ -49,6 +49,9 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
             lines = str(e).splitlines()
             cause = [line for line in lines if " ERROR " in line][-2:] or lines[-1:]
             outcomes[name] = f"did not start: {lines[0]} {' | '.join(cause)}"
+            print(
+                f"{name}: {outcomes[name]}", flush=True
+            )  # as each ends (-s): a cut run shows them
             continue
         try:
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
@@ -79,8 +82,8 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
             code = srv.stop()
         if code != 0 and outcomes[name].startswith("ok"):
             outcomes[name] = f"exited {code}"
+        print(f"{name}: {outcomes[name]}", flush=True)
     table = "\n".join(f"{name}: {what}" for name, what in outcomes.items())
-    print(table)  # estimate against measured per model: `pytest -rP` shows it on a pass too
     assert all(what.startswith("ok") for what in outcomes.values()), table
 
 
