@@ -17,6 +17,7 @@ from breakgraph.engine.request import SamplingParams
 from breakgraph.forward_batch import upload_many
 
 MAX_SAMPLE_FLOATS = 1 << 24  # a chunk of rows' [rows, V] temporary: 64 MiB of float32
+TOP_K_FAST = 1024  # a row with a top_k up to this draws among its top-k: no full sort
 
 
 def sample(
@@ -47,9 +48,58 @@ def sample(
 
 
 def _sample_stochastic(logits, params, generators, greedy_ids):
-    probs, greedy = filtered_probs(logits, params)
-    sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    """Sampled rows bounded by a ``top_k`` of at most ``TOP_K_FAST`` draw among their top-k
+    (a top-k, not a sort of the vocabulary); the others through ``filtered_probs``. Which
+    path a row takes depends on its own parameters only, so a seeded request draws the same
+    tokens whatever shares its batch."""
+    fast = [_top_k_bounded(p) for p in params]
+    if all(f or p.greedy for f, p in zip(fast, params, strict=True)):
+        sampled = _sample_top_k(logits, params, generators)
+    elif not any(fast):
+        sampled = _sample_sorted(logits, params, generators)
+    else:  # a mixed batch: each part on its path, the ids back in their rows
+        parts = [[i for i, f in enumerate(fast) if f], [i for i, f in enumerate(fast) if not f]]
+        rows = upload_many(parts, torch.int64, logits.device)
+        sampled = torch.empty_like(greedy_ids)
+        paths = (_sample_top_k, _sample_sorted)
+        for sample_part, part, at in zip(paths, parts, rows, strict=True):
+            sampled[at] = sample_part(
+                logits[at], [params[i] for i in part], [generators[i] for i in part]
+            )
+    (greedy,) = upload_many([[float(p.greedy) for p in params]], torch.float32, logits.device)
     return torch.where(greedy.bool(), greedy_ids, sampled)
+
+
+def _top_k_bounded(p: SamplingParams) -> bool:
+    return not p.greedy and 0 < p.top_k <= TOP_K_FAST
+
+
+def _sample_sorted(logits, params, generators):
+    probs, _ = filtered_probs(logits, params)
+    return (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def _sample_top_k(logits, params, generators):
+    """Rows whose every filter is bounded by their ``top_k`` (greedy rows: one candidate,
+    their result replaced by the argmax): the softmax over the vocabulary, its top
+    ``max(top_k)`` in order, then ``filtered_probs``' top-k, top-p and min-p rules on those
+    and the race among the kept. A seeded row draws ``top_k`` noise values from its generator
+    (what it keeps at most), however many the batch's largest top-k asks for."""
+    temps, top_ps, min_ps, top_ks, _ = _upload_params(params, logits.shape[-1], logits.device)
+    k = min(max(p.top_k if _top_k_bounded(p) else 1 for p in params), logits.shape[-1])
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    vals, ids = probs.topk(k, dim=-1)
+    ranks = torch.arange(k, device=logits.device)[None, :]
+    drop = ranks >= top_ks[:, None]
+    drop |= ((vals.cumsum(dim=-1) - vals) >= top_ps[:, None]) & (ranks > 0)
+    vals = vals.masked_fill(drop, 0.0)
+    if any(p.min_p > 0 for p in params):  # the most likely is never dropped: column 0
+        vals = vals.masked_fill(vals < min_ps[:, None] * vals[:, :1], 0.0)
+    noise = torch.empty_like(vals).exponential_()
+    for row, (gen, p) in enumerate(zip(generators, params, strict=True)):
+        if gen is not None and _top_k_bounded(p):
+            noise[row, : p.top_k].exponential_(generator=gen)
+    return ids.gather(1, (vals / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]):
@@ -67,20 +117,7 @@ def filtered_probs(
     """(the rows' sampling weights after temperature, top-k, top-p and min-p: softmax values
     with the filtered ones zeroed, not renormalized; 1.0 where a row is greedy, else 0.0)."""
     device = logits.device
-    temps, top_ps, min_ps, top_ks, greedy = upload_many(
-        [
-            [
-                min(p.temperature, MAX_EFFECTIVE_TEMPERATURE) if p.temperature > 0 else 1.0
-                for p in params
-            ],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-            [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params],
-            [float(p.greedy) for p in params],
-        ],
-        torch.float32,
-        device,
-    )
+    temps, top_ps, min_ps, top_ks, greedy = _upload_params(params, logits.shape[-1], device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
@@ -95,3 +132,22 @@ def filtered_probs(
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_ps[:, None] * max_p, 0.0)
     return probs, greedy
+
+
+def _upload_params(params: list[SamplingParams], vocab: int, device: torch.device):
+    """(temperature, top_p, min_p, top_k (the vocabulary where unset), greedy as 1.0) per
+    row, float32, in one upload."""
+    return upload_many(
+        [
+            [
+                min(p.temperature, MAX_EFFECTIVE_TEMPERATURE) if p.temperature > 0 else 1.0
+                for p in params
+            ],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.top_k if p.top_k > 0 else vocab for p in params],
+            [float(p.greedy) for p in params],
+        ],
+        torch.float32,
+        device,
+    )

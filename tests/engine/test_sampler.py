@@ -87,3 +87,48 @@ def test_a_large_batch_is_sampled_a_chunk_of_rows_at_a_time(monkeypatch):
     assert torch.equal(chunked_ids, ids) and torch.equal(chunked_lp, lp)
     for a, b in zip(logprobs.token_logprobs(logits, targets, 5), whole, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_top_k_row_draws_among_its_top_k_as_the_full_filter_would():
+    """Rows bounded by a top_k (up to ``TOP_K_FAST``) draw among their top-k, not after a
+    sort of the vocabulary: the support and the distribution of ``filtered_probs`` (top-k,
+    then top-p and min-p on the sorted values), over 6,000 draws; a top_k past the
+    vocabulary too."""
+    from breakgraph.engine.sampler import filtered_probs
+
+    logits = torch.randn(1, 60, generator=torch.Generator().manual_seed(3)) * 2
+    n = 6000
+    for p in (
+        SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=500),
+    ):
+        probs, _ = filtered_probs(logits, [p])
+        want = probs[0] / probs[0].sum()
+        ids, _ = sample(logits.expand(n, -1).contiguous(), [p] * n, [None] * n)
+        freq = torch.bincount(ids, minlength=60).float() / n
+        assert freq[want == 0].sum() == 0
+        torch.testing.assert_close(freq, want, atol=0.025, rtol=0)
+
+
+def test_a_seeded_request_draws_the_same_whatever_shares_its_batch():
+    """A seeded top-k request's tokens over several steps do not depend on its batch: alone,
+    beside rows that take the sorted path (top_p only), a greedy row and a larger top_k."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 2
+    mine = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    others = [
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=600),
+    ]
+
+    def steps(batch: bool) -> list[int]:
+        gen, out = torch.Generator().manual_seed(7), []
+        for _ in range(6):
+            if batch:
+                ids, _ = sample(logits, [*others, mine], [None, None, None, gen])
+            else:
+                ids, _ = sample(logits[3:], [mine], [gen])
+            out.append(int(ids[-1]))
+        return out
+
+    assert steps(batch=False) == steps(batch=True)
