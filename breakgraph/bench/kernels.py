@@ -6,8 +6,11 @@ attention (or SDPA's flash backend); extend attention of 256 and 1024 new tokens
 references with bottom-right causal alignment; decode attention (batch 32 x 8K context)
 against the bandwidth floor, KV bytes / measured device-to-device copy bandwidth, also in
 its long-context variant and over a verify step's rows; the fused norm, activation and RoPE
-kernels against their torch twins. Medians. Where FlashInfer imports, its batch prefill over
-the same paged KV is one more extend reference (the candidate fast path on Hopper).
+kernels against their torch twins; a decode step's sampling of a top_k request (the top-k
+path against the full sort) and the penalty pool's apply (one pass against the gathering
+twin) over Qwen3's vocabulary at batch 1, 64 and 256. Medians. Where FlashInfer imports, its
+batch prefill over the same paged KV is one more extend reference (the candidate fast path
+on Hopper).
 """
 
 from __future__ import annotations
@@ -279,6 +282,35 @@ def bench_fused(n: int) -> list[tuple]:
     return rows
 
 
+def bench_sampling(batches: list[int]) -> list[tuple]:
+    """A decode step's sampling and penalties over Qwen3's vocabulary: a top_k request's
+    top-k path against the sorted path of the same filters, and the penalty pool's one-pass
+    apply against its gathering twin (every row with penalties, logit_bias and a min)."""
+    from breakgraph.engine import sampler
+    from breakgraph.engine.penalties import PenaltyPool
+    from breakgraph.engine.request import Req, SamplingParams
+    from breakgraph.kernels import penalties as pen
+
+    vocab, rows = 151936, []
+    pool = PenaltyPool(vocab, torch.device("cuda"), {2}, capacity=max(batches))
+    sp = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, frequency_penalty=0.5,
+                        repetition_penalty=1.1, logit_bias={"5": 2.0}, min_new_tokens=4)  # fmt: skip
+    for i in range(max(batches)):
+        pool.acquire(Req(f"r{i}", list(range(i, 2000, 7)), sp))
+    for b in batches:
+        logits = torch.randn(b, vocab, device="cuda") * 3
+        params, gens = [sp] * b, [None] * b
+        ms = bench_ms(lambda logits=logits, p=params, g=gens: sampler._sample_top_k(logits, p, g))
+        ref = bench_ms(lambda logits=logits, p=params, g=gens: sampler._sample_sorted(logits, p, g))
+        rows.append(("sample (top_k 50, top_p 0.9)", f"{b} x {vocab}", ms, "full sort", ref))
+        at = torch.arange(1, b + 1, device="cuda")
+        args = (logits, at, *pool.tensors())
+        ms = bench_ms(lambda args=args: pen.apply_penalties_triton(*args))
+        ref = bench_ms(lambda args=args: pen.apply_penalties_torch(*args))
+        rows.append(("penalty apply", f"{b} x {vocab}", ms, "torch twin (gathers)", ref))
+    return rows
+
+
 def run_kernels_bench(args) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("error: bench kernels needs a CUDA device")
@@ -292,6 +324,7 @@ def run_kernels_bench(args) -> None:
     if not args.long_prefix_only:
         rows += bench_decode(args.decode_batch, args.decode_context, args.sweep)
         rows += bench_fused(args.extend_tokens)
+        rows += bench_sampling([1, 64, 256])
     header = ("kernel", "shape", "triton ms", "reference", "ref ms", "ratio")
     table = [
         (
