@@ -561,7 +561,7 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @_jit()
-def _gated(acc, acc_up, c, GELU: tl.constexpr, CLAMP: tl.constexpr = False, limit=0.0):
+def _gated(acc, acc_up, c, GELU: tl.constexpr, CLAMP: tl.constexpr, limit):
     """act(gate) * up from the fp32 sums, rounded to ``c``'s element type where the twin
     rounds: gate, up, act(gate), the product (the last by the caller's store). ``CLAMP``:
     DeepSeek V4's SwiGLU, gate clamped to at most ``limit`` and up to [-limit, limit] once
@@ -672,7 +672,7 @@ def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids
 
     dtype = c.dtype.element_ty
     if GATED:
-        out = _gated(acc, acc_up, c, GELU)
+        out = _gated(acc, acc_up, c, GELU, False, 0.0)
     else:
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:

@@ -174,3 +174,22 @@ def test_norm_rope_tail_compiles_for_hopper():
     for weighted, store in ((False, False), (True, True)):
         consts = {"HALF": 32, "BLOCK": 512, "WEIGHTED": weighted, "STORE": store, "PDL": True}
         assert _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
+
+
+def test_moe_gated_epilogues_compile_for_hopper():
+    """The MoE GEMV path's gate/up kernel with DeepSeek V4's clamp, and the grouped GEMM's
+    gated (fused activation) variant, both through ``_gated``, build for sm_90."""
+    from breakgraph.kernels import fused_moe as fm
+
+    types = dict.fromkeys(("x", "w", "h"), "*bf16") | {"topk_ids": "*i32", "limit": "fp32"}
+    consts = {"TOP_K": 6, "BLOCK_N": 64, "BLOCK_K": 128, "K_CHUNKS": 4, "GELU": False,
+              "CLAMP": True, "PDL": False}  # fmt: skip
+    assert _kernel_ptx(fm._moe_gemv_gate_up_kernel, consts, types)
+    types = dict.fromkeys(("a", "a_half", "b", "c"), "*bf16") | {"topk_weights": "*fp32"}
+    types |= dict.fromkeys(("sorted_ids", "expert_ids", "num_post_padded"), "*i32")
+    consts = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "A_PER_TOKEN": True,
+              "A_SORTED": False, "C_SORTED": False, "GATED": True, "GELU": False,
+              "MUL_WEIGHT": False, "IEEE": False, "B_TMA": False, "A_TMA": False,
+              "PERSISTENT": False, "HALF_TAIL": False, "C_ATOMIC": False,
+              "RED_V8": False}  # fmt: skip
+    assert _kernel_ptx(fm._moe_gemm_kernel, consts, types)
