@@ -299,9 +299,9 @@ def bench_sampling(batches: list[int]) -> list[tuple]:
         pool.acquire(Req(f"r{i}", list(range(i, 2000, 7)), sp))
     for b in batches:
         logits = torch.randn(b, vocab, device="cuda") * 3
-        params, gens = [sp] * b, [None] * b
-        ms = bench_ms(lambda logits=logits, p=params, g=gens: sampler._sample_top_k(logits, p, g))
-        ref = bench_ms(lambda logits=logits, p=params, g=gens: sampler._sample_sorted(logits, p, g))
+        args = (logits, [sp] * b, [None] * b, logits.argmax(dim=-1))
+        ms = bench_ms(lambda args=args: sampler._sample_top_k(*args))
+        ref = bench_ms(lambda args=args: sampler._sample_sorted(*args))
         rows.append(("sample (top_k 50, top_p 0.9)", f"{b} x {vocab}", ms, "full sort", ref))
         at = torch.arange(1, b + 1, device="cuda")
         args = (logits, at, *pool.tensors())

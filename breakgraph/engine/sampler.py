@@ -54,38 +54,37 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
     tokens whatever shares its batch."""
     fast = [_top_k_bounded(p) for p in params]
     if all(f or p.greedy for f, p in zip(fast, params, strict=True)):
-        sampled = _sample_top_k(logits, params, generators)
-    elif not any(fast):
-        sampled = _sample_sorted(logits, params, generators)
-    else:  # a mixed batch: each part on its path, the ids back in their rows
-        parts = [[i for i, f in enumerate(fast) if f], [i for i, f in enumerate(fast) if not f]]
-        rows = upload_many(parts, torch.int64, logits.device)
-        sampled = torch.empty_like(greedy_ids)
-        paths = (_sample_top_k, _sample_sorted)
-        for sample_part, part, at in zip(paths, parts, rows, strict=True):
-            sampled[at] = sample_part(
-                logits[at], [params[i] for i in part], [generators[i] for i in part]
-            )
-    (greedy,) = upload_many([[float(p.greedy) for p in params]], torch.float32, logits.device)
-    return torch.where(greedy.bool(), greedy_ids, sampled)
+        return _sample_top_k(logits, params, generators, greedy_ids)
+    if not any(fast):
+        return _sample_sorted(logits, params, generators, greedy_ids)
+    # a mixed batch: each part on its path, the ids back in their rows
+    parts = [[i for i, f in enumerate(fast) if f], [i for i, f in enumerate(fast) if not f]]
+    rows = upload_many(parts, torch.int64, logits.device)
+    sampled = torch.empty_like(greedy_ids)
+    for sample_part, part, at in zip((_sample_top_k, _sample_sorted), parts, rows, strict=True):
+        sampled[at] = sample_part(
+            logits[at], [params[i] for i in part], [generators[i] for i in part], greedy_ids[at]
+        )
+    return sampled
 
 
 def _top_k_bounded(p: SamplingParams) -> bool:
     return not p.greedy and 0 < p.top_k <= TOP_K_FAST
 
 
-def _sample_sorted(logits, params, generators):
-    probs, _ = filtered_probs(logits, params)
-    return (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+def _sample_sorted(logits, params, generators, greedy_ids):
+    probs, greedy = filtered_probs(logits, params)
+    sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    return torch.where(greedy.bool(), greedy_ids, sampled)
 
 
-def _sample_top_k(logits, params, generators):
+def _sample_top_k(logits, params, generators, greedy_ids):
     """Rows whose every filter is bounded by their ``top_k`` (greedy rows: one candidate,
-    their result replaced by the argmax): the softmax over the vocabulary, its top
+    then their argmax, ``greedy_ids``): the softmax over the vocabulary, its top
     ``max(top_k)`` in order, then ``filtered_probs``' top-k, top-p and min-p rules on those
     and the race among the kept. A seeded row draws ``top_k`` noise values from its generator
     (what it keeps at most), however many the batch's largest top-k asks for."""
-    temps, top_ps, min_ps, top_ks, _ = _upload_params(params, logits.shape[-1], logits.device)
+    temps, top_ps, min_ps, top_ks, greedy = _upload_params(params, logits.shape[-1], logits.device)
     k = min(max(p.top_k if _top_k_bounded(p) else 1 for p in params), logits.shape[-1])
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vals, ids = probs.topk(k, dim=-1)
@@ -99,7 +98,8 @@ def _sample_top_k(logits, params, generators):
     for row, (gen, p) in enumerate(zip(generators, params, strict=True)):
         if gen is not None and _top_k_bounded(p):
             noise[row, : p.top_k].exponential_(generator=gen)
-    return ids.gather(1, (vals / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    sampled = ids.gather(1, (vals / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    return torch.where(greedy.bool(), greedy_ids, sampled)
 
 
 def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]):
