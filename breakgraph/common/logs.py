@@ -22,6 +22,7 @@ STARTUP_LOGGERS = (
     "breakgraph.models.loader",
     "breakgraph.models.gguf_loader",
     "breakgraph.engine.engine",
+    "breakgraph.engine.memory_profile",
     "breakgraph.engine.model_runner",
     "breakgraph.engine.warmup",
     "breakgraph.graph.bank",

@@ -75,6 +75,7 @@ class MemoryReport:
     # kept beside the KV pool for the largest eager step (the memory profile's peak)
     activation_reserve_bytes: int = 0
     graph_pool_estimate_bytes: int = 0  # the plan's estimate of every bank's pool, pre-capture
+    graph_pool_estimates: dict[str, int] = field(default_factory=dict)  # ... per bank
     request_table_bytes: int = 0  # the request table (per-request model state: in kv_bytes)
 
 

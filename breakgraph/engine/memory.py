@@ -10,21 +10,23 @@ its pools (the weights, the penalty pool, the CUDA context and library handles):
 
     KV = total x fraction - used - activations - graph pools - request table
     activations = max(step peaks measured by the profile)
-    graph pools = capture activations + sum over banks of their largest bucket's outputs
-                  + GRAPH_OVERHEAD_BYTES per graph
+    graph pools = sum over banks of (their largest capture's activations + its outputs
+                  + GRAPH_OVERHEAD_BYTES per graph)
 
-All banks share one pool and capture one graph at a time, so what a capture frees (its
-intermediates) the next one reuses: the pool holds the largest capture's activations once.
-What a graph keeps for its replays (its outputs: a decode graph's logits, a prefill graph's
-hidden states) is held per bank: a bank's buckets write one output buffer, the largest
-bucket's (graph/bank.py). The overhead covers each graph's kept blocks beyond its outputs
-(the allocator's rounding, a break's returned tensor, library workspaces).
+All banks share one pool and capture one graph at a time, yet each bank's pool grows by about
+its own largest capture's activations: measured per bank on an H100 at default flags
+(tests/engine/test_memory_gpu.py prints each bank's pool beside its estimate), Gemma 4's
+decode bank took 1.20 GiB after the prefill bank's capture had freed 1.13, and the penalized
+bank 1.44 after the decode bank's; so the estimate counts each bank's capture, not the
+largest one once. A bank's buckets write one output buffer, the largest bucket's
+(graph/bank.py); the overhead covers each graph's kept blocks beyond it (the allocator's
+rounding, a break's returned tensor, library workspaces).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,13 +36,12 @@ from breakgraph.engine.graphs.key import (
     DECODE_LONG,
     DECODE_PENALIZED,
     MTP_DECODE,
-    PREFILL,
 )
 
 GIB = 2**30
 # the most running requests a default --max-running-requests allows (max_running_requests)
 MAX_RUNNING_DEFAULT_CAP = 1024
-GRAPH_OVERHEAD_BYTES = 4 << 20  # per captured graph, beside its outputs (module docstring)
+GRAPH_OVERHEAD_BYTES = 6 << 20  # per captured graph, beside its outputs (module docstring)
 TABLE_CELL_BYTES = 4  # the request table's int32 slot ids
 
 
@@ -82,6 +83,7 @@ class StepPeaks:
     # speculative decoding: that batch's verify step (every row's logits, each request's
     # last token and k drafts, all sampled); 0 without speculation
     verify_step: int = 0
+    prefill_tokens: int = 0  # the chunk prefill_forward ran (0: the largest prefill bucket)
 
     @property
     def activations(self) -> int:
@@ -89,33 +91,39 @@ class StepPeaks:
         return max(self.prefill_forward, self.prompt_step, self.decode_step, self.verify_step)
 
 
-def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]], hidden: bool = False) -> int:
-    """The graph pools of ``banks`` (name -> buckets) before they are captured: the largest
-    capture's activations (a prefill bucket of the full chunk; a decode bucket's forward,
-    scaled by rows from the profiled batch) plus each bank's outputs (its largest bucket's,
-    which its buckets share) plus ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring).
-    ``hidden``: decode banks output their hidden rows too (NEXTN; its MTP's draft steps are
-    the ``MTP_DECODE`` bank, logits and streams out)."""
-    if not banks:
-        return 0
-    capture = 0
-    if PREFILL in banks:
-        capture = peaks.prefill_forward
-    decode_max = max((max(banks[b]) for b in (DECODE, DECODE_PENALIZED) if b in banks), default=0)
-    if decode_max and peaks.decode_rows:
-        capture = max(capture, math.ceil(peaks.decode_forward * decode_max / peaks.decode_rows))
-    outputs = 0
+def graph_pool_estimates(
+    peaks: StepPeaks, banks: dict[str, list[int]], hidden: bool = False
+) -> dict[str, int]:
+    """Each bank's pool (name -> buckets) before it is captured: its largest bucket's
+    capture (the profiled prefill forward scaled to its tokens, or the profiled decode
+    forward to its rows), its outputs (the largest bucket's, which its buckets share) and
+    ``GRAPH_OVERHEAD_BYTES`` per graph (module docstring). ``hidden``: decode banks output
+    their hidden rows too (NEXTN; its MTP's draft steps are the ``MTP_DECODE`` bank, logits
+    and streams out)."""
+    estimates = {}
     for name, sizes in banks.items():
         rows = max(sizes)
         hidden_rows = rows * peaks.prefill_out_row_bytes if hidden else 0
-        if name in (DECODE, DECODE_LONG, MTP_DECODE):
-            outputs += rows * peaks.logits_row_bytes + hidden_rows
-        elif name == DECODE_PENALIZED:  # the logits and the penalized logits
-            outputs += 2 * rows * peaks.logits_row_bytes + hidden_rows
+        if name in (DECODE, DECODE_LONG, DECODE_PENALIZED, MTP_DECODE):
+            capture = _scaled(peaks.decode_forward, rows, peaks.decode_rows)
+            copies = 2 if name == DECODE_PENALIZED else 1  # the logits and the penalized ones
+            outputs = copies * rows * peaks.logits_row_bytes + hidden_rows
         else:  # prefill, whole prefill, tail: hidden rows (the tail's fewer: an upper bound)
-            outputs += rows * peaks.prefill_out_row_bytes
-    graphs = sum(len(sizes) for sizes in banks.values())
-    return capture + outputs + graphs * GRAPH_OVERHEAD_BYTES
+            capture = _scaled(peaks.prefill_forward, rows, peaks.prefill_tokens or rows)
+            outputs = rows * peaks.prefill_out_row_bytes
+        estimates[name] = capture + outputs + len(sizes) * GRAPH_OVERHEAD_BYTES
+    return estimates
+
+
+def _scaled(peak: int, rows: int, profiled_rows: int) -> int:
+    """A profiled step's peak at ``rows`` of its ``profiled_rows`` (its activations grow
+    with its rows)."""
+    return math.ceil(peak * rows / profiled_rows) if profiled_rows else 0
+
+
+def graph_pool_estimate(peaks: StepPeaks, banks: dict[str, list[int]], hidden: bool = False) -> int:
+    """Every bank's pool (:func:`graph_pool_estimates`), summed."""
+    return sum(graph_pool_estimates(peaks, banks, hidden).values())
 
 
 def request_table_bytes(rows: int, context_len: int, model) -> int:
@@ -134,6 +142,7 @@ class Reserve:
     activations: int  # the largest eager step's peak
     graph_pools: int  # the estimate of every bank's pool
     tables: int  # the request table at the most running requests the flags allow
+    graph_banks: dict[str, int] = field(default_factory=dict)  # graph_pools, per bank
 
     @property
     def total(self) -> int:
@@ -191,12 +200,17 @@ def tensor_bytes(tensors) -> int:
 def memory_log_line(m: MemoryReport) -> str:
     """The startup log's line of where the rank's memory went."""
     graphs = sum(m.graph_pool_bytes.values())
-    banks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.graph_pool_bytes.items() if v)
+    est = m.graph_pool_estimates
+    banks = ", ".join(
+        f"{k} {v / GIB:.2f}" + (f"/{est[k] / GIB:.2f}" if k in est else "")
+        for k, v in m.graph_pool_bytes.items()
+        if v
+    )
     line = (
         f"memory: weights {m.weights_bytes / GIB:.2f} GiB, KV {m.kv_bytes / GIB:.2f} GiB "
         f"({m.kv_tokens} tokens), graph pools {graphs / GIB:.2f} GiB "
         f"(estimated {m.graph_pool_estimate_bytes / GIB:.2f}"
-        + (f"; {banks})" if banks else ")")
+        + (f"; per bank, measured/estimated: {banks})" if banks else ")")
         + f", activation reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
         + f", request table {m.request_table_bytes / GIB:.2f} GiB"
         + f", penalty pool {m.penalty_pool_bytes / GIB:.2f} GiB"

@@ -51,7 +51,7 @@ from breakgraph.engine.memory import (
     MemoryPlanError,
     Reserve,
     StepPeaks,
-    graph_pool_estimate,
+    graph_pool_estimates,
     request_table_bytes,
     tensor_bytes,
 )
@@ -106,15 +106,17 @@ def plan_reserve(
     nextn = getattr(model, "mtp", None) is not None  # outputs its streams; the MTP's graphs
     if nextn and DECODE in banks:
         banks[MTP_DECODE] = banks[DECODE]
-    activations, graphs = peaks.activations, graph_pool_estimate(peaks, banks, nextn)
+    activations, graphs = peaks.activations, graph_pool_estimates(peaks, banks, nextn)
     if draft_peaks is not None:
         draft_banks = planned_banks(args, draft, None, rows, context_len, device)
         activations = max(activations, draft_peaks.activations)
-        graphs += graph_pool_estimate(draft_peaks, draft_banks)
+        for name, size in graph_pool_estimates(draft_peaks, draft_banks).items():
+            graphs[f"draft {name}"] = size
     reserve = Reserve(
         activations,
-        graphs,
+        sum(graphs.values()),
         request_table_bytes(rows + 1, context_len, model),  # + padding row
+        graphs,
     )
     if device.type == "cuda":
         logger.info(
@@ -214,7 +216,7 @@ def profile_steps(
             torch.cuda.empty_cache()
     return StepPeaks(
         prefill_forward, prompt_step, decode_forward, decode_step, rows, out_row_bytes,
-        logits_row_bytes, verify_step,
+        logits_row_bytes, verify_step, chunk,
     )  # fmt: skip
 
 

@@ -232,6 +232,7 @@ def memory_report(
         total_bytes=mem.total,
         activation_reserve_bytes=reserve.activations,
         graph_pool_estimate_bytes=reserve.graph_pools,
+        graph_pool_estimates=dict(reserve.graph_banks),
         request_table_bytes=tensor_bytes([runner.req_to_token]),
     )
 

@@ -34,6 +34,7 @@ from breakgraph.engine.memory import (
     StepPeaks,
     fit_context,
     graph_pool_estimate,
+    graph_pool_estimates,
     kv_budget_slots,
     max_running_requests,
     memory_log_line,
@@ -49,7 +50,7 @@ MIB = 2**20
 PEAKS = StepPeaks(
     prefill_forward=900 * MIB, prompt_step=1400 * MIB, decode_forward=2300 * MIB,
     decode_step=7 * GIB, decode_rows=1024, prefill_out_row_bytes=21 * 1024,
-    logits_row_bytes=MIB,
+    logits_row_bytes=MIB, prefill_tokens=8192,
 )  # fmt: skip
 
 
@@ -68,29 +69,44 @@ def test_the_reserve_comes_out_of_the_kv_budget():
     assert slots == int((140 * 0.85 - 10 - 12.5) * GIB // SLOT)
 
 
-def test_the_graph_pool_estimate_is_one_capture_plus_each_banks_outputs_and_overhead():
+def test_the_graph_pool_estimate_is_each_banks_capture_outputs_and_overhead():
     banks = {
         PREFILL: [256, 512],
         DECODE: [1, 2, 4, 8],
         DECODE_LONG: [1],
         DECODE_PENALIZED: [1, 2, 4, 8],
     }
-    # captures: the chunk's prefill forward (900 MiB) against 8 decode rows' forward (2300
-    # MiB x 8 / 1024): the prefill one; outputs, one per bank (its buckets share the largest
-    # one's): 8 rows of logits, 1, twice 8 (logits and penalized logits), and 512 prefill
-    # rows of hidden states
-    outputs = (8 + 1 + 2 * 8) * MIB + 512 * 21 * 1024
-    assert graph_pool_estimate(PEAKS, banks) == 900 * MIB + outputs + 11 * GRAPH_OVERHEAD_BYTES
-    # decode graphs alone: the largest decode bucket's share of the profiled decode forward
-    decode_only = {DECODE: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]}
-    expected = -(-2300 * MIB * 64 // 1024) + 64 * MIB + 11 * GRAPH_OVERHEAD_BYTES
-    assert graph_pool_estimate(PEAKS, decode_only) == expected
+
+    # PEAKS' profile ran an 8192-token chunk (900 MiB) and 1024 decode rows (2300 MiB): each
+    # bank's largest capture is that forward scaled to its tokens or rows; its outputs (its
+    # buckets share the largest one's): 512 prefill rows of hidden states, 8 rows of logits,
+    # 1, twice 8 (logits and penalized logits)
+    def decode(rows):
+        return -(-2300 * MIB * rows // 1024)
+
+    expected = {
+        PREFILL: -(-900 * MIB * 512 // 8192) + 512 * 21 * 1024 + 2 * GRAPH_OVERHEAD_BYTES,
+        DECODE: decode(8) + 8 * MIB + 4 * GRAPH_OVERHEAD_BYTES,
+        DECODE_LONG: decode(1) + MIB + GRAPH_OVERHEAD_BYTES,
+        DECODE_PENALIZED: decode(8) + 2 * 8 * MIB + 4 * GRAPH_OVERHEAD_BYTES,
+    }
+    assert graph_pool_estimates(PEAKS, banks) == expected
+    assert graph_pool_estimate(PEAKS, banks) == sum(expected.values())
+    # a profile that did not say its chunk: the prefill forward as measured (an upper bound)
+    unscaled = dataclasses.replace(PEAKS, prefill_tokens=0)
+    assert graph_pool_estimates(unscaled, {PREFILL: [256, 512]})[PREFILL] == (
+        900 * MIB + 512 * 21 * 1024 + 2 * GRAPH_OVERHEAD_BYTES
+    )
     assert graph_pool_estimate(PEAKS, {}) == 0  # the CPU, or a model that runs eagerly
     # NEXTN: decode banks output their hidden rows too, and the MTP's draft-step bank its
     # logits and streams
+    decode_only = {DECODE: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]}
+    plain = decode(64) + 64 * MIB + 11 * GRAPH_OVERHEAD_BYTES
+    assert graph_pool_estimate(PEAKS, decode_only) == plain
     nextn = {**decode_only, MTP_DECODE: [1, 2, 4, 8]}
-    extra = (64 + 8) * 21 * 1024 + 8 * MIB + 4 * GRAPH_OVERHEAD_BYTES
-    assert graph_pool_estimate(PEAKS, nextn, hidden=True) == expected + extra
+    got = graph_pool_estimates(PEAKS, nextn, hidden=True)
+    assert got[DECODE] == plain + 64 * 21 * 1024
+    assert got[MTP_DECODE] == decode(8) + 8 * MIB + 8 * 21 * 1024 + 4 * GRAPH_OVERHEAD_BYTES
 
 
 def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
@@ -111,10 +127,12 @@ def test_the_plan_on_a_fake_device_sizes_the_pool_from_the_measured_peaks():
     assert slots == int(budget // SLOT) > 131072
     # a bank's buckets share its largest one's outputs: 256 rows of logits (decode), 1 (long
     # context), twice 256 (penalized), 8192 and 2048 prefill rows (the chunk, whole graphs),
-    # not a set per graph (the decode banks alone would keep 3 x 4231 MiB of logits)
+    # not a set per graph (the decode banks alone would keep 3 x 4231 MiB of logits); and
+    # each bank its own largest capture
     graphs = sum(len(b) for b in banks.values())
     outputs = (256 + 1 + 2 * 256) * MIB + (8192 + 2048) * 21 * 1024
-    assert reserve.graph_pools == 900 * MIB + outputs + graphs * GRAPH_OVERHEAD_BYTES
+    captures = 900 * MIB + 900 * MIB // 4 + sum(-(-2300 * MIB * r // 1024) for r in (256, 1, 256))
+    assert reserve.graph_pools == captures + outputs + graphs * GRAPH_OVERHEAD_BYTES
 
 
 def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_numbers():
@@ -219,11 +237,13 @@ def test_the_split_reports_every_part_and_the_graph_pools_by_bank():
         graph_pool_bytes={"prefill": GIB // 2, "decode": GIB // 4, "prefill_whole": 0},
         free_bytes=int(20.5 * GIB), total_bytes=140 * GIB,
         activation_reserve_bytes=3 * GIB, graph_pool_estimate_bytes=GIB,
+        graph_pool_estimates={"prefill": GIB // 2, "prefill_whole": GIB // 4, "decode": GIB // 4},
         request_table_bytes=GIB // 4,
     )  # fmt: skip
     assert memory_log_line(report) == (
         "memory: weights 1.50 GiB, KV 60.00 GiB (549000 tokens), graph pools 0.75 GiB "
-        "(estimated 1.00; prefill 0.50, decode 0.25), activation reserve 3.00 GiB, "
+        "(estimated 1.00; per bank, measured/estimated: prefill 0.50/0.50, decode 0.25/0.25), "
+        "activation reserve 3.00 GiB, "
         "request table 0.25 GiB, penalty pool 0.10 GiB, free 20.50 of 140.0 GiB"
     )
 

@@ -58,9 +58,14 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
             mem = info(srv)["memory"]
             graphs = sum(mem["graph_pool_bytes"].values())
             estimate = mem["graph_pool_estimate_bytes"]
-            banks = ", ".join(f"{b} {n / GIB:.2f}" for b, n in mem["graph_pool_bytes"].items())
+            est = mem["graph_pool_estimates"]
+            banks = ", ".join(
+                f"{b} {n / GIB:.2f}/{est.get(b, 0) / GIB:.2f}"
+                for b, n in mem["graph_pool_bytes"].items()
+            )
             summary = (
-                f"graph pools {graphs / GIB:.2f} ({banks}) of an estimated "
+                f"graph pools {graphs / GIB:.2f} (per bank, measured/estimated: {banks}) "
+                "of an estimated "
                 f"{estimate / GIB:.2f} GiB, "
                 f"activation reserve {mem['activation_reserve_bytes'] / GIB:.2f} GiB, "
                 f"KV {mem['kv_tokens']} tokens"
