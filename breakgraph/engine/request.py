@@ -98,6 +98,10 @@ class Req:
         out = np.asarray(self.output_ids[max(start - k, 0) : n - k], dtype=np.int32)
         return np.concatenate((self.input_ids[start:], out)) if start < k else out
 
+    def fill_tokens(self) -> FillTokens:
+        """``fill_ids`` as an n-gram lookup reads it, without building it."""
+        return FillTokens(self)
+
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
@@ -154,3 +158,38 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
+
+
+class FillTokens:
+    """A request's ``fill_ids`` without building them (a copy of every output token, each
+    step): its length, one token, a slice (``Req.fill_prefix``: a view within the prompt, a
+    copy past it). What an n-gram lookup reads (engine/ngram.py), in time that does not grow
+    with the request."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Req):
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.fill_len
+
+    def tolist_from(self, start: int) -> list[int]:
+        """``fill_ids[start:].tolist()``, the output part without an array between."""
+        req = self.req
+        k = len(req.input_ids)
+        if start >= k:
+            return req.output_ids[start - k :]
+        return req.input_ids[start:].tolist() + req.output_ids
+
+    def __getitem__(self, i):
+        req = self.req
+        if isinstance(i, slice):
+            start, stop, step = i.indices(req.fill_len)
+            if step != 1:
+                raise ValueError("FillTokens slices take a step of 1")
+            return req.fill_prefix(stop, min(start, stop))
+        k = len(req.input_ids)
+        if i < 0:
+            i += req.fill_len
+        return int(req.input_ids[i]) if i < k else req.output_ids[i - k]

@@ -147,12 +147,13 @@ class SpecDecoder:
         if req.ngram is None:  # its index, made at its first draft
             req.ngram = self.proposer.new_index()
         if ahead is None:
-            draft = self.proposer.propose(req.fill_ids, n, req.ngram)
+            draft = self.proposer.propose(req.fill_tokens(), n, req.ngram)
         else:
-            draft = self.proposer.propose_after(req.fill_ids, ahead, n, req.ngram)
-        if self.synthetic is not None:
-            draft = np.resize(np.append(draft, req.output_ids[-1]), n)
-        return draft.astype(np.int32, copy=False)
+            draft = self.proposer.propose_after(req.fill_tokens(), ahead, n, req.ngram)
+        if self.synthetic is not None:  # the draft and the last token, repeated to n
+            cycle = [*draft.tolist(), req.output_ids[-1]]
+            return np.array([cycle[i % len(cycle)] for i in range(n)], dtype=np.int32)
+        return draft
 
     def schedule(self, stepping: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
         """The verify step of ``stepping`` (their last tokens on the host), or None when no

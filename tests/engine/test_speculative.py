@@ -57,6 +57,29 @@ def test_the_index_finds_what_a_scan_finds():
         assert p.propose(shorter, 3, index).tolist() == p.propose(shorter, 3).tolist()
 
 
+def test_a_requests_lookup_reads_its_tokens_in_place():
+    """The n-gram draft of a request through its ``FillTokens`` (no ``fill_ids`` built) is
+    the scan's of ``fill_ids``, as its output grows past its prompt; ``FillTokens`` reads
+    like ``fill_ids``: length, tokens, slices within, across and past the prompt."""
+    p = NgramProposer(num_draft=3)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        prompt = rng.integers(0, 4, int(rng.integers(1, 12))).astype(np.int32)
+        req = Req("r", prompt, SamplingParams(max_new_tokens=64))  # an engine's: int32
+        index = p.new_index()
+        for _ in range(int(rng.integers(1, 30))):
+            req.output_ids.extend(int(t) for t in rng.integers(0, 4, int(rng.integers(1, 4))))
+            toks, ids = req.fill_tokens(), req.fill_ids
+            assert len(toks) == len(ids)
+            assert [toks[i] for i in range(-len(ids), len(ids))] == [*ids.tolist()] * 2
+            for a, b in ((0, None), (len(prompt) - 1, None), (len(ids) - 2, len(ids)), (3, 3)):
+                assert toks[a:b].tolist() == ids[a:b].tolist()
+            assert p.propose(toks, 3, index).tolist() == p.propose(ids, 3).tolist()
+            ahead = rng.integers(0, 4, int(rng.integers(0, 4))).astype(np.int32)
+            want = p.propose_after(ids, ahead, 3).tolist()
+            assert p.propose_after(toks, ahead, 3, index).tolist() == want
+
+
 def test_kept_takes_the_accepted_prefix_and_the_stopping_rows_choice():
     draft = np.array([4, 5, 6])
     assert kept(draft, [True, True, True], [4, 5, 6, 7]) == [4, 5, 6, 7]
