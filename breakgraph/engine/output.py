@@ -35,20 +35,20 @@ class OutputProcessor:
         """Append several tokens (a speculative step's) with their logprobs and top-k (None:
         none wanted), checking each (and advancing the request's grammar by each): one output
         with those appended before the finish, and the finish reason (None: goes on)."""
-        out, reason = None, None
-        for i, tok in enumerate(toks):
-            delta, reason = self.append_token(req, tok, None if lps is None else lps[i])
+        reason, n = None, 0
+        for tok in toks:  # one delta for all (a TokenDelta per token cost more than the rest)
+            req.output_ids.append(tok)
+            n += 1
+            reason = self.check_finish(req, tok)
             if req.grammar is not None:
                 reason = req.grammar.finish(tok, reason)
-            if out is None:
-                out = delta
-            else:
-                out.token_ids += delta.token_ids
-                out.logprobs += delta.logprobs
             if reason is not None:
                 break
+        taken = [lp for lp in lps[:n] if lp is not None] if lps is not None else []
+        req.output_logprobs += taken
+        out = TokenDelta(rid=req.rid, token_ids=list(toks[:n]), logprobs=taken)
         if tops is not None:
-            out.top_logprobs = tops[: len(out.token_ids)]
+            out.top_logprobs = tops[:n]
         return out, reason
 
     def check_finish(self, req: Req, tok: int) -> dict | None:
