@@ -6,6 +6,8 @@ are the ones the runner captures."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
 import httpx
 import pytest
@@ -15,7 +17,7 @@ from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.graph_plan import planned_banks
 from breakgraph.engine.memory import GIB
-from breakgraph.models.sources import BUILTIN_MODELS
+from breakgraph.models.sources import BUILTIN_MODELS, CONFIG_DIR
 from tests.support.server import ServerProcess, info, post
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +29,8 @@ NOT_ONE_GPU = {"deepseek-v4-flash"}
 if torch.cuda.mem_get_info()[1] < 100 * GIB:  # an H100: the cut's 78 GiB of weights do not fit
     NOT_ONE_GPU.add("deepseek-v4-flash-e32")
 STARTUP_S = 900.0  # dummy weights of a 30B model, the graphs and the serving warm-up
+# MEMORY_TEST_MODELS=a,b: only these built-ins (a rerun of a few after a change to the plan)
+ONLY = {m for m in os.environ.get("MEMORY_TEST_MODELS", "").split(",") if m}
 
 
 def _start(name: str, log_dir, *flags: str) -> ServerProcess:
@@ -41,7 +45,7 @@ def test_every_builtin_config_starts_at_default_flags_and_answers(tmp_path):
     fit the plan's estimate (a larger pool would have come out of the KV pool's margin).
     Every model is tried before the test fails, which names each one's outcome."""
     outcomes: dict[str, str] = {}
-    for name in sorted(set(BUILTIN_MODELS) - NOT_ONE_GPU):
+    for name in sorted((ONLY or set(BUILTIN_MODELS)) - NOT_ONE_GPU):
         try:
             srv = _start(name, tmp_path)
         except (RuntimeError, TimeoutError) as e:
@@ -136,6 +140,25 @@ def test_the_largest_accepted_request_runs_after_ready(tmp_path, name):
         assert len(big) == 2
         assert len(big[0]["meta_info"]["input_top_logprobs"]) == ctx - 16
         assert srv.proc.poll() is None and httpx.get(f"{srv.url}/health").status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-4-e2b"])
+def test_the_models_longest_context_starts_and_runs_a_prompt_that_long(tmp_path, name):
+    """``--context-length`` at the model's maximum (its config's ``max_position_embeddings``):
+    the server starts (the plan keeps one such request's KV beside the reserve) and answers a
+    prompt of the whole context less a few tokens."""
+    config = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+    ctx = config.get("text_config", config)["max_position_embeddings"]
+    srv = _start(name, tmp_path, "--context-length", str(ctx))
+    try:
+        assert info(srv)["context_length"] == ctx
+        prompt = [5 + (7919 * i) % 30000 for i in range(ctx - 8)]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}}
+        r = post(srv, "/generate", body, timeout=600)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["meta_info"]["completion_tokens"] == 4
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
 
