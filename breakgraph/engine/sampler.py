@@ -10,6 +10,8 @@ which the memory plan had to keep free beside the KV pool.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from breakgraph.common.sampling_params import MAX_EFFECTIVE_TEMPERATURE
@@ -36,8 +38,9 @@ def sample(
         ]  # fmt: skip
         ids = torch.cat([p[0] for p in parts])
         return ids, torch.cat([p[1] for p in parts]) if return_logprob else None
-    greedy_ids = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
+    greedy = [p.greedy for p in params]
+    greedy_ids = logits.argmax(dim=-1) if any(greedy) else None  # a pass over the vocabulary
+    if all(greedy):
         ids = greedy_ids
     else:
         ids = _sample_stochastic(logits, params, generators, greedy_ids)
@@ -60,11 +63,12 @@ def _sample_stochastic(logits, params, generators, greedy_ids):
     # a mixed batch: each part on its path, the ids back in their rows
     parts = [[i for i, f in enumerate(fast) if f], [i for i, f in enumerate(fast) if not f]]
     rows = upload_many(parts, torch.int64, logits.device)
-    sampled = torch.empty_like(greedy_ids)
+    sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for sample_part, part, at in zip((_sample_top_k, _sample_sorted), parts, rows, strict=True):
         sampled[at] = sample_part(
-            logits[at], [params[i] for i in part], [generators[i] for i in part], greedy_ids[at]
-        )
+            logits[at], [params[i] for i in part], [generators[i] for i in part],
+            None if greedy_ids is None else greedy_ids[at],
+        )  # fmt: skip
     return sampled
 
 
@@ -75,6 +79,8 @@ def _top_k_bounded(p: SamplingParams) -> bool:
 def _sample_sorted(logits, params, generators, greedy_ids):
     probs, greedy = filtered_probs(logits, params)
     sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    if not any(p.greedy for p in params):
+        return sampled
     return torch.where(greedy.bool(), greedy_ids, sampled)
 
 
@@ -88,10 +94,17 @@ def _sample_top_k(logits, params, generators, greedy_ids):
     k = min(max(p.top_k if _top_k_bounded(p) else 1 for p in params), logits.shape[-1])
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vals, ids = probs.topk(k, dim=-1)
-    ranks = torch.arange(k, device=logits.device)[None, :]
-    drop = ranks >= top_ks[:, None]
-    drop |= ((vals.cumsum(dim=-1) - vals) >= top_ps[:, None]) & (ranks > 0)
-    vals = vals.masked_fill(drop, 0.0)
+    # the masks only where a row needs them (a lone request's step: fewer launches)
+    drop = None
+    if any(p.top_k != k for p in params if not p.greedy):  # a row keeping fewer than k
+        ranks = torch.arange(k, device=logits.device)[None, :]
+        drop = ranks >= top_ks[:, None]
+    if any(p.top_p < 1.0 for p in params if not p.greedy):
+        ranks = torch.arange(k, device=logits.device)[None, :]
+        beyond = ((vals.cumsum(dim=-1) - vals) >= top_ps[:, None]) & (ranks > 0)
+        drop = beyond if drop is None else drop | beyond
+    if drop is not None:
+        vals = vals.masked_fill(drop, 0.0)
     if any(p.min_p > 0 for p in params):  # the most likely is never dropped: column 0
         vals = vals.masked_fill(vals < min_ps[:, None] * vals[:, :1], 0.0)
     noise = torch.empty_like(vals).exponential_()
@@ -99,6 +112,8 @@ def _sample_top_k(logits, params, generators, greedy_ids):
         if gen is not None and _top_k_bounded(p):
             noise[row, : p.top_k].exponential_(generator=gen)
     sampled = ids.gather(1, (vals / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if not any(p.greedy for p in params):
+        return sampled
     return torch.where(greedy.bool(), greedy_ids, sampled)
 
 
@@ -119,13 +134,16 @@ def filtered_probs(
     device = logits.device
     temps, top_ps, min_ps, top_ks, greedy = _upload_params(params, logits.shape[-1], device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+    with_top_k, with_top_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
+    if with_top_k or with_top_p:
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs.shape[-1], device=device)[None, :]
-        drop = ranks >= top_ks[:, None]
-        # drop a token once the mass strictly before it already reaches top_p; never the most
-        # likely one (a top_p below float32's smallest value rounds to 0 and would drop all)
-        drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]) & (ranks > 0)
+        drop = ranks >= top_ks[:, None] if with_top_k else None
+        if with_top_p:
+            # drop a token once the mass strictly before it already reaches top_p; never the
+            # most likely one (a top_p below float32's smallest value rounds to 0: drops all)
+            beyond = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]) & (ranks > 0)
+            drop = beyond if drop is None else drop | beyond
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
     if any(p.min_p > 0 for p in params):
@@ -143,7 +161,9 @@ def _upload_params(params: list[SamplingParams], vocab: int, device: torch.devic
                 min(p.temperature, MAX_EFFECTIVE_TEMPERATURE) if p.temperature > 0 else 1.0
                 for p in params
             ],
-            [p.top_p for p in params],
+            # 1.0 keeps every token: never a tail the cumulative sum's rounding reaches 1.0
+            # at (the top-p mask runs only where a row of the batch asks for it)
+            [p.top_p if p.top_p < 1.0 else math.inf for p in params],
             [p.min_p for p in params],
             [p.top_k if p.top_k > 0 else vocab for p in params],
             [float(p.greedy) for p in params],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from breakgraph.engine.request import SamplingParams
-from breakgraph.engine.sampler import sample
+from breakgraph.engine.sampler import filtered_probs, sample
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
@@ -132,3 +132,17 @@ def test_a_seeded_request_draws_the_same_whatever_shares_its_batch():
         return out
 
     assert steps(batch=False) == steps(batch=True)
+
+
+def test_top_p_one_keeps_the_tail_whatever_shares_the_batch():
+    """``top_p`` 1.0 filters nothing, even where float32's cumulative sum reaches 1.0 before
+    the tail (it did drop it), and a row's filter does not depend on its batch: the top-p
+    mask, run only when some row asks for it, leaves a 1.0 row as it was."""
+    logits = torch.tensor([[20.0, 0.0, 0.0, 0.0]])
+    alone = SamplingParams(temperature=1.0, top_k=4)  # the sorting path, no top-p
+    probs, _ = filtered_probs(logits, [alone])
+    assert torch.softmax(logits, -1)[0, 0] == 1.0 and bool((probs[0, 1:] > 0).all())
+    other = SamplingParams(temperature=1.0, top_p=0.5)
+    both, _ = filtered_probs(logits.expand(2, -1), [alone, other])
+    assert torch.equal(both[0], probs[0])
+    assert bool((both[1, 1:] == 0).all())  # the other row's top-p still applies
