@@ -119,6 +119,13 @@ def add_kernels_args(p) -> None:
     p.add_argument(
         "--long-prefix-only", action="store_true", help="only the long-prefix extend cases"
     )
+    p.add_argument(
+        "--decode-sweep", action="store_true",
+        help="only decode attention at --sweep-batches x --sweep-contexts, timed inside a CUDA "
+        "graph over KV copies that miss the L2 cache, against the bandwidth floor",
+    )  # fmt: skip
+    p.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--sweep-contexts", type=int, nargs="+", default=[8192, 16384, 65536])
 
 
 def add_allreduce_args(p) -> None:

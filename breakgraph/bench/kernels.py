@@ -316,15 +316,18 @@ def run_kernels_bench(args) -> None:
         raise SystemExit("error: bench kernels needs a CUDA device")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows = []
-    if not args.long_prefix_only:
-        rows += bench_extend(args.extend_tokens, args.sweep)
-    for n in (256, 1024):
-        rows += bench_long_prefix(n, args.prefix, args.sweep)
-    if not args.long_prefix_only:
-        rows += bench_decode(args.decode_batch, args.decode_context, args.sweep)
-        rows += bench_fused(args.extend_tokens)
-        rows += bench_sampling([1, 64, 256])
+    if args.decode_sweep:
+        from breakgraph.bench.decode_sweep import bench_decode_sweep
+
+        rows = bench_decode_sweep(args.sweep_batches, args.sweep_contexts)
+    else:
+        rows = [] if args.long_prefix_only else bench_extend(args.extend_tokens, args.sweep)
+        for n in (256, 1024):
+            rows += bench_long_prefix(n, args.prefix, args.sweep)
+        if not args.long_prefix_only:
+            rows += bench_decode(args.decode_batch, args.decode_context, args.sweep)
+            rows += bench_fused(args.extend_tokens)
+            rows += bench_sampling([1, 64, 256])
     header = ("kernel", "shape", "triton ms", "reference", "ref ms", "ratio")
     table = [
         (
