@@ -155,7 +155,7 @@ def test_the_models_longest_context_starts_and_runs_a_prompt_that_long(tmp_path,
     try:
         assert info(srv)["context_length"] == ctx
         prompt = [5 + (7919 * i) % 30000 for i in range(ctx - 8)]
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}}
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         r = post(srv, "/generate", body, timeout=600)
         assert r.status_code == 200, r.text[:300]
         assert r.json()["meta_info"]["completion_tokens"] == 4
