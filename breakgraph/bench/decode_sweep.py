@@ -24,37 +24,32 @@ from breakgraph.kernels import decode_attention as dec
 L2_COPIES = 4  # KV copies span at least this many L2 caches: each call's reads miss it
 
 
-def bench_decode_sweep(batches: list[int], contexts: list[int]) -> list[tuple]:
+def bench_decode_sweep(
+    batches: list[int], contexts: list[int], paged_kv, bandwidth: float, heads: int
+) -> list[tuple]:
     """Rows ``(kernel, shape, ms, "bandwidth floor", floor ms)`` per context and batch; the
-    batch-1 rows also in the long-context variant (the batch-1 graph over long contexts)."""
+    batch-1 rows also in the long-context variant (the batch-1 graph over long contexts).
+    ``paged_kv(lens, shuffle)`` -> (k cache, v cache, decode meta): ``bench kernels``' KV;
+    ``bandwidth``: its copy bandwidth, bytes per ms; ``heads``: query heads."""
     import triton.testing
 
-    from breakgraph.bench.kernels import (
-        DTYPE,
-        HEAD_DIM,
-        HEADS,
-        KV_HEADS,
-        _paged_kv,
-        copy_bandwidth_bytes_per_ms,
-    )
-
-    bandwidth = copy_bandwidth_bytes_per_ms()
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     rows = []
     for context in contexts:
         for batch in batches:
-            k_cache, v_cache, meta = _paged_kv([context] * batch, shuffle=False)
-            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+            k_cache, v_cache, meta = paged_kv([context] * batch, shuffle=False)
+            head_dim = k_cache.shape[-1]
+            kv_bytes = 2 * batch * context * k_cache[0].numel() * k_cache.element_size()
             copies = max(1, math.ceil(L2_COPIES * l2 / kv_bytes))
             caches = [(k_cache, v_cache)]
             caches += [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
-            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            q = torch.randn(batch, heads, head_dim, device="cuda", dtype=k_cache.dtype)
             o = torch.empty_like(q)
             calls = itertools.count()
 
             def attend(caches=caches, q=q, o=o, meta=meta, calls=calls) -> None:
                 k, v = caches[next(calls) % len(caches)]  # a capture bakes each call's copy
-                dec.decode_attention_triton(q, o, k, v, meta, HEAD_DIM**-0.5)
+                dec.decode_attention_triton(q, o, k, v, meta, q.shape[-1] ** -0.5)
 
             shape = f"{batch} x {context} ctx, {copies} KV copies"
             floor = kv_bytes / bandwidth

@@ -124,8 +124,14 @@ def add_kernels_args(p) -> None:
         help="only decode attention at --sweep-batches x --sweep-contexts, timed inside a CUDA "
         "graph over KV copies that miss the L2 cache, against the bandwidth floor",
     )  # fmt: skip
-    p.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--sweep-contexts", type=int, nargs="+", default=[8192, 16384, 65536])
+    p.add_argument(
+        "--sweep-batches", type=int, nargs="+", default=[1, 8, 64],
+        help="--decode-sweep: requests per case",
+    )  # fmt: skip
+    p.add_argument(
+        "--sweep-contexts", type=int, nargs="+", default=[8192, 16384, 65536],
+        help="--decode-sweep: keys per request",
+    )  # fmt: skip
 
 
 def add_allreduce_args(p) -> None:

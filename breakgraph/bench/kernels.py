@@ -319,7 +319,10 @@ def run_kernels_bench(args) -> None:
     if args.decode_sweep:
         from breakgraph.bench.decode_sweep import bench_decode_sweep
 
-        rows = bench_decode_sweep(args.sweep_batches, args.sweep_contexts)
+        rows = bench_decode_sweep(
+            args.sweep_batches, args.sweep_contexts, _paged_kv, copy_bandwidth_bytes_per_ms(),
+            HEADS,
+        )  # fmt: skip
     else:
         rows = [] if args.long_prefix_only else bench_extend(args.extend_tokens, args.sweep)
         for n in (256, 1024):
