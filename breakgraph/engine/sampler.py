@@ -94,17 +94,12 @@ def _sample_top_k(logits, params, generators, greedy_ids):
     k = min(max(p.top_k if _top_k_bounded(p) else 1 for p in params), logits.shape[-1])
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vals, ids = probs.topk(k, dim=-1)
-    # the masks only where a row needs them (a lone request's step: fewer launches)
-    drop = None
-    if any(p.top_k != k for p in params if not p.greedy):  # a row keeping fewer than k
-        ranks = torch.arange(k, device=logits.device)[None, :]
-        drop = ranks >= top_ks[:, None]
-    if any(p.top_p < 1.0 for p in params if not p.greedy):
-        ranks = torch.arange(k, device=logits.device)[None, :]
-        beyond = ((vals.cumsum(dim=-1) - vals) >= top_ps[:, None]) & (ranks > 0)
-        drop = beyond if drop is None else drop | beyond
-    if drop is not None:
-        vals = vals.masked_fill(drop, 0.0)
+    sampled_rows = [p for p in params if not p.greedy]
+    vals = _drop_sorted(
+        vals, top_ks, top_ps,
+        any(p.top_k != k for p in sampled_rows),  # a row keeping fewer than k
+        any(p.top_p < 1.0 for p in sampled_rows),
+    )  # fmt: skip
     if any(p.min_p > 0 for p in params):  # the most likely is never dropped: column 0
         vals = vals.masked_fill(vals < min_ps[:, None] * vals[:, :1], 0.0)
     noise = torch.empty_like(vals).exponential_()
@@ -137,19 +132,28 @@ def filtered_probs(
     with_top_k, with_top_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
     if with_top_k or with_top_p:
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1], device=device)[None, :]
-        drop = ranks >= top_ks[:, None] if with_top_k else None
-        if with_top_p:
-            # drop a token once the mass strictly before it already reaches top_p; never the
-            # most likely one (a top_p below float32's smallest value rounds to 0: drops all)
-            beyond = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]) & (ranks > 0)
-            drop = beyond if drop is None else drop | beyond
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        sorted_probs = _drop_sorted(sorted_probs, top_ks, top_ps, with_top_k, with_top_p)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
     if any(p.min_p > 0 for p in params):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_ps[:, None] * max_p, 0.0)
     return probs, greedy
+
+
+def _drop_sorted(vals, top_ks, top_ps, with_top_k: bool, with_top_p: bool) -> torch.Tensor:
+    """Each row's values in descending order [B, n] with what its ``top_k`` and ``top_p``
+    drop zeroed (not renormalized); only the masks asked for run (a lone request's step:
+    fewer launches)."""
+    if not (with_top_k or with_top_p):
+        return vals
+    ranks = torch.arange(vals.shape[-1], device=vals.device)[None, :]
+    drop = ranks >= top_ks[:, None] if with_top_k else None
+    if with_top_p:
+        # drop a token once the mass strictly before it already reaches top_p; never the most
+        # likely one (a top_p below float32's smallest value rounds to 0: it would drop all)
+        beyond = ((vals.cumsum(dim=-1) - vals) >= top_ps[:, None]) & (ranks > 0)
+        drop = beyond if drop is None else drop | beyond
+    return vals.masked_fill(drop, 0.0)
 
 
 def _upload_params(params: list[SamplingParams], vocab: int, device: torch.device):
