@@ -610,7 +610,8 @@ def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, B_TMA: tl.constexpr = False,
-    A_TMA: tl.constexpr = False, C_ATOMIC: tl.constexpr = False, RED_V8: tl.constexpr = False
+    A_TMA: tl.constexpr = False, C_ATOMIC: tl.constexpr = False, RED_V8: tl.constexpr = False,
+    CLAMP: tl.constexpr = False, limit=0.0
 ):  # fmt: skip
     """One tile of :func:`_moe_gemm_kernel`: row block ``pid_m`` of the sorted rows (in
     units of this tile's BLOCK_M), column block ``pid_n``, the expert of alignment block
@@ -672,7 +673,7 @@ def _moe_gemm_tile(pid_m, pid_n, expert_block, a, b, c, topk_weights, sorted_ids
 
     dtype = c.dtype.element_ty
     if GATED:
-        out = _gated(acc, acc_up, c, GELU, False, 0.0)
+        out = _gated(acc, acc_up, c, GELU, CLAMP, limit)
     else:
         out = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
@@ -731,6 +732,8 @@ def _moe_gemm_kernel(
     HALF_TAIL: tl.constexpr = False,  # a block half padding runs a [BLOCK_M / 2, BLOCK_N] tile
     C_ATOMIC: tl.constexpr = False,  # c: [tokens, n_out], each row added into its token's row
     RED_V8: tl.constexpr = False,  # C_ATOMIC by 16-byte vector reductions (sm_90, bf16 c)
+    CLAMP: tl.constexpr = False,  # GATED: the clamped SwiGLU (_gated), at ``limit``
+    limit=0.0,
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``c[row] = a[row] @ b[expert].T`` over one expert's
     block of sorted rows. GATED: b holds gate rows [0, n_out) and up rows [n_out, 2 n_out);
@@ -757,7 +760,7 @@ def _moe_gemm_kernel(
             _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids, expert_ids,
                 num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn, stride_bk,
                 stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED,
-                GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
+                GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8, CLAMP, limit)  # fmt: skip
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), max_padded // BLOCK_M, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_post_padded):  # blocks past the live total: nothing
@@ -771,12 +774,13 @@ def _moe_gemm_kernel(
                         sorted_ids, expert_ids, num_rows, n_out, k_in, top_k, stride_am,
                         stride_be, stride_bn, stride_bk, stride_cm, BLOCK_M // 2, BLOCK_N,
                         BLOCK_K, A_PER_TOKEN, A_SORTED, C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE,
-                        B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
+                        B_TMA, A_TMA, C_ATOMIC, RED_V8, CLAMP, limit)  # fmt: skip
             if full:
                 _moe_gemm_tile(pid_m, pid_n, pid_m, a, b, c, topk_weights, sorted_ids,
                     expert_ids, num_rows, n_out, k_in, top_k, stride_am, stride_be, stride_bn,
                     stride_bk, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, A_PER_TOKEN, A_SORTED,
-                    C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8)  # fmt: skip
+                    C_SORTED, GATED, GELU, MUL_WEIGHT, IEEE, B_TMA, A_TMA, C_ATOMIC, RED_V8,
+                    CLAMP, limit)  # fmt: skip
 
 
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
@@ -1116,8 +1120,8 @@ def _moe_sum_kernel(
 def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="silu", limit=None):
     """Triton twin of :func:`fused_experts_torch` (its arguments; float32 top-k sum, one
     rounding). Capturable on CUDA: no host sync, buffers sized by the token count. With
-    ``limit`` (clamped SwiGLU) the grouped path's gate/up GEMM writes both halves and one
-    kernel clamps and multiplies between the GEMMs; the GEMV path clamps in its epilogue."""
+    ``limit`` (clamped SwiGLU) both paths clamp in the gate/up GEMM's epilogue (where the
+    table unfuses the activation, a kernel of its own clamps and multiplies)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
     if limit is not None and activation != "silu":
@@ -1146,12 +1150,13 @@ def fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, activation="s
     h_rows = padded if cfg.sorted_h else rows
     gelu = activation == "gelu_tanh"
     where = dict(A_SORTED=False, C_SORTED=cfg.sorted_h)
-    if (cfg.fuse_act or gelu) and limit is None:
+    if cfg.fuse_act or gelu:
         h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
+        clamp = {} if limit is None else dict(CLAMP=True, limit=float(limit))
         _launch_gemm(
             x, gate_up, h, topk_weights, align, top_k, inter, block_m, group_m, cfg.gate_up,
             A_PER_TOKEN=True, GATED=True, GELU=gelu, MUL_WEIGHT=False, tma=cfg.tma,
-            persistent=cfg.persistent, half_tail=cfg.half_tail, **where,
+            persistent=cfg.persistent, half_tail=cfg.half_tail, **where, **clamp,
         )  # fmt: skip
     else:
         h2 = torch.empty((h_rows, 2 * inter), dtype=x.dtype, device=x.device)

@@ -310,6 +310,24 @@ def test_gemv_experts_with_deepseek_v4s_clamp_match_twin(m, dtype, knobs):
     assert_experts_close(x, gate_up, down, *fm.moe_route_torch(logits, 6), limit=2.0)
 
 
+@kernel_test
+@pytest.mark.parametrize("m", [7, 256, 8192])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "variant", [{}, {"persistent": True, "half_tail": False}, {"fuse_act": False}],
+    ids=["table", "persistent", "unfused"],
+)  # fmt: skip
+def test_grouped_experts_with_deepseek_v4s_clamp_match_twin(m, dtype, variant, monkeypatch):
+    """DeepSeek V4's clamped SwiGLU on the grouped path: the gate/up GEMM's epilogue clamps
+    (the table's config and a persistent one), or with the activation unfused a kernel of its
+    own does; a limit that clamps, against the twin."""
+    hidden, inter = _dims(2048, 768)
+    x, gate_up, down, logits = make_experts(m, 32, hidden, inter, dtype)
+    cfg = fm.moe_config(m, 6, 32)._replace(**variant)
+    monkeypatch.setattr(fm, "moe_config", lambda *_: cfg)
+    assert_experts_close(x * 8, gate_up, down, *fm.moe_route_torch(logits, 6), limit=2.0)
+
+
 # ----------------------------------------------------------------------------- capture (GPU only)
 
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
