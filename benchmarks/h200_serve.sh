@@ -17,6 +17,8 @@
 #            with verify steps chained and not), then bench serving (8K in / SPEC_OUT out,
 #            CONC) with it and without (MODEL default qwen3-8b, DRAFT qwen3-0.6b)
 #   nextn    DeepSeek V4's MTP drafts in process (deepseek-v4-flash-e32, synthetic 3.51)
+#   v4       deepseek-v4-flash-e32, prefill graphs and eager (V4_ARMS): the latency table at
+#            P = 0 and 155,648, cold 8192 x8, hit 65536 x1; CONC adds the serving table
 #   OUT=$OUT [MODEL=...] [OLD=...] bash benchmarks/h200_serve.sh [STAGE ...]
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
@@ -150,6 +152,29 @@ spec_stage() {
   BREAKGRAPH_BENCH=1 MODEL=$m serve "spec_on_$m" --context-length 16384 $spec \
     --speculative-num-steps 3 --bench-synthetic-accept-length 3.51 \
     && { serving "spec_on_$m" 8192 "$out" ${CONC:-1 8}; stop; }
+}
+v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graphs, eager):
+  # seed 003's latency table (one request, max_new_tokens 1, median of 3 after 2 warm: P = 0
+  # and P = 155,648 with N = V4_N), cold 8192 x8, hit 65536 x1, and with CONC set the serving
+  # table (8K in / 1K out)
+  local a name flags n
+  for a in ${V4_ARMS:-graphs eager}; do
+    case $a in graphs) flags="" ;; eager) flags="--cuda-graph-backend-prefill disabled" ;; esac
+    MODEL=deepseek-v4-flash-e32 serve "v4_$a" --context-length 170000 \
+      --mem-fraction-static 0.9 $flags || continue
+    for n in ${V4_N:-256 1024 8000}; do  # the 155,648-token prefix is prefilled once
+      prefill hit 155648 1 --hit-new-tokens $n --keep-cache --warmup-waves 2 --waves 3 \
+        --json "$OUT/v4_${a}_hit155648_$n.json"
+    done
+    for n in ${V4_N:-256 1024 8000}; do
+      prefill cold $n 1 --warmup-waves 2 --waves 3 --json "$OUT/v4_${a}_cold_$n.json"
+    done
+    prefill cold 8192 8 --json "$OUT/v4_${a}_cold8192x8.json"
+    prefill hit 65536 1 --json "$OUT/v4_${a}_hit65536.json"
+    [ -n "${CONC:-}" ] && serving "v4_serving_$a" 8192 1024 $CONC
+    compilations
+    stop
+  done
 }
 nextn_stage() {
   inproc spec --model-path deepseek-v4-flash-e32 --algorithm NEXTN --input-len 8192 \

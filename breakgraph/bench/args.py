@@ -90,6 +90,11 @@ def add_prefill_args(p) -> None:
     p.add_argument(
         "--hit-new-tokens", type=int, default=1024, help="hit: new tokens after the prefix"
     )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="hit: no flush first; the prefix an earlier run with the same --seed cached hits",
+    )
     p.add_argument("--warmup-waves", type=int, default=2, help="unmeasured waves first")
     p.add_argument("--waves", type=int, default=5, help="measured waves")
     p.add_argument("--seed", type=int, default=0, help="the prompts' random token ids")

@@ -5,8 +5,9 @@ A wave sends CONCURRENCY streamed requests at once (random token ids, ``max_new_
 greedy, ``ignore_eos``); two warm-up waves, then five measured ones. ``cold``: prompts of
 TOKENS tokens, the prefix cache flushed before every wave, so nothing hits. ``hit``: one
 request first caches a TOKENS-token prefix; every prompt is then that prefix + 1,024 new
-tokens. Reports TTFT p50/p90 over the measured requests and input tok/s (a wave's prompt
-tokens / its wall time, median over waves).
+tokens (``--keep-cache``: the prefix an earlier run with the same ``--seed`` cached is
+reused, not flushed and prefilled again). Reports TTFT p50/p90 over the measured requests
+and input tok/s (a wave's prompt tokens / its wall time, median over waves).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ async def run_prefill(
     waves: int = 5,
     seed: int = 0,
     client_factory=None,
+    keep_cache: bool = False,
 ) -> PrefillResult:
     """``client_factory(url, max_connections=...)``: the client (default ``ServerClient``,
     breakgraph's /generate; ``bench peers`` passes its OpenAI one)."""
@@ -122,9 +124,12 @@ async def run_prefill(
         )
         prefix: list[int] = []
         if mode == "hit":
-            await client.flush_cache()
+            if not keep_cache:
+                await client.flush_cache()
             prefix = random_ids(rng, tokens, vocab)
             await client.generate(prefix, max_new_tokens=1)
+            if keep_cache:  # fresh new tokens (unseeded): none that an earlier run cached
+                rng = random.Random()
         for i in range(warmup_waves + waves):
             if mode == "cold":
                 await client.flush_cache()
@@ -161,6 +166,7 @@ def run_prefill_bench(args) -> PrefillResult:
                 warmup_waves=args.warmup_waves,
                 waves=args.waves,
                 seed=args.seed,
+                keep_cache=args.keep_cache,
             )
         )
     except BenchError as e:
