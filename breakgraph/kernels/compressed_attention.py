@@ -201,11 +201,13 @@ def indexer_scores_torch(
     step: CompressedStep,
     ratio: int,
     scale: float,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [T, H, Di], weights [T, H] float32, index_cache [slots, Di] -> float32 [T, E]
-    (E = ``max_seq // ratio``): ``scale * sum_h weights_h relu(q_h . k_e)``, ``-inf`` where
-    entry e is not visible to the row. Under TP each rank sums its heads and the ranks'
-    sums are all-reduced (an entry no row sees stays ``-inf``)."""
+    """q [T, H, Di], weights [T, H], index_cache [slots, Di] -> float32 [T, E]
+    (E = ``max_seq // ratio``): ``sum_h w_h relu(q_h . k_e) * scale`` with w the weights in
+    float32 times ``weight_scale``, ``-inf`` where entry e is not visible to the row. Under
+    TP each rank sums its heads and the ranks' sums are all-reduced (an entry no row sees
+    stays ``-inf``)."""
     t_rows = q.shape[0]
     out = []
     for lo in range(0, t_rows, ROW_CHUNK):
@@ -213,7 +215,7 @@ def indexer_scores_torch(
         _, visible, slots = _visible_entries(step, ratio, rows)
         keys = index_cache[slots].float()  # [n, E, Di]
         dots = torch.einsum("nhd,ned->nhe", q[rows].float(), keys).relu() * scale
-        s = torch.einsum("nhe,nh->ne", dots, weights[rows].float())
+        s = torch.einsum("nhe,nh->ne", dots, weights[rows].float() * weight_scale)
         out.append(s.masked_fill(~visible, float("-inf")))
     return torch.cat(out) if out else q.new_zeros((0, max(step.max_seq // ratio, 1)))
 
@@ -421,6 +423,7 @@ def _indexer_scores_kernel(
     stride_table,
     stride_o,
     scale,
+    weight_scale,
     RATIO: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -452,27 +455,28 @@ def _indexer_scores_kernel(
                 other=0.0,
             )
             dots = tl.maximum(_dot(q_tile, tl.trans(keys), IEEE), 0.0) * scale
-            w = tl.load(weights + t * stride_w + h, mask=h_ok, other=0.0)
-            total += tl.sum(dots * w[:, None], 0)
+            w = tl.load(weights + t * stride_w + h, mask=h_ok, other=0.0).to(tl.float32)
+            total += tl.sum(dots * (w * weight_scale)[:, None], 0)
     total = tl.where(visible, total, float("-inf"))
     tl.store(out + t * stride_o + e, total, mask=e < n_entries)
 
 
-def indexer_scores_triton(q, weights, index_cache, step, ratio, scale):
+def indexer_scores_triton(q, weights, index_cache, step, ratio, scale, weight_scale=1.0):
     """Triton twin of :func:`indexer_scores_torch`: a program per row and block of 32
-    entries, every head's dot products in one tile."""
+    entries, every head's dot products in one tile (the weights read in their own dtype)."""
     t_rows, heads, d = q.shape
     n_entries = max(step.max_seq // ratio, 1)
     out = torch.empty((t_rows, n_entries), dtype=torch.float32, device=q.device)
     if t_rows == 0:
         return out
     assert q.stride(2) == 1 and index_cache.stride(1) == 1 and d & (d - 1) == 0
-    weights = weights.float().contiguous()
+    assert weights.stride(1) == 1
     block_e = 32
     _indexer_scores_kernel[(t_rows, triton.cdiv(n_entries, block_e))](
         q, weights, index_cache, out, step.positions, step.token_rows, step.req_to_token, heads,
         n_entries, step.req_to_token.shape[1], q.stride(0), q.stride(1), weights.stride(0),
-        index_cache.stride(0), step.req_to_token.stride(0), out.stride(0), scale, RATIO=ratio,
+        index_cache.stride(0), step.req_to_token.stride(0), out.stride(0), scale, weight_scale,
+        RATIO=ratio,
         D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return out

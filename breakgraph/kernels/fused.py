@@ -192,7 +192,10 @@ def norm_rope_tail_torch(
     ``weight`` (its kv norm), or with ``weight`` None :func:`unweighted_rms_norm_torch` (its
     q norm), then :func:`rope_tail_torch`. With ``cache`` (contiguous [S, D] or [S, 1, D])
     the rows [T, D] go to its slots ``loc`` [T] (cast to its dtype) and nothing is
-    returned."""
+    returned; float32 rows are cast to the cache's dtype first (a compressor's pooled
+    entries: HF casts them before the norm)."""
+    if cache is not None:
+        x = x.to(cache.dtype)
     if weight is None:
         normed = unweighted_rms_norm_torch(x, eps)
     else:
@@ -760,19 +763,25 @@ def _rope_tail_kernel(
 def _norm_rope_tail_kernel(
     x, weight, cos, sin, out, loc, inner, stride_x0, stride_x1, stride_c, stride_o, n_cols,
     eps, HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
-    STORE: tl.constexpr, PDL: tl.constexpr = False,  # kernels/pdl.py
+    STORE: tl.constexpr, ROUND_IN: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
 ):  # fmt: skip
     """One row (token, head): Gemma's norm (WEIGHTED) or V4's unweighted one, then its last
     2 * HALF channels rotated in neighbouring pairs, each value rounded where the two
     kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_kernel``); the
-    partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``."""
+    partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``.
+    ROUND_IN: x (float32) rounded to ``out``'s dtype first, the cast the twin makes."""
     pdl.enter(PDL)
     pid, i0, row, offs, mask, xv, tail, rel, even, at = _tail_row(
         x, inner, stride_x0, stride_x1, n_cols, HALF, BLOCK
     )
+    pv = tl.load(row + at, mask=tail, other=0.0)
+    if ROUND_IN:
+        xv = xv.to(out.dtype.element_ty)
+        pv = pv.to(out.dtype.element_ty)
     h = xv.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
-    pv = tl.load(row + at, mask=tail, other=0.0).to(tl.float32)
+    pv = pv.to(tl.float32)
     if WEIGHTED:  # normalized and scaled in fp32, one rounding
         y = (h * rstd * tl.load(weight + offs, mask=mask, other=0.0)).to(xv.dtype)
         p = (pv * rstd * tl.load(weight + at, mask=tail, other=0.0)).to(xv.dtype)
@@ -795,8 +804,10 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
     n_cols, half = x.shape[-1], cos.shape[-1]
     outer, inner, sx0, sx1 = _outer_inner(x)
     store = cache is not None
+    round_in = store and x.dtype != cache.dtype
     if store:
         assert x.dim() == 2 and cache.is_contiguous() and cache[0].numel() == n_cols
+        assert not round_in or x.dtype == torch.float32, "a cast in: float32 rows only"
         out, stride_o = cache, cache.stride(0)
     else:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -811,7 +822,7 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
     _norm_rope_tail_kernel[(outer * inner,)](
         x, x if weight is None else weight, cos, sin, out, loc if store else cos, inner, sx0,
         sx1, cos.stride(0), stride_o, n_cols, eps, HALF=half, BLOCK=block,
-        WEIGHTED=weight is not None, STORE=store, num_warps=_row_warps(block),
+        WEIGHTED=weight is not None, STORE=store, ROUND_IN=round_in, num_warps=_row_warps(block),
         enable_fp_fusion=False, **pdl.launch(x.device),
     )  # fmt: skip
     return None if store else out

@@ -199,14 +199,13 @@ class _Compressor(nn.Module):
         pooled = torch.zeros((x.shape[0], self.head_dim), dtype=torch.float32, device=x.device)
         return kv, score, pooled
 
-    def store(self, pooled: torch.Tensor, rows: V4Rows, dtype: torch.dtype) -> None:
+    def store(self, pooled: torch.Tensor, rows: V4Rows) -> None:
         """The closing rows' entries (normed, roped at their window's first position) into
-        the per-slot buffer; the other rows' go to slot 0."""
+        the per-slot buffer (of the model's dtype); the other rows' go to slot 0."""
         _, cos, sin, dst = rows.windows(self.ratio)
         cache = get_forward_context().kv_pool.slot_buffers[self.cache_name]
-        norm = self.kv_norm  # HF: apply_rope(kv_norm(pooled)), stored: one kernel
-        ops.norm_rope_tail(pooled.to(dtype), norm.weight, norm.variance_epsilon, cos, sin,
-                           cache, dst)  # fmt: skip
+        norm = self.kv_norm  # HF: apply_rope(kv_norm(pooled.to(dtype))), stored: one kernel
+        ops.norm_rope_tail(pooled, norm.weight, norm.variance_epsilon, cos, sin, cache, dst)
 
 
 class DeepseekV4Indexer(_Compressor):
@@ -227,17 +226,20 @@ class DeepseekV4Indexer(_Compressor):
     def queries(
         self, x: torch.Tensor, q_residual: torch.Tensor, rows: V4Rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, heads, head_dim] roped at the rows' positions, weights [T, heads] float32)."""
+        """(q [T, heads, head_dim] roped at the rows' positions, weights [T, heads]; HF scales
+        the weights by heads^-0.5 in float32, which the scores do as they read them)."""
         q = self.q_b_proj(q_residual).view(x.shape[0], self.heads_per_rank, self.head_dim)
         q = apply_rope(q, *rows.rope("compress"))
-        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+        return q, self.scorer.weights_proj(x)
 
     def pick(self, q: torch.Tensor, weights: torch.Tensor, step: CompressedStep) -> torch.Tensor:
         """[T, k] the entries each of the step's rows attends to: the top-k of its scores,
         where a row that sees fewer than k entries gets some it cannot see yet (scored
         ``-inf``), which the attention skips."""
         keys = get_forward_context().kv_pool.slot_buffers[self.cache_name]
-        scores = ops.indexer_scores(q, weights, keys, step, self.ratio, self.head_dim**-0.5)
+        scores = ops.indexer_scores(
+            q, weights, keys, step, self.ratio, self.head_dim**-0.5, self.num_heads**-0.5
+        )
         scores = self.tp.all_reduce(scores)
         return scores.topk(min(self.index_topk, scores.shape[1]), dim=-1).indices
 
@@ -252,7 +254,7 @@ class DeepseekV4HCACompressor(_Compressor):
         """Pool and store the step's entries; nothing for the attention to score."""
         kv, score, pooled = self.project(x, rows)
         compress_windows(self, kv, score, pooled)
-        self.store(pooled, rows, kv.dtype)
+        self.store(pooled, rows)
         return None, None
 
 
@@ -271,8 +273,8 @@ class DeepseekV4CSACompressor(_Compressor):
         kv, score, pooled = self.project(x, rows)
         ikv, iscore, ipooled = ind.project(x, rows)
         compress_windows(self, kv, score, pooled, ikv, iscore, ipooled)
-        self.store(pooled, rows, kv.dtype)
-        ind.store(ipooled, rows, ikv.dtype)
+        self.store(pooled, rows)
+        ind.store(ipooled, rows)
         return ind.queries(x, q_residual, rows)
 
 

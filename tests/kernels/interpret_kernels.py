@@ -203,6 +203,15 @@ def norm_rope_tail() -> int:
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} norm rope tail, weighted, stored {shape}: "
               f"max diff {diff:.1e}")  # fmt: skip
+    # float32 rows into a half cache (a compressor's pooled entries): rounded in first
+    got, want = torch.zeros(11, 80, dtype=torch.float16), torch.zeros(11, 80, dtype=torch.float16)
+    fused.norm_rope_tail_triton(kv, weight, 1e-6, cos, sin, got, loc)
+    fused.norm_rope_tail_torch(kv, weight, 1e-6, cos, sin, want, loc)
+    diff = (got.float() - want.float()).abs().max().item()
+    ok = diff <= 1e-3 and bool(got[2].eq(0).all())
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} norm rope tail, float32 rows into a float16 cache: "
+          f"max diff {diff:.1e}")  # fmt: skip
     return failed
 
 

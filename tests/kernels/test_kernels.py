@@ -1160,6 +1160,12 @@ def test_norm_rope_tail_matches_twin(dtype):
     fused.norm_rope_tail_triton(kv, weight, 1e-6, cos, sin, got, loc)
     fused.norm_rope_tail_torch(kv, weight, 1e-6, cos, sin, want, loc)
     torch.testing.assert_close(got, want)
+    # a compressor's pooled entries: float32 rows rounded to the cache's dtype first
+    pooled = torch.randn(37, 512, device="cuda") * 2
+    got, want = (torch.zeros(100, 512, device="cuda", dtype=dtype) for _ in range(2))
+    fused.norm_rope_tail_triton(pooled, weight, 1e-6, cos, sin, got, loc)
+    fused.norm_rope_tail_torch(pooled, weight, 1e-6, cos, sin, want, loc)
+    torch.testing.assert_close(got, want)
 
 
 @gpu
