@@ -153,38 +153,44 @@ class EngineLoop:
     def run(self) -> None:
         self._publish_stats()
         while not self._stop:
-            if not self.engine.has_work:
-                # polled for idle_spin_s right after work, then asleep in poll
-                spin, self._worked = (self.idle_spin_s if self._worked else 0.0), False
-                wait_s = GRAMMAR_POLL_S if self.engine.compiling else PARENT_CHECK_INTERVAL_S
-                if not self.sock.wait(wait_s, spin):
-                    self._check_parent()
-                    continue
-            self._worked = True
-            self._drain()
-            if self._stop:
-                break
-            self._publish_stats_if_due()  # before a step that may be long: what it starts with
-            step_ms = None
-            if self.engine.has_work:
-                start = time.perf_counter()
-                outs = self.engine.step()
-                step_ms = (time.perf_counter() - start) * 1000.0
-                self._add_outputs(outs)
-                # requests whose grammar did not compile: a 400 each
-                self._errors += [RequestError(r, m) for r, m in self.engine.take_rejected()]
-            if step_ms is not None or self._outputs or self._errors:
-                self._send_step(step_ms)
-            self.engine.release_finished()
-            self._publish_stats_if_due()
-            self._check_parent()
+            self.turn()
         logger.info("engine loop stopped")
 
-    def _publish_stats_if_due(self) -> None:
-        """A snapshot as the engine starts work or goes idle, and every STATS_INTERVAL_S
-        while it works."""
+    def turn(self) -> None:
+        """One iteration: wait for input while idle, read it, step, send, release."""
+        if not self.engine.has_work:
+            # polled for idle_spin_s right after work, then asleep in poll
+            spin, self._worked = (self.idle_spin_s if self._worked else 0.0), False
+            wait_s = GRAMMAR_POLL_S if self.engine.compiling else PARENT_CHECK_INTERVAL_S
+            if not self.sock.wait(wait_s, spin):
+                self._check_parent()
+                return
+        self._worked = True
+        self._drain()
+        if self._stop:
+            return
+        # before a step that may be long: what it starts with (going idle waits for the
+        # release below: an abort read just now still holds its KV)
+        self._publish_stats_if_due(idle=False)
+        step_ms = None
+        if self.engine.has_work:
+            start = time.perf_counter()
+            outs = self.engine.step()
+            step_ms = (time.perf_counter() - start) * 1000.0
+            self._add_outputs(outs)
+            # requests whose grammar did not compile: a 400 each
+            self._errors += [RequestError(r, m) for r, m in self.engine.take_rejected()]
+        if step_ms is not None or self._outputs or self._errors:
+            self._send_step(step_ms)
+        self.engine.release_finished()
+        self._publish_stats_if_due()
+        self._check_parent()
+
+    def _publish_stats_if_due(self, idle: bool = True) -> None:
+        """A snapshot as the engine starts work or (``idle``: once finished requests'
+        KV is released) goes idle, and every STATS_INTERVAL_S while it works."""
         busy = self.engine.has_work
-        if busy != self._stats_busy or (
+        if (busy != self._stats_busy and (busy or idle)) or (
             busy and time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         ):
             self._publish_stats()
