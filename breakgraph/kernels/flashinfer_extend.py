@@ -2,10 +2,13 @@
 paged KV, each slot a page of one token: the candidate for prefill attention at Hopper's
 limit where the Triton kernel (kernels/extend_attention.py) stays the portable path.
 
-Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``triton`` (the default until FlashInfer has run
-inside the server on a GPU), ``flashinfer`` where it serves the step (CUDA of compute
-capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths known, not inside a
-capture, no zeroed padding) and the Triton kernel would not split the step's keys
+Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``triton`` (the default: through the server on an
+H100 FlashInfer gave 1.19x the cold 8K x8 input throughput, but a 64K prompt's chunks crashed
+the engine with an illegal memory access, not yet explained; the long-prefix case of
+tests/kernels/test_flashinfer_extend.py has that shape), ``flashinfer`` where it serves the
+step (CUDA of compute capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths
+known, not inside a capture, no zeroed padding) and the Triton kernel would not split the
+step's keys
 (``ops.plan_extend_attention``: ``bench kernels`` on an H200 measured FlashInfer 1.40x
 faster at 8K new tokens and 1.53x at 1K over a 32K prefix, 0.46x at 256 over 32K, where the
 split-KV path fills the GPU), else Triton. The plan is the step's, shared by its

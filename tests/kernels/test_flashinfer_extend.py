@@ -89,3 +89,27 @@ def test_flashinfer_plan_equals_the_twin(head_dim, group, window):
     plan(q, o, k_cache, v_cache)
     torch.testing.assert_close(o[:live].float(), ref[:live].float(), atol=2e-2, rtol=2e-2)
     assert bool((o[live:] == 7.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_flashinfer(), reason="needs a Hopper GPU and flashinfer")
+@pytest.mark.parametrize(("prefix", "new"), [(8192, 8192), (65536, 1024)])
+def test_flashinfer_plan_over_a_long_prefix(prefix, new):
+    """A chunk of a long prompt over its cached part (a 64K prompt's second chunk; the hit
+    workload's step): every row equals the torch twin's."""
+    batch = [(prefix, new)]
+    k_cache, v_cache, meta, rows = paged_batch(batch, 1, 128, torch.bfloat16, "cuda")
+    meta_host = type(meta)(
+        meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
+        meta.extend_lens, meta.max_extend_len, None, [new], [prefix + new],
+    )  # fmt: skip
+    q = torch.randn(rows, 2, 128, device="cuda").to(torch.bfloat16)
+    ref = torch.zeros_like(q)
+    ext.extend_attention_torch(q, ref, k_cache, v_cache, meta, 128**-0.5, None)
+    with envs.EXTEND_ATTENTION.override("flashinfer"):
+        plan = ops.plan_extend_attention(q, k_cache, meta_host, 128**-0.5, None)
+    assert isinstance(plan, fi.FlashInferPlan)
+    o = torch.zeros_like(q)
+    plan(q, o, k_cache, v_cache)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(o[:new].float(), ref[:new].float(), atol=2e-2, rtol=2e-2)
