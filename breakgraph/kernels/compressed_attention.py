@@ -476,8 +476,8 @@ def indexer_scores_triton(q, weights, index_cache, step, ratio, scale, weight_sc
         q, weights, index_cache, out, step.positions, step.token_rows, step.req_to_token, heads,
         n_entries, step.req_to_token.shape[1], q.stride(0), q.stride(1), weights.stride(0),
         index_cache.stride(0), step.req_to_token.stride(0), out.stride(0), scale, weight_scale,
-        RATIO=ratio,
-        D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4,
+        RATIO=ratio, D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32,
+        num_warps=4,
     )  # fmt: skip
     return out
 

@@ -8,10 +8,9 @@ the engine with an illegal memory access, not yet explained; the long-prefix cas
 tests/kernels/test_flashinfer_extend.py has that shape), ``flashinfer`` where it serves the
 step (CUDA of compute capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths
 known, not inside a capture, no zeroed padding) and the Triton kernel would not split the
-step's keys
-(``ops.plan_extend_attention``: ``bench kernels`` on an H200 measured FlashInfer 1.40x
-faster at 8K new tokens and 1.53x at 1K over a 32K prefix, 0.46x at 256 over 32K, where the
-split-KV path fills the GPU), else Triton. The plan is the step's, shared by its
+step's keys (``ops.plan_extend_attention``: ``bench kernels`` on an H200 measured FlashInfer
+1.40x faster at 8K new tokens and 1.53x at 1K over a 32K prefix, 0.46x at 256 over 32K,
+where the split-KV path fills the GPU), else Triton. The plan is the step's, shared by its
 layers like ``ExtendPlan``: FlashInfer's ``plan()`` (host scheduling and one non-blocking
 upload) inside the attention break, then one ``run`` per layer. A wrapper per attention
 shape lives for the process (its plan buffers), over one float workspace per device.
