@@ -20,6 +20,7 @@ import pytest
 
 from breakgraph.bench.http_client import BenchError, ServerClient
 from tests.support.hf import make_hf_model
+from tests.support.server import metric_values
 
 pytest.importorskip("matplotlib")
 
@@ -157,11 +158,8 @@ def test_prefill_hit(server, tmp_path):
 
 def _computed_prompt_tokens(server: str) -> float:
     """Prompt tokens the server has prefilled so far (admitted less cached), from /metrics."""
-    text = httpx.get(f"{server}/metrics").text
-    total = {}
-    for name in ("prompt_tokens_total", "cached_tokens_total"):
-        total[name] = float(re.search(rf"^breakgraph_{name} (\S+)$", text, re.M)[1])
-    return total["prompt_tokens_total"] - total["cached_tokens_total"]
+    values = metric_values(server)
+    return values["breakgraph_prompt_tokens_total"] - values["breakgraph_cached_tokens_total"]
 
 
 def test_prefill_hit_keep_cache_reuses_the_prefix(server, tmp_path):

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from breakgraph.common.messages import (
+    AbortReq,
     GenerateReq,
     RequestError,
     Shutdown,
@@ -41,6 +42,7 @@ from tests.support.server import (
     CONTEXT_LEN,
     ServerProcess,
     info,
+    metric_values,
     pid_alive,
     post,
     sse_events,
@@ -433,7 +435,7 @@ def test_both_processes_freeze_startup_objects_out_of_gc(server):
     for p in ("gc_", "api_gc_"):
         assert i[f"{p}collections_after_ready"] >= 0
         assert 0 <= i[f"{p}max_pause_seconds_after_ready"] <= i[f"{p}pause_seconds_after_ready"]
-    values = metric_values(server)
+    values = metric_values(server.url)
     for name in ("collections", "pause_seconds", "max_pause_seconds"):
         assert values[f"breakgraph_engine_gc_{name}_after_ready"] >= 0
 
@@ -458,14 +460,6 @@ def test_metrics_text_format(server):
         assert buckets == sorted(buckets) and buckets[-1] == values[f"{name}_count"] > 0
 
 
-def metric_values(srv: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{srv.url}/metrics").text
-    return {
-        name: float(value)
-        for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
-    }
-
-
 # every histogram of the request timeline and the step times, fed once per request or step
 TIMELINE_HISTOGRAMS = (
     "request_api_seconds", "request_ipc_seconds", "request_queue_seconds",
@@ -482,14 +476,14 @@ OLD_METRICS = (
 
 def test_metrics_timeline_histograms_move(server):
     """The old names stay; each timeline histogram counts the requests (or steps) served."""
-    before = metric_values(server)
+    before = metric_values(server.url)
     for name in OLD_METRICS:
         assert f"breakgraph_{name}" in before, name
     n = 3
     for i in range(n):
         body = {"input_ids": [1, 2, 3 + i], "sampling_params": GREEDY}
         assert post(server, "/generate", body).status_code == 200
-    after = metric_values(server)
+    after = metric_values(server.url)
     count = {h: after[f"breakgraph_{h}_count"] - before.get(f"breakgraph_{h}_count", 0)
              for h in TIMELINE_HISTOGRAMS}  # fmt: skip
     for h in ("request_api_seconds", "request_ipc_seconds", "request_queue_seconds",
@@ -600,6 +594,48 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         idle = {k: published[-1][k] for k in ("num_running_reqs", "num_queued_reqs")}
         assert idle == {"num_running_reqs": 0, "num_queued_reqs": 0}
         assert published[-1]["kv_tokens_used"] == 0
+    finally:
+        engine_end.close()
+        api_end.close()
+
+
+def test_an_abort_going_idle_publishes_its_kv_released(tiny_model_dir):
+    """A request aborted mid-decode: the snapshot the loop publishes as it goes idle (what
+    /get_server_info falls back on) shows no request running and no KV held; so does every
+    published snapshot with nothing running or queued."""
+    engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
+    engine_end, api_end = socket.socketpair()
+    api = FramedSocket(api_end)
+    loop = threading.Thread(target=EngineLoop(engine, EngineSocket(engine_end)).run)
+    messages: list = []
+
+    def receive_until(done, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            select.select([api.sock], [], [], 0.5)
+            messages.extend(decode(data) for data in api.read())
+
+    try:
+        sp = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        api.send(encode(GenerateReq("r", list(range(1, 40)), sp)))
+        loop.start()
+        steps = lambda: [m for m in messages if isinstance(m, StepResult)]  # noqa: E731
+        receive_until(lambda: sum(len(m.plain_tokens()) for m in steps()) >= 3)
+        api.send(encode(AbortReq("r")))
+        receive_until(lambda: any(o.finished for m in steps() for o in m.outputs))
+        api.send(encode(Shutdown()))
+        loop.join(10)
+        assert not loop.is_alive()
+        receive_until(lambda: False, 0.5)  # what came after the abort's message
+        published = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == -1]
+        last = published[-1]
+        assert (last["num_running_reqs"], last["kv_tokens_used"]) == (0, 0), last
+        for stats in published:
+            if stats["num_running_reqs"] == 0 and stats["num_queued_reqs"] == 0:
+                assert stats["kv_tokens_used"] == 0, published
+        finished = [o.rid for m in steps() for o in m.outputs if o.finished]
+        assert finished == ["r"]
+        assert engine.stats()["kv_tokens_used"] == 0
     finally:
         engine_end.close()
         api_end.close()

@@ -102,6 +102,15 @@ def info(srv: ServerProcess) -> dict:
     return httpx.get(f"{srv.url}/get_server_info", timeout=10).json()
 
 
+def metric_values(url: str) -> dict[str, float]:
+    """The server's /metrics at ``url``: each sample's value by its name (labels included)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    }
+
+
 def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> dict:
     """Server info once no request runs or waits any more."""
     deadline = time.monotonic() + timeout_s
