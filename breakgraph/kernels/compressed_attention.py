@@ -361,12 +361,17 @@ def _sparse_attention_kernel(
             j = j0 + n
             e = tl.load(picks + t * stride_picks + j, mask=j < n_picks, other=-1)
             ok = (e >= 0) & (e < visible)
-            last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
-            slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
-            keys = tl.load(
-                comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
-            )
-            m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+            # the top-k comes sorted by score: the entries a row cannot see yet (-inf) are
+            # its last picks, whole blocks of them skipped here
+            if tl.max(ok.to(tl.int32), 0) > 0:
+                last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
+                slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
+                keys = tl.load(
+                    comp_cache + slot[:, None] * stride_comp + d[None, :],
+                    mask=ok[:, None],
+                    other=0.0,
+                )
+                m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
     sink = tl.load(sinks + h, mask=h_ok, other=0.0)
     m_new = tl.maximum(m_i, sink)
     alpha = tl.exp(m_i - m_new)
@@ -376,13 +381,18 @@ def _sparse_attention_kernel(
     tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
 
 
+# (heads a program, keys a block, warps, pipeline stages) of the sparse attention kernel:
+# ``bench kernels --v4-attention`` times the others at DeepSeek V4-Flash's shapes.
+SPARSE_CONFIG = (16, 16, 4, 3)
+
+
 def sparse_attention_triton(
-    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None
+    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, config=None
 ):
-    """Triton twin of :func:`sparse_attention_torch`: a program per row and block of 16
-    heads (the one K = V head's tiles shared by them), an online softmax over the window's
-    keys and the entries, the sink last. No host sync: every bound is a device value or a
-    shape."""
+    """Triton twin of :func:`sparse_attention_torch`: a program per row and block of heads
+    (the one K = V head's tiles shared by them), an online softmax over the window's keys
+    and the entries, the sink last. No host sync: every bound is a device value or a shape.
+    ``config``: the kernel's launch config (default :data:`SPARSE_CONFIG`)."""
     t_rows, heads, d = q.shape
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1 and d & (d - 1) == 0
     out = torch.empty_like(q) if out is None else out
@@ -392,14 +402,14 @@ def sparse_attention_triton(
     mode = 0 if comp_cache is None else (1 if picks is None else 2)
     comp = kv_cache if comp_cache is None else comp_cache
     pk = step.positions if picks is None else picks.contiguous()
-    block_h = 16
+    block_h, block_n, warps, stages = config or SPARSE_CONFIG
     _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h))](
         q, kv_cache, comp, out, step.positions, step.token_rows, step.req_to_token, pk,
         sinks.float().contiguous(), heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
-        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=16,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

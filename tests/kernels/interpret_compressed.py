@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from breakgraph.bench.v4_attention import CONFIGS
 from breakgraph.kernels import compressed_attention as ca
 
 PREFIX = [0, 21, 40]
@@ -67,6 +68,17 @@ def main() -> int:
         ca.sparse_attention_triton(*args, out=bucket[:t])
         want = torch.cat([ca.sparse_attention_torch(*args), torch.full((5, heads, d), 7.0)])
         failed += check(f"sparse attention, {name}", bucket, want)
+    # every launch config `bench kernels --v4-attention` times, over sorted picks (the
+    # indexer's top-k: the entries a row cannot see yet last, skipped as whole blocks)
+    scores = torch.rand(t, 8).masked_fill(
+        torch.arange(8)[None, :] >= ((step.positions + 1) // ratio)[:, None], float("-inf")
+    )
+    sorted_picks = scores.topk(8, dim=-1).indices
+    args = (q, kv, comp, step, window, ratio, sorted_picks, sinks, 0.2)
+    want = ca.sparse_attention_torch(*args)
+    for config in CONFIGS:
+        got = ca.sparse_attention_triton(*args, config=config)
+        failed += check(f"sparse attention, sorted picks, config {config}", got, want)
     iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
     keys = torch.randn(n_slots, 16)
     got, want = [], []

@@ -1,0 +1,118 @@
+"""``bench kernels --v4-attention``: DeepSeek V4's sparse attention kernel
+(kernels/compressed_attention.py) at V4-Flash's shapes, in each launch config of
+:data:`CONFIGS`, against the time a dense bf16 GEMM of the same FLOPs takes on this GPU
+(measured in the same run).
+
+V4-Flash attends with 64 query heads of 512 over one K = V head: each row its sliding window
+of 128 keys and, on a CSA layer (one entry per 4 tokens), the indexer's top 512 entries, on
+an HCA layer (one per 128) every entry it may see. The FLOPs counted are the ones the
+attention needs (the keys each row may see), so a kernel that computes masked keys or
+reloads keys for each block of heads shows it as a ratio above 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from breakgraph.kernels import compressed_attention as ca
+
+HEADS, HEAD_DIM, WINDOW, TOP_K = 64, 512, 128, 512
+# (heads a program, keys a block, warps, stages): compressed_attention.SPARSE_CONFIG first
+CONFIGS = [
+    ca.SPARSE_CONFIG,
+    (16, 32, 4, 3),
+    (16, 64, 4, 2),
+    (32, 16, 4, 3),
+    (32, 32, 8, 3),
+    (64, 16, 8, 2),
+    (64, 32, 8, 2),
+    (16, 16, 4, 1),
+]
+
+
+def v4_step(prefix: int, rows: int, requests: int = 1) -> ca.CompressedStep:
+    """``requests`` requests with ``prefix`` cached tokens each and ``rows`` new ones between
+    them (one each: a decode step), over shuffled slots."""
+    per = rows // requests
+    width = prefix + per
+    slots = (torch.randperm(requests * width, device="cuda") + 1).view(requests, width)
+    pos = torch.arange(prefix, width, device="cuda").repeat(requests)
+    return ca.CompressedStep(
+        positions=pos,
+        row_req=torch.arange(requests, device="cuda").repeat_interleave(per),
+        req_rows=torch.arange(requests, device="cuda"),
+        start_pos=torch.full((requests,), prefix, device="cuda"),
+        end_pos=torch.full((requests,), width, device="cuda"),
+        fresh=torch.full((requests,), prefix == 0, device="cuda"),
+        req_to_token=slots.to(torch.int32),
+        max_extend=per,
+        max_seq=width,
+    )
+
+
+def top_k_picks(step: ca.CompressedStep, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(picks [T, k] as the indexer's top-k yields them, sorted: random scores, -inf for the
+    entries a row cannot see yet; each row's count of entries it attends to)."""
+    n_entries = max(step.max_seq // ratio, 1)
+    visible = (step.positions + 1) // ratio
+    scores = torch.rand(step.positions.shape[0], n_entries, device="cuda")
+    scores[torch.arange(n_entries, device="cuda")[None, :] >= visible[:, None]] = float("-inf")
+    picks = scores.topk(min(TOP_K, n_entries), dim=-1).indices
+    return picks, visible.clamp(max=picks.shape[1])
+
+
+def gemm_tflops() -> float:
+    """A dense bf16 GEMM's TFLOP/s on this GPU (8192 cubed, median)."""
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ a, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def bench_v4_attention(cases: list[tuple[int, int, int]]) -> list[tuple]:
+    """Rows ``(kernel, shape, ms, "dense GEMM, same FLOPs", floor ms)`` for each case
+    ``(prefix, new rows, requests)``, layer kind and config."""
+    import triton.testing
+
+    tflops = gemm_tflops()
+    print(f"dense bf16 GEMM: {tflops:.0f} TFLOP/s")
+    rows = []
+    for prefix, n, requests in cases:
+        step = v4_step(prefix, n, requests)
+        slots = step.req_to_token.numel() + 1
+        q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(slots, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        comp = torch.randn(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        sinks = torch.randn(HEADS, device="cuda")
+        window_keys = (step.positions + 1).clamp(max=WINDOW)
+        picks, csa_keys = top_k_picks(step, 4)
+        kinds = (("CSA", 4, picks, csa_keys), ("HCA", 128, None, (step.positions + 1) // 128))
+        for kind, ratio, pk, entry_keys in kinds:
+            keys = int((window_keys + entry_keys).sum())
+            floor = 4 * HEADS * HEAD_DIM * keys / tflops / 1e9
+            shape = f"{kind} {requests} x {n // requests} over {prefix}"
+            args = (
+                q,
+                kv,
+                comp,
+                step,
+                WINDOW,
+                ratio,
+                pk,
+                sinks,
+                HEAD_DIM**-0.5,
+                torch.empty_like(q),
+            )
+            for config in CONFIGS:
+                attend = functools.partial(ca.sparse_attention_triton, *args, config=config)
+                try:
+                    ms = triton.testing.do_bench(attend, return_mode="median")
+                except Exception as e:  # a config this GPU cannot run (shared memory)
+                    print(f"{shape} {config}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                name = "sparse attention" + (" (default)" if config == ca.SPARSE_CONFIG else "")
+                rows.append((f"{name} {config}", shape, ms, "dense GEMM, same FLOPs", floor))
+    return rows
