@@ -127,8 +127,8 @@ def add_kernels_args(p) -> None:
     p.add_argument(
         "--v4-attention", action="store_true",
         help="only DeepSeek V4's sparse attention at V4-Flash's shapes (CSA and HCA layers; "
-        "1K and 8K new tokens, 1K over a 64K prefix, 32 decode rows over 8K) in each launch "
-        "config, against a dense GEMM of the same FLOPs",
+        "1K and 8K new tokens, 1K over a 64K prefix, 1 and 32 decode rows over 8K) in each "
+        "launch config, against a dense GEMM of the same FLOPs",
     )  # fmt: skip
     p.add_argument(
         "--sweep-batches", type=int, nargs="+", default=[1, 8, 64],

@@ -319,7 +319,7 @@ def run_kernels_bench(args) -> None:
     if args.v4_attention:
         from breakgraph.bench.v4_attention import bench_v4_attention
 
-        cases = [(0, 1024, 1), (0, 8192, 1), (65536, 1024, 1), (8192, 32, 32)]
+        cases = [(0, 1024, 1), (0, 8192, 1), (65536, 1024, 1), (8192, 1, 1), (8192, 32, 32)]
         rows = bench_v4_attention(cases)
     elif args.decode_sweep:
         from breakgraph.bench.decode_sweep import bench_decode_sweep

@@ -94,25 +94,20 @@ def bench_v4_attention(cases: list[tuple[int, int, int]]) -> list[tuple]:
             keys = int((window_keys + entry_keys).sum())
             floor = 4 * HEADS * HEAD_DIM * keys / tflops / 1e9
             shape = f"{kind} {requests} x {n // requests} over {prefix}"
-            args = (
-                q,
-                kv,
-                comp,
-                step,
-                WINDOW,
-                ratio,
-                pk,
-                sinks,
-                HEAD_DIM**-0.5,
-                torch.empty_like(q),
-            )
-            for config in CONFIGS:
-                attend = functools.partial(ca.sparse_attention_triton, *args, config=config)
+            out = torch.empty_like(q)
+            args = (q, kv, comp, step, WINDOW, ratio, pk, sinks, HEAD_DIM**-0.5, out)
+            auto = ca.sparse_splits(n, HEADS, ca.SPARSE_CONFIG[0], q.device)
+            runs = [(c, None) for c in CONFIGS] + ([(ca.SPARSE_CONFIG, 1)] if auto > 1 else [])
+            for config, splits in runs:
+                attend = functools.partial(
+                    ca.sparse_attention_triton, *args, config=config, splits=splits
+                )
                 try:
                     ms = triton.testing.do_bench(attend, return_mode="median")
                 except Exception as e:  # a config this GPU cannot run (shared memory)
                     print(f"{shape} {config}: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                name = "sparse attention" + (" (default)" if config == ca.SPARSE_CONFIG else "")
-                rows.append((f"{name} {config}", shape, ms, "dense GEMM, same FLOPs", floor))
+                used = splits or ca.sparse_splits(n, HEADS, config[0], q.device)
+                name = f"sparse attention {config}, {used} split" + "s" * (used > 1)
+                rows.append((name, shape, ms, "dense GEMM, same FLOPs", floor))
     return rows

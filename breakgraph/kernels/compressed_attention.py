@@ -293,12 +293,24 @@ def _attend_block(q, keys, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     return m_new, l_i, acc
 
 
+@_jit
+def _window_keys(pos, j0, n, table, kv_cache, stride_kv, d, WINDOW: tl.constexpr):
+    """Keys ``j0 + n`` of the sliding window ending at ``pos``, oldest first, and their mask."""
+    kp = pos - WINDOW + 1 + j0 + n
+    ok = (kp >= 0) & (j0 + n < WINDOW)
+    slot = tl.load(table + tl.maximum(kp, 0), mask=ok, other=0).to(tl.int64)
+    keys = tl.load(kv_cache + slot[:, None] * stride_kv + d[None, :], mask=ok[:, None], other=0.0)
+    return keys, ok
+
+
 @_jit_live("n_picks", "stride_picks")
 def _sparse_attention_kernel(
     q,
     kv_cache,
     comp_cache,
     out,
+    part_o,
+    part_lse,
     positions,
     token_rows,
     req_to_token,
@@ -320,10 +332,12 @@ def _sparse_attention_kernel(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     h_ok = h < heads
     d = tl.arange(0, D)
     pos = tl.load(positions + t)
@@ -336,63 +350,108 @@ def _sparse_attention_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for j0 in range(0, WINDOW, BLOCK_N):  # the sliding window, oldest first
-        kp = pos - WINDOW + 1 + j0 + n
-        ok = (kp >= 0) & (j0 + n < WINDOW)
-        slot = tl.load(table + tl.maximum(kp, 0), mask=ok, other=0).to(tl.int64)
-        keys = tl.load(
-            kv_cache + slot[:, None] * stride_kv + d[None, :], mask=ok[:, None], other=0.0
-        )
+    # the row's key blocks: the window's, then its entries' (every visible one, or the
+    # picks); a split takes a contiguous run of them
+    visible = (pos + 1) // RATIO
+    window_blocks: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    entries = 0
+    if MODE == 1:
+        entries = visible
+    if MODE == 2:
+        entries = n_picks
+    blocks = window_blocks + tl.cdiv(entries, BLOCK_N)
+    per = tl.cdiv(blocks, SPLITS)
+    lo = split * per
+    hi = tl.minimum(lo + per, blocks)
+    # the window's blocks from the first that holds a key (position >= 0): a block of
+    # masked keys only would leave the online softmax's max at -inf (exp(-inf + inf): NaN)
+    first = tl.maximum(WINDOW - 1 - pos, 0) // BLOCK_N
+    for b in range(tl.maximum(lo, first), tl.minimum(hi, window_blocks)):  # oldest first
+        keys, ok = _window_keys(pos, b * BLOCK_N, n, table, kv_cache, stride_kv, d, WINDOW)
         m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
-    if MODE == 1:  # every entry whose window closed by this row
-        visible = (pos + 1) // RATIO
-        for e0 in range(0, visible, BLOCK_N):
-            e = e0 + n
+    for b in range(tl.maximum(lo, window_blocks), hi):
+        j = (b - window_blocks) * BLOCK_N + n
+        if MODE == 1:  # every entry whose window closed by this row
+            e = j
             ok = e < visible
-            last = tl.minimum(e * RATIO + RATIO - 1, table_width - 1)
+        else:  # the indexer's picks (-1 or not visible yet: none)
+            e = tl.load(picks + t * stride_picks + j, mask=j < n_picks, other=-1)
+            ok = (e >= 0) & (e < visible)
+        # the top-k comes sorted by score: the entries a row cannot see yet (-inf) are its
+        # last picks, whole blocks of them skipped here
+        if tl.max(ok.to(tl.int32), 0) > 0:
+            last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
             slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
             keys = tl.load(
                 comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
             )
             m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
-    if MODE == 2:  # the indexer's picks (-1 or not visible yet: none)
-        visible = (pos + 1) // RATIO
-        for j0 in range(0, n_picks, BLOCK_N):
-            j = j0 + n
-            e = tl.load(picks + t * stride_picks + j, mask=j < n_picks, other=-1)
-            ok = (e >= 0) & (e < visible)
-            # the top-k comes sorted by score: the entries a row cannot see yet (-inf) are
-            # its last picks, whole blocks of them skipped here
-            if tl.max(ok.to(tl.int32), 0) > 0:
-                last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
-                slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
-                keys = tl.load(
-                    comp_cache + slot[:, None] * stride_comp + d[None, :],
-                    mask=ok[:, None],
-                    other=0.0,
-                )
-                m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
-    sink = tl.load(sinks + h, mask=h_ok, other=0.0)
-    m_new = tl.maximum(m_i, sink)
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.exp(sink - m_new)
-    o = acc * alpha[:, None] / l_i[:, None]
-    dst = out + t * stride_qt + h[:, None] * stride_qh + d[None, :]
-    tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
+    if SPLITS == 1:
+        sink = tl.load(sinks + h, mask=h_ok, other=0.0)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        o = acc * alpha[:, None] / l_i[:, None]
+        dst = out + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
+    else:  # this split's partial: its output and log-sum-exp ([T, H, SPLITS] rows of D)
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -1.0e30)
+        part = (t * heads + h) * SPLITS + split
+        tl.store(part_o + part[:, None] * D + d[None, :], o, mask=h_ok[:, None])
+        tl.store(part_lse + part, lse, mask=h_ok)
+
+
+@_jit
+def _sparse_merge_kernel(
+    part_o, part_lse, sinks, out, heads, stride_ot, stride_oh, D: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One (row, head): its splits' partials merged by log-sum-exp, the sink (a key whose
+    value is 0) in the sum's denominator."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    part = (t * heads + h) * SPLITS
+    lse = tl.load(part_lse + part + s)
+    sink = tl.load(sinks + h)
+    m = tl.maximum(tl.max(lse, 0), sink)
+    w = tl.exp(lse - m)
+    o = tl.load(part_o + (part + s)[:, None] * D + d[None, :])
+    o = tl.sum(o * w[:, None], 0) / (tl.sum(w, 0) + tl.exp(sink - m))
+    tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty))
 
 
 # (heads a program, keys a block, warps, pipeline stages) of the sparse attention kernel:
 # ``bench kernels --v4-attention`` times the others at DeepSeek V4-Flash's shapes.
 SPARSE_CONFIG = (16, 16, 4, 3)
+MAX_SPLITS = 16
+
+
+def sparse_splits(t_rows: int, heads: int, block_h: int, device: torch.device) -> int:
+    """Splits of each row's keys: enough that a small step (a decode batch) has about two
+    programs per SM; 1 (no merge) once the rows alone fill the GPU. Host sizes only."""
+    if device.type != "cuda":
+        return 1
+    programs = t_rows * triton.cdiv(heads, block_h)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
 
 
 def sparse_attention_triton(
-    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, config=None
-):
-    """Triton twin of :func:`sparse_attention_torch`: a program per row and block of heads
-    (the one K = V head's tiles shared by them), an online softmax over the window's keys
-    and the entries, the sink last. No host sync: every bound is a device value or a shape.
-    ``config``: the kernel's launch config (default :data:`SPARSE_CONFIG`)."""
+    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, config=None,
+    splits=None,
+):  # fmt: skip
+    """Triton twin of :func:`sparse_attention_torch`: a program per row, block of heads (the
+    one K = V head's tiles shared by them) and split of the row's keys, an online softmax
+    over the window's keys and the entries; with one split the sink is added last, with
+    several a merge kernel combines the splits' partials and the sink. No host sync: every
+    bound is a device value or a shape. ``config``: the launch config (default
+    :data:`SPARSE_CONFIG`); ``splits`` (a power of 2; default :func:`sparse_splits`)."""
     t_rows, heads, d = q.shape
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1 and d & (d - 1) == 0
     out = torch.empty_like(q) if out is None else out
@@ -403,14 +462,25 @@ def sparse_attention_triton(
     comp = kv_cache if comp_cache is None else comp_cache
     pk = step.positions if picks is None else picks.contiguous()
     block_h, block_n, warps, stages = config or SPARSE_CONFIG
-    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h))](
-        q, kv_cache, comp, out, step.positions, step.token_rows, step.req_to_token, pk,
-        sinks.float().contiguous(), heads, step.req_to_token.shape[1],
+    splits = splits or sparse_splits(t_rows, heads, block_h, q.device)
+    sinks = sinks.float().contiguous()
+    part_o = part_lse = out
+    if splits > 1:
+        part_o = torch.empty((t_rows, heads, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((t_rows, heads, splits), dtype=torch.float32, device=q.device)
+    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h), splits)](
+        q, kv_cache, comp, out, part_o, part_lse, step.positions, step.token_rows,
+        step.req_to_token, pk, sinks, heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
         WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        _sparse_merge_kernel[(t_rows, heads)](
+            part_o, part_lse, sinks, out, heads, out.stride(0), out.stride(1), D=d,
+            SPLITS=splits, num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -10,6 +10,7 @@ python -m tests.kernels.interpret_compressed`` (started so by ``test_triton_inte
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -61,13 +62,19 @@ def main() -> int:
     sinks = torch.randn(heads)
     picks = torch.randint(-1, 8, (t, 5))  # some not visible to early rows: skipped
     failed = 0
-    for name, cache, pk in (("window", None, None), ("every entry", comp, None),
-                            ("picked entries", comp, picks)):  # fmt: skip
-        args = (q, kv, cache, step, window, ratio, pk, sinks, 0.2)
+    # windows of one key block and of three (rows before a block's first key: V4-Flash's
+    # 128 over blocks of 16), in one program a row and with its keys split over several
+    cases = itertools.product(
+        (("window", None, None), ("every entry", comp, None), ("picked entries", comp, picks)),
+        (window, 40),
+        (1, 4),
+    )
+    for (name, cache, pk), win, splits in cases:
+        args = (q, kv, cache, step, win, ratio, pk, sinks, 0.2)
         bucket = torch.full((t + 5, heads, d), 7.0)  # rows past the step's stay as they are
-        ca.sparse_attention_triton(*args, out=bucket[:t])
+        ca.sparse_attention_triton(*args, out=bucket[:t], splits=splits)
         want = torch.cat([ca.sparse_attention_torch(*args), torch.full((5, heads, d), 7.0)])
-        failed += check(f"sparse attention, {name}", bucket, want)
+        failed += check(f"sparse attention, {name}, window {win}, {splits} splits", bucket, want)
     # every launch config `bench kernels --v4-attention` times, over sorted picks (the
     # indexer's top-k: the entries a row cannot see yet last, skipped as whole blocks)
     scores = torch.rand(t, 8).masked_fill(
@@ -76,9 +83,9 @@ def main() -> int:
     sorted_picks = scores.topk(8, dim=-1).indices
     args = (q, kv, comp, step, window, ratio, sorted_picks, sinks, 0.2)
     want = ca.sparse_attention_torch(*args)
-    for config in CONFIGS:
-        got = ca.sparse_attention_triton(*args, config=config)
-        failed += check(f"sparse attention, sorted picks, config {config}", got, want)
+    for config, splits in itertools.product(CONFIGS, (1, 2)):
+        got = ca.sparse_attention_triton(*args, config=config, splits=splits)
+        failed += check(f"sparse attention, sorted picks, {config}, {splits} splits", got, want)
     iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
     keys = torch.randn(n_slots, 16)
     got, want = [], []

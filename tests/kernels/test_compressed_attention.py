@@ -160,3 +160,30 @@ def test_sparse_attention_equals_dense_softmax_with_sinks():
         logits = q[i] @ keys.T * 0.3
         z = torch.cat([logits, sinks[:, None]], dim=1).softmax(dim=1)[:, :-1]
         torch.testing.assert_close(out[i], z @ keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefix,rows,requests", [(0, 300, 1), (600, 1, 1), (2000, 8, 8)])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_sparse_attention_kernel_at_v4_flash_shapes_matches_twin(prefix, rows, requests, splits):
+    """bf16, 64 heads of 512 over a window of 128 (rows before its first key block's first
+    key included), CSA picks sorted as the indexer's top-k and HCA's every entry; one
+    program a row and the keys split with a merge (the decode rows' default)."""
+    from breakgraph.bench.v4_attention import HEAD_DIM, HEADS, WINDOW, top_k_picks, v4_step
+    from breakgraph.kernels.compressed_attention import sparse_attention_triton
+
+    torch.manual_seed(5)
+    step = v4_step(prefix, rows, requests)
+    slots = step.req_to_token.numel() + 1
+    q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(slots, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    comp = torch.randn(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(HEADS, device="cuda")
+    picks, _ = top_k_picks(step, 4)
+    for ratio, pk in ((4, picks), (128, None)):
+        args = (q, kv, comp, step, WINDOW, ratio, pk, sinks, HEAD_DIM**-0.5)
+        got = sparse_attention_triton(*args, splits=splits)
+        want = sparse_attention_torch(*args)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
