@@ -30,6 +30,10 @@ CONFIGS = [
     (64, 32, 8, 2),
     (16, 16, 4, 1),
 ]
+INDEX_HEADS, INDEX_DIM = 64, 128
+# (heads a tile, entries a program, warps): compressed_attention.INDEXER_CONFIG first
+INDEXER_CONFIGS = [ca.INDEXER_CONFIG, (64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 64, 4),
+                   (64, 128, 8)]  # fmt: skip
 
 
 def v4_step(prefix: int, rows: int, requests: int = 1) -> ca.CompressedStep:
@@ -110,4 +114,29 @@ def bench_v4_attention(cases: list[tuple[int, int, int]]) -> list[tuple]:
                 used = splits or ca.sparse_splits(n, HEADS, config[0], q.device)
                 name = f"sparse attention {config}, {used} split" + "s" * (used > 1)
                 rows.append((name, shape, ms, "dense GEMM, same FLOPs", floor))
+        rows += bench_indexer(step, tflops)
+    return rows
+
+
+def bench_indexer(step: ca.CompressedStep, tflops: float) -> list[tuple]:
+    """The CSA indexer's scores of every entry a row may see (64 heads of 128), per config;
+    ``tflops``: the dense GEMM's rate the floor is counted at."""
+    import triton.testing
+
+    n = step.positions.shape[0]
+    q = torch.randn(n, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, INDEX_HEADS, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(step.req_to_token.numel() + 1, INDEX_DIM, device="cuda",
+                       dtype=torch.bfloat16)  # fmt: skip
+    entries = int(((step.positions + 1) // 4).sum())
+    floor = 2 * INDEX_HEADS * INDEX_DIM * entries / tflops / 1e9
+    prefix = step.max_seq - step.max_extend
+    shape = f"indexer {step.req_rows.shape[0]} x {step.max_extend} over {prefix}"
+    rows = []
+    for config in INDEXER_CONFIGS:
+        fn = functools.partial(
+            ca.indexer_scores_triton, q, w, keys, step, 4, INDEX_DIM**-0.5, 0.125, config=config
+        )
+        ms = triton.testing.do_bench(fn, return_mode="median")
+        rows.append((f"indexer scores {config}", shape, ms, "dense GEMM, same FLOPs", floor))
     return rows

@@ -541,9 +541,17 @@ def _indexer_scores_kernel(
     tl.store(out + t * stride_o + e, total, mask=e < n_entries)
 
 
-def indexer_scores_triton(q, weights, index_cache, step, ratio, scale, weight_scale=1.0):
-    """Triton twin of :func:`indexer_scores_torch`: a program per row and block of 32
-    entries, every head's dot products in one tile (the weights read in their own dtype)."""
+# (heads a tile, entries a program, warps) of the indexer's scores kernel: ``bench kernels
+# --v4-attention`` times the others at V4-Flash's shapes
+INDEXER_CONFIG = (16, 32, 4)
+
+
+def indexer_scores_triton(
+    q, weights, index_cache, step, ratio, scale, weight_scale=1.0, config=None
+):  # fmt: skip
+    """Triton twin of :func:`indexer_scores_torch`: a program per row and block of entries,
+    the heads' dot products a tile of heads at a time (the weights read in their own dtype);
+    ``config``: the launch config (default :data:`INDEXER_CONFIG`)."""
     t_rows, heads, d = q.shape
     n_entries = max(step.max_seq // ratio, 1)
     out = torch.empty((t_rows, n_entries), dtype=torch.float32, device=q.device)
@@ -551,13 +559,13 @@ def indexer_scores_triton(q, weights, index_cache, step, ratio, scale, weight_sc
         return out
     assert q.stride(2) == 1 and index_cache.stride(1) == 1 and d & (d - 1) == 0
     assert weights.stride(1) == 1
-    block_e = 32
+    block_h, block_e, warps = config or INDEXER_CONFIG
     _indexer_scores_kernel[(t_rows, triton.cdiv(n_entries, block_e))](
         q, weights, index_cache, out, step.positions, step.token_rows, step.req_to_token, heads,
         n_entries, step.req_to_token.shape[1], q.stride(0), q.stride(1), weights.stride(0),
         index_cache.stride(0), step.req_to_token.stride(0), out.stride(0), scale, weight_scale,
-        RATIO=ratio, D=d, BLOCK_H=16, BLOCK_E=block_e, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        RATIO=ratio, D=d, BLOCK_H=block_h, BLOCK_E=block_e, IEEE=q.dtype == torch.float32,
+        num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from breakgraph.bench.v4_attention import CONFIGS
+from breakgraph.bench.v4_attention import CONFIGS, INDEXER_CONFIGS
 from breakgraph.kernels import compressed_attention as ca
 
 PREFIX = [0, 21, 40]
@@ -97,6 +97,9 @@ def main() -> int:
         args = (iq, iw.half(), keys, bound, ratio, 0.25, 0.5)
         got.append(ca.indexer_scores_triton(*args))
         want.append(ca.indexer_scores_torch(*args))
+        for config in INDEXER_CONFIGS[1:]:  # the others `bench kernels --v4-attention` times
+            got.append(ca.indexer_scores_triton(*args, config=config))
+            want.append(want[-1])
     got, want = torch.cat(got, dim=1), torch.cat(want, dim=1)
     same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
