@@ -142,6 +142,9 @@ class EngineLoop:
         self._token_rids: list[str] = []  # plain tokens (StepResult.token_rids), this step's
         self._token_ids: list[int] = []
         self._delta_rids: set[str] = set()  # the rids in _outputs
+        # stats calls read this turn, answered at its end (after the release: an abort read
+        # before one has left the running requests, and its KV is released then)
+        self._stats_calls: list[int] = []
         self._errors: list[RequestError] = []
         self._parent = multiprocessing.parent_process()
         self._last_parent_check = time.monotonic()
@@ -183,6 +186,10 @@ class EngineLoop:
         if step_ms is not None or self._outputs or self._errors:
             self._send_step(step_ms)
         self.engine.release_finished()
+        if self._stats_calls:
+            stats, calls, self._stats_calls = self.engine.stats(), self._stats_calls, []
+            for call_id in calls:
+                self._send(StatsReply(call_id, stats))
         self._publish_stats_if_due()
         self._check_parent()
 
@@ -270,7 +277,7 @@ class EngineLoop:
                 if out is not None:
                     self._add_delta(out)
             case StatsReq():
-                self._send(StatsReply(msg.call_id, self.engine.stats()))
+                self._stats_calls.append(msg.call_id)
             case FlushCacheReq():
                 flushed = self.engine.flush_cache()
                 self._publish_stats()  # ahead of the reply: a read after it sees the flush

@@ -36,6 +36,7 @@ from breakgraph.common.messages import (
 from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.server import engine_process
 from breakgraph.server.engine_process import EngineLoop
 from breakgraph.server.ipc import EngineSocket, FramedSocket
 from tests.support.server import (
@@ -588,6 +589,8 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         assert engine.stats()["kv_tokens_used"] == 0
         # stats published unasked: as the loop starts, before its first step (the two
         # requests queued), and as it goes idle (their KV released)
+        (answer,) = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == 3]
+        assert (answer["num_running_reqs"], answer["kv_tokens_used"]) == (0, 0), answer
         published = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == -1]
         assert published[0]["num_queued_reqs"] == 0
         assert max(p["num_queued_reqs"] for p in published) == 2
@@ -599,10 +602,12 @@ def test_engine_loop_rejects_bad_requests_and_sends_one_message_per_step(tiny_mo
         api_end.close()
 
 
-def test_an_abort_going_idle_publishes_its_kv_released(tiny_model_dir):
-    """A request aborted mid-decode: the snapshot the loop publishes as it goes idle (what
-    /get_server_info falls back on) shows no request running and no KV held; so does every
-    published snapshot with nothing running or queued."""
+def test_an_abort_going_idle_publishes_its_kv_released(tiny_model_dir, monkeypatch):
+    """A request aborted mid-decode: a stats call read with the abort, and the snapshot the
+    loop publishes as it goes idle (what /get_server_info falls back on), show no request
+    running and no KV held; so does every published snapshot with nothing running or
+    queued, a snapshot every turn included."""
+    monkeypatch.setattr(engine_process, "STATS_INTERVAL_S", 0.0)
     engine = Engine(EngineArgs(model_path=str(tiny_model_dir)))
     engine_end, api_end = socket.socketpair()
     api = FramedSocket(api_end)
@@ -622,11 +627,15 @@ def test_an_abort_going_idle_publishes_its_kv_released(tiny_model_dir):
         steps = lambda: [m for m in messages if isinstance(m, StepResult)]  # noqa: E731
         receive_until(lambda: sum(len(m.plain_tokens()) for m in steps()) >= 3)
         api.send(encode(AbortReq("r")))
+        api.send(encode(StatsReq(call_id=3)))  # most often read with the abort
         receive_until(lambda: any(o.finished for m in steps() for o in m.outputs))
+        receive_until(lambda: any(isinstance(m, StatsReply) and m.call_id == 3 for m in messages))
         api.send(encode(Shutdown()))
         loop.join(10)
         assert not loop.is_alive()
         receive_until(lambda: False, 0.5)  # what came after the abort's message
+        (answer,) = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == 3]
+        assert (answer["num_running_reqs"], answer["kv_tokens_used"]) == (0, 0), answer
         published = [m.stats for m in messages if isinstance(m, StatsReply) and m.call_id == -1]
         last = published[-1]
         assert (last["num_running_reqs"], last["kv_tokens_used"]) == (0, 0), last
