@@ -4,8 +4,8 @@ limit where the Triton kernel (kernels/extend_attention.py) stays the portable p
 
 Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``triton`` (the default: through the server on an
 H100 FlashInfer gave 1.19x the cold 8K x8 input throughput, but a 64K prompt's chunks crashed
-the engine with an illegal memory access, not yet explained; the long-prefix case of
-tests/kernels/test_flashinfer_extend.py has that shape), ``flashinfer`` where it serves the
+the engine with an illegal memory access: one wrapper's plans made ahead of the GPU, see
+``RING``; not yet measured since), ``flashinfer`` where it serves the
 step (CUDA of compute capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths
 known, not inside a capture, no zeroed padding) and the Triton kernel would not split the
 step's keys (``ops.plan_extend_attention``: ``bench kernels`` on an H200 measured FlashInfer
@@ -23,7 +23,9 @@ the warm-up's prefill steps take that cost before the server is ready.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -35,7 +37,16 @@ logger = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128, 256)  # the fa3 backend's; 512 (Gemma 4, DeepSeek V4) stays on Triton
 WORKSPACE_BYTES = 128 << 20
-_wrappers: dict[tuple, object] = {}
+# Wrappers per attention shape, used in turn. A wrapper's plan() writes the step's schedule
+# into the wrapper's page-locked host buffer and enqueues its copy to the device; the copy
+# reads the buffer when the stream reaches it. The host runs steps ahead of the GPU (overlap
+# scheduling, the eager breaks of a replay), so a plan on the same wrapper before that copy
+# ran would hand the earlier step the later one's schedule (an illegal memory access where
+# the later step's keys are longer: the chunks of a 64K prompt). Each wrapper waits for its
+# last plan's copy (an event) before it plans again; with RING of them that wait is on a
+# step RING - 1 behind, which has long run.
+RING = 3
+_rings: dict[tuple, Iterator[_Slot]] = {}
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
@@ -79,19 +90,38 @@ def flat_slots(meta: AttentionMeta, total: int) -> torch.Tensor:
     return meta.req_to_token[rows, cols].to(torch.int32)
 
 
-def _wrapper(key: tuple, device: torch.device):
-    wrapper = _wrappers.get(key)
-    if wrapper is None:
+class _Slot:
+    """One wrapper of a ring and the event recorded after its last plan's copy."""
+
+    def __init__(self, wrapper):
+        self.wrapper, self.copied = wrapper, torch.cuda.Event()
+        self.planned = False
+
+    def ready(self) -> object:
+        """The wrapper, once its last plan's host buffer has been copied (host wait)."""
+        if self.planned:
+            self.copied.synchronize()
+        return self.wrapper
+
+    def mark_planned(self) -> None:
+        self.copied.record()
+        self.planned = True
+
+
+def _next_slot(key: tuple, device: torch.device) -> _Slot:
+    """The next wrapper in turn of the ring for ``key`` (its RING made on first use)."""
+    ring = _rings.get(key)
+    if ring is None:
         workspace = _workspaces.get(device)
         if workspace is None:
             workspace = _workspaces[device] = torch.empty(
                 WORKSPACE_BYTES, dtype=torch.uint8, device=device
             )
-        fi = load()
-        wrapper = _wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", backend="fa3"
+        make = load().BatchPrefillWithPagedKVCacheWrapper
+        ring = _rings[key] = itertools.cycle(
+            [_Slot(make(workspace, "NHD", backend="fa3")) for _ in range(RING)]
         )
-    return wrapper
+    return next(ring)
 
 
 class FlashInferPlan:
@@ -116,7 +146,8 @@ class FlashInferPlan:
         num_kv_heads = k_cache.shape[1]
         window_left = -1 if sliding_window is None else sliding_window - 1
         key = (num_heads, num_kv_heads, head_dim, window_left, q.dtype, q.device)
-        self.wrapper = _wrapper(key, q.device)
+        slot = _next_slot(key, q.device)
+        self.wrapper = slot.ready()
         indptr = [torch.from_numpy(np.concatenate(([0], np.cumsum(a)))).int() for a in (ext, seq)]
         self.wrapper.plan(
             indptr[0], indptr[1], flat_slots(meta, int(seq.sum())),
@@ -124,6 +155,7 @@ class FlashInferPlan:
             causal=True, sm_scale=sm_scale, window_left=window_left, q_data_type=q.dtype,
             kv_data_type=k_cache.dtype,
         )  # fmt: skip
+        slot.mark_planned()
 
     def __call__(
         self, q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

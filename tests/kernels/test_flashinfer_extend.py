@@ -113,3 +113,34 @@ def test_flashinfer_plan_over_a_long_prefix(prefix, new):
     plan(q, o, k_cache, v_cache)
     torch.cuda.synchronize()
     torch.testing.assert_close(o[:new].float(), ref[:new].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_flashinfer(), reason="needs a Hopper GPU and flashinfer")
+def test_plans_made_ahead_of_the_gpu_keep_their_own_schedules():
+    """The chunks of a long prompt planned back to back while the GPU is still busy (the
+    host ahead of it, as under overlap scheduling): each step runs its own plan, none the
+    next one's (a plan's host buffer is copied when the stream reaches it)."""
+    chunks = [(0, 4096), (4096, 4096), (8192, 4096), (12288, 4096), (16384, 2048)]
+    steps = []
+    for prefix, new in chunks:
+        k_cache, v_cache, meta, rows = paged_batch([(prefix, new)], 1, 128, torch.bfloat16, "cuda")
+        meta_host = type(meta)(
+            meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
+            meta.extend_lens, meta.max_extend_len, None, [new], [prefix + new],
+        )  # fmt: skip
+        q = torch.randn(rows, 2, 128, device="cuda").to(torch.bfloat16)
+        ref = torch.zeros_like(q)
+        ext.extend_attention_torch(q, ref, k_cache, v_cache, meta, 128**-0.5, None)
+        steps.append((q, k_cache, v_cache, meta_host, ref, new))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the GPU busy for a while: the plans below run ahead
+    outs = []
+    with envs.EXTEND_ATTENTION.override("flashinfer"):
+        for q, k_cache, v_cache, meta_host, _, _ in steps:
+            plan = ops.plan_extend_attention(q, k_cache, meta_host, 128**-0.5, None)
+            outs.append(torch.zeros_like(q))
+            plan(q, outs[-1], k_cache, v_cache)
+    torch.cuda.synchronize()
+    for o, (_, _, _, _, ref, new) in zip(outs, steps, strict=True):
+        torch.testing.assert_close(o[:new].float(), ref[:new].float(), atol=2e-2, rtol=2e-2)
