@@ -133,8 +133,16 @@ def routes() -> int:
         w_ref, ids_ref = fm.moe_route_torch(logits, k, scoring, True, None, **extra)
         w, ids = fm.moe_route_triton(logits, k, scoring, True, None, **extra)
         order, order_ref = ids.long().sort(1), ids_ref.long().sort(1)
-        same = torch.equal(order.values, order_ref.values)
-        diff = (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max()
+        same_rows = (order.values == order_ref.values).all(1)
+        # a row whose sets differ must be a near-tie at the k-th pick (the kernel's softplus
+        # and torch's round differently): the same selection scores, kept; its weights are
+        # another expert's, so they are compared on the rows whose sets agree
+        sel = fm._scores(logits, scoring) + extra.get("bias", torch.zeros(e))
+        picked = sel.gather(1, ids.long()).sort(1).values
+        picked_ref = sel.gather(1, ids_ref.long()).sort(1).values
+        same = bool(((picked - picked_ref).abs() <= 1e-6).all()) and int(same_rows.sum()) >= 30
+        w, w_ref = w.gather(1, order.indices), w_ref.gather(1, order_ref.indices)
+        diff = (w - w_ref)[same_rows].abs().max()
         ok = same and diff.item() <= 1e-5
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} moe route {scoring} e={e} k={k}: max diff {diff:.1e}")
