@@ -365,7 +365,7 @@ def _sparse_attention_kernel(
     hi = tl.minimum(lo + per, blocks)
     # the window's blocks from the first that holds a key (position >= 0): a block of
     # masked keys only would leave the online softmax's max at -inf (exp(-inf + inf): NaN)
-    first = tl.maximum(WINDOW - 1 - pos, 0) // BLOCK_N
+    first = (tl.maximum(WINDOW - 1 - pos, 0) // BLOCK_N).to(tl.int32)
     for b in range(tl.maximum(lo, first), tl.minimum(hi, window_blocks)):  # oldest first
         keys, ok = _window_keys(pos, b * BLOCK_N, n, table, kv_cache, stride_kv, d, WINDOW)
         m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
