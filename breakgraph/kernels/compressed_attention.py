@@ -424,8 +424,14 @@ def _sparse_merge_kernel(
     tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty))
 
 
-# (heads a program, keys a block, warps, pipeline stages) of the sparse attention kernel:
-# ``bench kernels --v4-attention`` times the others at DeepSeek V4-Flash's shapes.
+# (heads a program, keys a block, warps, pipeline stages) of the sparse attention kernel, by
+# ``bench kernels --v4-attention`` at V4-Flash's shapes (H100, ms): a step whose rows fill the
+# GPU takes every head a program (the one K = V head's tiles loaded once, not per 16 heads):
+# CSA 8K tokens 5.75 against 11.24 with 16 heads a program, HCA 1.63 against 2.58, CSA 1K over
+# a 64K prefix 0.87 against 1.77; a decode step keeps 16 heads a program and splits each row's
+# keys (sparse_splits): CSA at batch 1 0.026 against 0.164 in one split, batch 32 0.097
+# against 0.164 (every head a program and 16 splits there: 0.101-0.110).
+PREFILL_SPARSE_CONFIG = (64, 32, 8, 2)
 SPARSE_CONFIG = (16, 16, 4, 3)
 MAX_SPLITS = 16
 
@@ -451,7 +457,8 @@ def sparse_attention_triton(
     over the window's keys and the entries; with one split the sink is added last, with
     several a merge kernel combines the splits' partials and the sink. No host sync: every
     bound is a device value or a shape. ``config``: the launch config (default
-    :data:`SPARSE_CONFIG`); ``splits`` (a power of 2; default :func:`sparse_splits`)."""
+    :data:`PREFILL_SPARSE_CONFIG` where the rows fill the GPU, else :data:`SPARSE_CONFIG`);
+    ``splits`` (a power of 2; default :func:`sparse_splits`)."""
     t_rows, heads, d = q.shape
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1 and d & (d - 1) == 0
     out = torch.empty_like(q) if out is None else out
@@ -461,7 +468,11 @@ def sparse_attention_triton(
     mode = 0 if comp_cache is None else (1 if picks is None else 2)
     comp = kv_cache if comp_cache is None else comp_cache
     pk = step.positions if picks is None else picks.contiguous()
-    block_h, block_n, warps, stages = config or SPARSE_CONFIG
+    if config is None:
+        fills = sparse_splits(t_rows, heads, SPARSE_CONFIG[0], q.device) == 1
+        config = PREFILL_SPARSE_CONFIG if fills and q.is_cuda else SPARSE_CONFIG
+    block_h, block_n, warps, stages = config
+    block_h = min(block_h, max(16, triton.next_power_of_2(heads)))  # TP: fewer heads a rank
     splits = splits or sparse_splits(t_rows, heads, block_h, q.device)
     sinks = sinks.float().contiguous()
     part_o = part_lse = out
@@ -541,9 +552,10 @@ def _indexer_scores_kernel(
     tl.store(out + t * stride_o + e, total, mask=e < n_entries)
 
 
-# (heads a tile, entries a program, warps) of the indexer's scores kernel: ``bench kernels
-# --v4-attention`` times the others at V4-Flash's shapes
-INDEXER_CONFIG = (16, 32, 4)
+# (heads a tile, entries a program, warps) of the indexer's scores kernel, by ``bench kernels
+# --v4-attention`` at V4-Flash's shapes (H100, ms): 8K tokens 1.20 against 1.70 with
+# (16, 32, 4), 1K over a 64K prefix 1.74 against 2.83, decode batch 1 and 32 even
+INDEXER_CONFIG = (32, 64, 4)
 
 
 def indexer_scores_triton(
