@@ -68,6 +68,16 @@ def top_k_picks(step: ca.CompressedStep, ratio: int) -> tuple[torch.Tensor, torc
     return picks, visible.clamp(max=picks.shape[1])
 
 
+def v4_tensors(step: ca.CompressedStep) -> tuple[torch.Tensor, ...]:
+    """Random bf16 (q [T, 64, 512], the window's K = V cache, the compressed entries' cache,
+    float32 sinks [64]) over ``step``'s rows and slots."""
+    slots = step.req_to_token.numel() + 1
+    q = torch.randn(step.positions.shape[0], HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(slots, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    comp = torch.randn(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return q, kv, comp, torch.randn(HEADS, device="cuda")
+
+
 def gemm_tflops() -> float:
     """A dense bf16 GEMM's TFLOP/s on this GPU (8192 cubed, median)."""
     import triton.testing
@@ -87,11 +97,7 @@ def bench_v4_attention(cases: list[tuple[int, int, int]]) -> list[tuple]:
     rows = []
     for prefix, n, requests in cases:
         step = v4_step(prefix, n, requests)
-        slots = step.req_to_token.numel() + 1
-        q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(slots, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        comp = torch.randn(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        sinks = torch.randn(HEADS, device="cuda")
+        q, kv, comp, sinks = v4_tensors(step)
         window_keys = (step.positions + 1).clamp(max=WINDOW)
         picks, csa_keys = top_k_picks(step, 4)
         kinds = (("CSA", 4, picks, csa_keys), ("HCA", 128, None, (step.positions + 1) // 128))

@@ -170,16 +170,12 @@ def test_sparse_attention_kernel_at_v4_flash_shapes_matches_twin(prefix, rows, r
     """bf16, 64 heads of 512 over a window of 128 (rows before its first key block's first
     key included), CSA picks sorted as the indexer's top-k and HCA's every entry; one
     program a row and the keys split with a merge (the decode rows' default)."""
-    from breakgraph.bench.v4_attention import HEAD_DIM, HEADS, WINDOW, top_k_picks, v4_step
+    from breakgraph.bench.v4_attention import HEAD_DIM, WINDOW, top_k_picks, v4_step, v4_tensors
     from breakgraph.kernels.compressed_attention import sparse_attention_triton
 
     torch.manual_seed(5)
     step = v4_step(prefix, rows, requests)
-    slots = step.req_to_token.numel() + 1
-    q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(slots, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    comp = torch.randn(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    sinks = torch.randn(HEADS, device="cuda")
+    q, kv, comp, sinks = v4_tensors(step)
     picks, _ = top_k_picks(step, 4)
     for ratio, pk in ((4, picks), (128, None)):
         args = (q, kv, comp, step, WINDOW, ratio, pk, sinks, HEAD_DIM**-0.5)

@@ -91,14 +91,10 @@ def test_flashinfer_plan_equals_the_twin(head_dim, group, window):
     assert bool((o[live:] == 7.0).all())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper_with_flashinfer(), reason="needs a Hopper GPU and flashinfer")
-@pytest.mark.parametrize(("prefix", "new"), [(8192, 8192), (65536, 1024)])
-def test_flashinfer_plan_over_a_long_prefix(prefix, new):
-    """A chunk of a long prompt over its cached part (a 64K prompt's second chunk; the hit
-    workload's step): every row equals the torch twin's."""
-    batch = [(prefix, new)]
-    k_cache, v_cache, meta, rows = paged_batch(batch, 1, 128, torch.bfloat16, "cuda")
+def long_prompt_chunk(prefix: int, new: int) -> tuple:
+    """(q, k cache, v cache, metadata with host lengths, the twin's output) of one request's
+    ``new`` tokens over ``prefix`` cached ones (bf16, 2 / 1 heads of 128)."""
+    k_cache, v_cache, meta, rows = paged_batch([(prefix, new)], 1, 128, torch.bfloat16, "cuda")
     meta_host = type(meta)(
         meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
         meta.extend_lens, meta.max_extend_len, None, [new], [prefix + new],
@@ -106,6 +102,16 @@ def test_flashinfer_plan_over_a_long_prefix(prefix, new):
     q = torch.randn(rows, 2, 128, device="cuda").to(torch.bfloat16)
     ref = torch.zeros_like(q)
     ext.extend_attention_torch(q, ref, k_cache, v_cache, meta, 128**-0.5, None)
+    return q, k_cache, v_cache, meta_host, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_flashinfer(), reason="needs a Hopper GPU and flashinfer")
+@pytest.mark.parametrize(("prefix", "new"), [(8192, 8192), (65536, 1024)])
+def test_flashinfer_plan_over_a_long_prefix(prefix, new):
+    """A chunk of a long prompt over its cached part (a 64K prompt's second chunk; the hit
+    workload's step): every row equals the torch twin's."""
+    q, k_cache, v_cache, meta_host, ref = long_prompt_chunk(prefix, new)
     with envs.EXTEND_ATTENTION.override("flashinfer"):
         plan = ops.plan_extend_attention(q, k_cache, meta_host, 128**-0.5, None)
     assert isinstance(plan, fi.FlashInferPlan)
@@ -122,17 +128,7 @@ def test_plans_made_ahead_of_the_gpu_keep_their_own_schedules():
     host ahead of it, as under overlap scheduling): each step runs its own plan, none the
     next one's (a plan's host buffer is copied when the stream reaches it)."""
     chunks = [(0, 4096), (4096, 4096), (8192, 4096), (12288, 4096), (16384, 2048)]
-    steps = []
-    for prefix, new in chunks:
-        k_cache, v_cache, meta, rows = paged_batch([(prefix, new)], 1, 128, torch.bfloat16, "cuda")
-        meta_host = type(meta)(
-            meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
-            meta.extend_lens, meta.max_extend_len, None, [new], [prefix + new],
-        )  # fmt: skip
-        q = torch.randn(rows, 2, 128, device="cuda").to(torch.bfloat16)
-        ref = torch.zeros_like(q)
-        ext.extend_attention_torch(q, ref, k_cache, v_cache, meta, 128**-0.5, None)
-        steps.append((q, k_cache, v_cache, meta_host, ref, new))
+    steps = [(*long_prompt_chunk(prefix, new), new) for prefix, new in chunks]
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)  # the GPU busy for a while: the plans below run ahead
     outs = []
