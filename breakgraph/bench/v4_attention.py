@@ -1,7 +1,7 @@
-"""``bench kernels --v4-attention``: DeepSeek V4's sparse attention kernel
+"""``bench kernels --v4-attention``: DeepSeek V4's sparse attention and indexer kernels
 (kernels/compressed_attention.py) at V4-Flash's shapes, in each launch config of
-:data:`CONFIGS`, against the time a dense bf16 GEMM of the same FLOPs takes on this GPU
-(measured in the same run).
+:data:`CONFIGS` and :data:`INDEXER_CONFIGS`, against the time a dense bf16 GEMM of the same
+FLOPs takes on this GPU (measured in the same run).
 
 V4-Flash attends with 64 query heads of 512 over one K = V head: each row its sliding window
 of 128 keys and, on a CSA layer (one entry per 4 tokens), the indexer's top 512 entries, on
