@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from breakgraph.kernels.decode_attention import _num_sms  # the SM count, cached per device
+
 try:  # Triton is optional: the CPU-only install runs the torch versions
     import triton
     import triton.language as tl
@@ -442,7 +444,7 @@ def sparse_splits(t_rows: int, heads: int, block_h: int, device: torch.device) -
     if device.type != "cuda":
         return 1
     programs = t_rows * triton.cdiv(heads, block_h)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))

@@ -95,17 +95,15 @@ class _Slot:
 
     def __init__(self, wrapper):
         self.wrapper, self.copied = wrapper, torch.cuda.Event()
-        self.planned = False
 
     def ready(self) -> object:
-        """The wrapper, once its last plan's host buffer has been copied (host wait)."""
-        if self.planned:
-            self.copied.synchronize()
+        """The wrapper, once its last plan's host buffer has been copied (host wait; none
+        before its first plan: an event never recorded is complete)."""
+        self.copied.synchronize()
         return self.wrapper
 
     def mark_planned(self) -> None:
         self.copied.record()
-        self.planned = True
 
 
 def _next_slot(key: tuple, device: torch.device) -> _Slot:
