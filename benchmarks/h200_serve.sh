@@ -6,6 +6,7 @@
 #   warmup   the first 8K requests after ready on a cold Triton cache, without and with warm-up
 #   prefill  cold 8192 x8 and hit 65536 x1, with prefill graphs and without
 #   gemma    gemma-4-e2b: graphs on/off x KV-sharing fast prefill on/off
+#   flashinfer  cold 8192 x8 and hit 65536 x1, Triton's extend attention then FlashInfer's
 #   moe      qwen3-30b-a3b with and without prefill graphs
 #   tp       llama-3.1-8b at TP1 and TP2 (nvidia-h200-x2)
 #   serving  bench serving at CONC (default 1 8; 8K in / 256 out) on this tree, then on OLD
@@ -87,6 +88,11 @@ gemma_stage() {  # the benches' own warm-up waves stand in for the server's (fou
   MODEL=gemma-4-e2b SERVE_FLAGS=--skip-server-warmup arms gemma "graphs_fast" \
     "graphs_all --no-kv-sharing-fast-prefill" "eager_fast --cuda-graph-backend-prefill disabled" \
     "eager_all --cuda-graph-backend-prefill disabled --no-kv-sharing-fast-prefill"
+}
+flashinfer_stage() {  # the extend attention: Triton's, then FlashInfer's (carry .fi)
+  arms extend "triton"
+  BREAKGRAPH_EXTEND_ATTENTION=flashinfer arms extend "flashinfer"
+  save_fi_ws
 }
 moe_stage() { MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"; }
 tp_stage() { MODEL=${MODEL:-llama-3.1-8b} arms tp "tp1" "tp2 --tp 2"; }

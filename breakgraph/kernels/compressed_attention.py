@@ -282,27 +282,38 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @_jit
-def _attend_block(q, keys, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-    """One block of keys [BLOCK_N, D] (``ok`` masks them) into the online softmax of a block
-    of heads: running max ``m_i``, sum ``l_i`` and output ``acc`` [BLOCK_H, D]."""
+def _attend_block(
+    q, cache, slot, stride, d, dv, ok, m_i, l_i, acc, scale, D: tl.constexpr,
+    DV: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One block of keys (the cache's rows ``slot``; ``ok`` masks them) into the online
+    softmax of a block of heads: running max ``m_i``, sum ``l_i`` and output ``acc``
+    [BLOCK_H, DV], the values' channels ``dv`` (K = V: all D of them, or a part that the
+    row's other programs share out, the scores computed by each)."""
+    rows = cache + slot[:, None] * stride
+    keys = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0)
     logits = _dot(q, tl.trans(keys), IEEE) * scale
     logits = tl.where(ok[None, :], logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(logits - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(keys.dtype), keys, IEEE)
+    if DV == D:
+        vals = keys
+    else:
+        vals = tl.load(rows + dv[None, :], mask=ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(vals.dtype), vals, IEEE)
     return m_new, l_i, acc
 
 
 @_jit
-def _window_keys(pos, j0, n, table, kv_cache, stride_kv, d, WINDOW: tl.constexpr):
-    """Keys ``j0 + n`` of the sliding window ending at ``pos``, oldest first, and their mask."""
+def _window_slots(pos, j0, n, table, WINDOW: tl.constexpr):
+    """Slots of keys ``j0 + n`` of the sliding window ending at ``pos``, oldest first, and
+    their mask."""
     kp = pos - WINDOW + 1 + j0 + n
     ok = (kp >= 0) & (j0 + n < WINDOW)
     slot = tl.load(table + tl.maximum(kp, 0), mask=ok, other=0).to(tl.int64)
-    keys = tl.load(kv_cache + slot[:, None] * stride_kv + d[None, :], mask=ok[:, None], other=0.0)
-    return keys, ok
+    return slot, ok
 
 
 @_jit_live("n_picks", "stride_picks")
@@ -335,10 +346,13 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    DV: tl.constexpr,  # the values' channels a program accumulates: D, or a part of them
     IEEE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    parts: tl.constexpr = D // DV
+    h = tl.program_id(1) // parts * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv = tl.program_id(1) % parts * DV + tl.arange(0, DV)
     split = tl.program_id(2)
     h_ok = h < heads
     d = tl.arange(0, D)
@@ -350,7 +364,7 @@ def _sparse_attention_kernel(
     )
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    acc = tl.zeros((BLOCK_H, DV), tl.float32)
     n = tl.arange(0, BLOCK_N)
     # the row's key blocks: the window's, then its entries' (every visible one, or the
     # picks); a split takes a contiguous run of them
@@ -369,8 +383,10 @@ def _sparse_attention_kernel(
     # masked keys only would leave the online softmax's max at -inf (exp(-inf + inf): NaN)
     first = (tl.maximum(WINDOW - 1 - pos, 0) // BLOCK_N).to(tl.int32)
     for b in range(tl.maximum(lo, first), tl.minimum(hi, window_blocks)):  # oldest first
-        keys, ok = _window_keys(pos, b * BLOCK_N, n, table, kv_cache, stride_kv, d, WINDOW)
-        m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+        slot, ok = _window_slots(pos, b * BLOCK_N, n, table, WINDOW)
+        m_i, l_i, acc = _attend_block(
+            q_tile, kv_cache, slot, stride_kv, d, dv, ok, m_i, l_i, acc, scale, D, DV, IEEE
+        )
     for b in range(tl.maximum(lo, window_blocks), hi):
         j = (b - window_blocks) * BLOCK_N + n
         if MODE == 1:  # every entry whose window closed by this row
@@ -384,25 +400,25 @@ def _sparse_attention_kernel(
         if tl.max(ok.to(tl.int32), 0) > 0:
             last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
             slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
-            keys = tl.load(
-                comp_cache + slot[:, None] * stride_comp + d[None, :], mask=ok[:, None], other=0.0
-            )
-            m_i, l_i, acc = _attend_block(q_tile, keys, ok, m_i, l_i, acc, scale, IEEE)
+            m_i, l_i, acc = _attend_block(
+                q_tile, comp_cache, slot, stride_comp, d, dv, ok, m_i, l_i, acc, scale, D, DV,
+                IEEE,
+            )  # fmt: skip
     if SPLITS == 1:
         sink = tl.load(sinks + h, mask=h_ok, other=0.0)
         m_new = tl.maximum(m_i, sink)
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.exp(sink - m_new)
         o = acc * alpha[:, None] / l_i[:, None]
-        dst = out + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+        dst = out + t * stride_qt + h[:, None] * stride_qh + dv[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
     else:  # this split's partial: its output and log-sum-exp ([T, H, SPLITS] rows of D)
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -1.0e30)
         part = (t * heads + h) * SPLITS + split
-        tl.store(part_o + part[:, None] * D + d[None, :], o, mask=h_ok[:, None])
-        tl.store(part_lse + part, lse, mask=h_ok)
+        tl.store(part_o + part[:, None] * D + dv[None, :], o, mask=h_ok[:, None])
+        tl.store(part_lse + part, lse, mask=h_ok)  # (the same from each part of D)
 
 
 @_jit
@@ -458,7 +474,8 @@ def sparse_attention_triton(
     one K = V head's tiles shared by them) and split of the row's keys, an online softmax
     over the window's keys and the entries; with one split the sink is added last, with
     several a merge kernel combines the splits' partials and the sink. No host sync: every
-    bound is a device value or a shape. ``config``: the launch config (default
+    bound is a device value or a shape. ``config``: the launch config, (heads a program, keys
+    a block, warps, stages[, programs sharing out the values' channels]) (default
     :data:`PREFILL_SPARSE_CONFIG` where the rows fill the GPU, else :data:`SPARSE_CONFIG`);
     ``splits`` (a power of 2; default :func:`sparse_splits`)."""
     t_rows, heads, d = q.shape
@@ -473,7 +490,8 @@ def sparse_attention_triton(
     if config is None:
         fills = sparse_splits(t_rows, heads, SPARSE_CONFIG[0], q.device) == 1
         config = PREFILL_SPARSE_CONFIG if fills and q.is_cuda else SPARSE_CONFIG
-    block_h, block_n, warps, stages = config
+    block_h, block_n, warps, stages, *dv_parts = config
+    dv_parts = min(dv_parts[0] if dv_parts else 1, d // 16)
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))  # TP: fewer heads a rank
     splits = splits or sparse_splits(t_rows, heads, block_h, q.device)
     sinks = sinks.float().contiguous()
@@ -481,13 +499,14 @@ def sparse_attention_triton(
     if splits > 1:
         part_o = torch.empty((t_rows, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((t_rows, heads, splits), dtype=torch.float32, device=q.device)
-    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h), splits)](
+    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h) * dv_parts, splits)](
         q, kv_cache, comp, out, part_o, part_lse, step.positions, step.token_rows,
         step.req_to_token, pk, sinks, heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
         WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        SPLITS=splits, DV=d // dv_parts, IEEE=q.dtype == torch.float32, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _sparse_merge_kernel[(t_rows, heads)](
