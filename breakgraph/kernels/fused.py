@@ -163,12 +163,17 @@ def gemma_qk_norm_rope_torch(
 
 
 def rope_tail_torch(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, D] or
     [T, H, D] (neighbouring channels rotate as pairs; in float32, cast back), the others
     copied; cos/sin [T, r / 2] float32. ``inverse``: the rotation undone (sin negated).
-    DeepSeek V4's partial RoPE, as HF writes it."""
+    ``in_place``: x's tail rotated where it is (the other channels neither read nor
+    written) and x returned. DeepSeek V4's partial RoPE, as HF writes it."""
     sin = -sin if inverse else sin
     r = 2 * cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
@@ -176,6 +181,9 @@ def rope_tail_torch(
     rope = x[..., -r:].float().unflatten(-1, (-1, 2))
     x1, x2 = rope[..., 0], rope[..., 1]
     rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if in_place:
+        x[..., -r:] = rotated.to(x.dtype)
+        return x
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
 
 
@@ -760,6 +768,35 @@ def _rope_tail_kernel(
 
 
 @_jit
+def _rope_tail_in_place_kernel(
+    x, cos, sin, n_rows, inner, stride_x0, stride_x1, stride_c, start,
+    HALF: tl.constexpr, INVERSE: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/pdl.py
+):  # fmt: skip
+    """ROWS rows (token, head) a program: only their last 2 * HALF channels (from ``start``)
+    read, rotated in neighbouring pairs in float32 and written back."""
+    pdl.enter(PDL)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = r < n_rows
+    i0 = r // inner
+    rows = x + i0 * stride_x0 + (r % inner) * stride_x1 + start
+    rel = tl.arange(0, 2 * HALF)
+    even = rel % 2 == 0
+    at = tl.where(even, rel + 1, rel - 1)
+    m = live[:, None] & (rel[None, :] >= 0)
+    xv = tl.load(rows[:, None] + rel[None, :], mask=m, other=0.0)
+    partner = tl.load(rows[:, None] + at[None, :], mask=m, other=0.0).to(tl.float32)
+    cs = i0[:, None] * stride_c + (rel // 2)[None, :]
+    c = tl.load(cos + cs, mask=m, other=1.0)
+    s = tl.load(sin + cs, mask=m, other=0.0)
+    if INVERSE:
+        s = -s
+    v = xv.to(tl.float32)
+    rotated = tl.where(even[None, :], v * c - partner * s, v * c + partner * s)
+    tl.store(rows[:, None] + rel[None, :], rotated.to(xv.dtype), mask=m)
+
+
+@_jit
 def _norm_rope_tail_kernel(
     x, weight, cos, sin, out, loc, inner, stride_x0, stride_x1, stride_c, stride_o, n_cols,
     eps, HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -828,16 +865,27 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
     return None if store else out
 
 
-def rope_tail_triton(x, cos, sin, inverse=False) -> torch.Tensor:
-    """Triton twin of :func:`rope_tail_torch` (its arguments): one launch."""
+def rope_tail_triton(x, cos, sin, inverse=False, in_place=False) -> torch.Tensor:
+    """Triton twin of :func:`rope_tail_torch` (its arguments): one launch; in place, it
+    moves only the tail's channels (V4's 64 of 512: an eighth of the bytes)."""
     n_cols, half = x.shape[-1], cos.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outer, inner, sx0, sx1 = _outer_inner(x)
-    if out.numel() == 0:
-        return out
     cos, sin = cos.contiguous(), sin.contiguous()
     assert x.stride(-1) == 1
     assert 2 * half <= n_cols and cos.shape[0] == x.shape[0]
+    if in_place:
+        assert half & (half - 1) == 0, "in place: a tail of a power of 2 channels"
+        if x.numel():
+            rows = max(1, 2048 // (2 * half))  # a tile of ~2K channels a program
+            _rope_tail_in_place_kernel[(triton.cdiv(outer * inner, rows),)](
+                x, cos, sin, outer * inner, inner, sx0, sx1, cos.stride(0), n_cols - 2 * half,
+                HALF=half, INVERSE=inverse, ROWS=rows, num_warps=4, enable_fp_fusion=False,
+                **pdl.launch(x.device),
+            )  # fmt: skip
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
     block = triton.next_power_of_2(n_cols)
     _rope_tail_kernel[(outer * inner,)](
         x, cos, sin, out, inner, sx0, sx1, cos.stride(0), n_cols, HALF=half, INVERSE=inverse,

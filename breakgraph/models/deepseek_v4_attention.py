@@ -85,8 +85,9 @@ def apply_rope(
 ) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, ..., D] (pairs
     of neighbouring channels rotate; float32, cast back), cos/sin [T, r / 2]; ``inverse``
-    undoes it. One kernel on CUDA (``ops.rope_tail``; its twin is HF's arithmetic)."""
-    return ops.rope_tail(x, cos, sin, inverse)
+    undoes it. In place (x is a fresh output that nothing else reads): one kernel on CUDA
+    that moves only the tail (``ops.rope_tail``; its twin is HF's arithmetic)."""
+    return ops.rope_tail(x, cos, sin, inverse, in_place=True)
 
 
 class DeepseekV4GroupedLinear(nn.Module):

@@ -1074,13 +1074,22 @@ def test_default_workspaces_list_their_buffers_in_allocation_order(monkeypatch):
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_tail_matches_twin(dtype, inverse):
     """DeepSeek V4's interleaved RoPE on the last 64 of 512 channels: [T, H, D] heads (a
-    strided slice) and [T, D] rows, the twin's arithmetic (no FMA): equal up to rounding."""
+    strided slice) and [T, D] rows, the twin's arithmetic (no FMA): equal up to rounding;
+    in place too, every other channel and head untouched."""
     cos, sin = torch.randn(2, 37, 32, device="cuda").unbind(0)
-    for x in (torch.randn(37, 9, 512, device="cuda")[:, 1:], torch.randn(37, 512, device="cuda")):
-        x = x.to(dtype)
+    bases = (torch.randn(37, 9, 512, device="cuda"), torch.randn(37, 512, device="cuda"))
+    for base in bases:
+        base = base.to(dtype)
+        x = base[:, 1:] if base.dim() == 3 else base
         ref = fused.rope_tail_torch(x, cos, sin, inverse)
         out = fused.rope_tail_triton(x, cos, sin, inverse)
         torch.testing.assert_close(out, ref, atol=TOL[dtype] / 100, rtol=TOL[dtype] / 100)
+        before = base.clone()
+        assert fused.rope_tail_triton(x, cos, sin, inverse, in_place=True) is x
+        torch.testing.assert_close(x, ref, atol=TOL[dtype] / 100, rtol=TOL[dtype] / 100)
+        assert torch.equal(base[..., :-64], before[..., :-64])
+        if base.dim() == 3:
+            assert torch.equal(base[:, 0], before[:, 0])
 
 
 @gpu
