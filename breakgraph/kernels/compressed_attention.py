@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from breakgraph.kernels.decode_attention import _num_sms  # the SM count, cached per device
+from breakgraph.kernels.fused import norm_rope_tail_torch, rope_tail_torch
 
 try:  # Triton is optional: the CPU-only install runs the torch versions
     import triton
@@ -233,14 +234,20 @@ def sparse_attention_torch(
     sinks: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over each row's last ``window`` keys of ``kv_cache`` [slots, 1, D] (K = V)
     and, with ``comp_cache`` [slots, D], its visible compressed entries (``picks`` [T, k]:
     the indexer's top-k as it comes, any entry -1 or not visible yet skipped; None: all
     visible), softmax with a sink logit per head (``sinks`` [H]) -> [T, H, D] in q's dtype
-    (into ``out`` where given)."""
+    (into ``out`` where given). ``rope`` (cos, sin [T, r / 2], eps): DeepSeek V4's q as the
+    projection leaves it, normed (unweighted, ``eps``) and roped on its last r channels
+    first, and the output's rope undone at the row's position (V = K carries it)."""
     t_rows, heads, d = q.shape
     out = torch.empty_like(q) if out is None else out
+    if rope is not None:
+        cos, sin, eps = rope
+        q = norm_rope_tail_torch(q, None, eps, cos, sin)
     offs = torch.arange(window, device=q.device)
     width = step.req_to_token.shape[1]
     for lo in range(0, t_rows, ROW_CHUNK):
@@ -267,7 +274,8 @@ def sparse_attention_torch(
         combined = torch.cat([logits, sink], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)[..., :-1]
-        out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys).to(q.dtype)
+        o = torch.einsum("nhk,nkd->nhd", probs, keys).to(q.dtype)
+        out[rows] = o if rope is None else rope_tail_torch(o, cos[rows], sin[rows], inverse=True)
     return out
 
 
@@ -279,6 +287,24 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:  # float32 models: no TF32 rounding
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@_jit
+def _rope_pairs(x, cos_row, sin_row, first_pair, D: tl.constexpr, HALF: tl.constexpr,
+                INVERSE: tl.constexpr):  # fmt: skip
+    """x [M, W] float32, channels ``2 * first_pair`` on of rows of D: the pairs in the last
+    ``2 * HALF`` channels rotated (``fused.rope_tail_torch``'s arithmetic), the others as
+    they are; ``cos_row``/``sin_row`` the row's [HALF]."""
+    m: tl.constexpr = x.shape[0]
+    w: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.reshape(x, (m, w // 2, 2)))
+    k = first_pair + tl.arange(0, w // 2) - (D // 2 - HALF)
+    tail = k >= 0
+    c = tl.load(cos_row + k, mask=tail, other=1.0)[None, :]
+    s = tl.load(sin_row + k, mask=tail, other=0.0)[None, :]
+    if INVERSE:
+        s = -s
+    return tl.reshape(tl.join(a * c - b * s, b * c + a * s), (m, w))
 
 
 @_jit
@@ -339,6 +365,10 @@ def _sparse_attention_kernel(
     stride_table,
     stride_picks,
     scale,
+    cos,
+    sin,
+    stride_c,
+    eps,
     WINDOW: tl.constexpr,
     RATIO: tl.constexpr,
     MODE: tl.constexpr,  # 0: window only, 1: + every visible entry, 2: + the picked entries
@@ -348,6 +378,8 @@ def _sparse_attention_kernel(
     SPLITS: tl.constexpr,
     DV: tl.constexpr,  # the values' channels a program accumulates: D, or a part of them
     IEEE: tl.constexpr,
+    ROPE: tl.constexpr,  # q normed and roped here, the output's rope undone (HALF pairs)
+    HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     parts: tl.constexpr = D // DV
@@ -362,6 +394,12 @@ def _sparse_attention_kernel(
     q_tile = tl.load(
         q + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
     )
+    if ROPE:  # fused.norm_rope_tail's arithmetic: the norm's scale and product rounded
+        qf = q_tile.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(qf * qf, 1) / D + eps).to(q_tile.dtype).to(tl.float32)
+        qf = (qf * rstd[:, None]).to(q_tile.dtype).to(tl.float32)
+        qf = _rope_pairs(qf, cos + t * stride_c, sin + t * stride_c, 0, D, HALF, False)
+        q_tile = qf.to(q_tile.dtype)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, DV), tl.float32)
@@ -409,9 +447,13 @@ def _sparse_attention_kernel(
         m_new = tl.maximum(m_i, sink)
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.exp(sink - m_new)
-        o = acc * alpha[:, None] / l_i[:, None]
+        o = (acc * alpha[:, None] / l_i[:, None]).to(out.dtype.element_ty)
+        if ROPE:
+            first = tl.program_id(1) % parts * (DV // 2)
+            o = _rope_pairs(o.to(tl.float32), cos + t * stride_c, sin + t * stride_c, first, D,
+                            HALF, True).to(out.dtype.element_ty)  # fmt: skip
         dst = out + t * stride_qt + h[:, None] * stride_qh + dv[None, :]
-        tl.store(dst, o.to(out.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(dst, o, mask=h_ok[:, None])
     else:  # this split's partial: its output and log-sum-exp ([T, H, SPLITS] rows of D)
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -423,11 +465,11 @@ def _sparse_attention_kernel(
 
 @_jit
 def _sparse_merge_kernel(
-    part_o, part_lse, sinks, out, heads, stride_ot, stride_oh, D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    part_o, part_lse, sinks, out, heads, stride_ot, stride_oh, cos, sin, stride_c,
+    D: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """One (row, head): its splits' partials merged by log-sum-exp, the sink (a key whose
-    value is 0) in the sum's denominator."""
+    value is 0) in the sum's denominator; ROPE: the output's rope undone."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -438,8 +480,12 @@ def _sparse_merge_kernel(
     m = tl.maximum(tl.max(lse, 0), sink)
     w = tl.exp(lse - m)
     o = tl.load(part_o + (part + s)[:, None] * D + d[None, :])
-    o = tl.sum(o * w[:, None], 0) / (tl.sum(w, 0) + tl.exp(sink - m))
-    tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty))
+    o = (tl.sum(o * w[:, None], 0) / (tl.sum(w, 0) + tl.exp(sink - m))).to(out.dtype.element_ty)
+    if ROPE:
+        o2 = tl.reshape(o.to(tl.float32), (1, D))
+        o2 = _rope_pairs(o2, cos + t * stride_c, sin + t * stride_c, 0, D, HALF, True)
+        o = tl.reshape(o2, (D,)).to(out.dtype.element_ty)
+    tl.store(out + t * stride_ot + h * stride_oh + d, o)
 
 
 # (heads a program, keys a block, warps, pipeline stages) of the sparse attention kernel, by
@@ -467,8 +513,8 @@ def sparse_splits(t_rows: int, heads: int, block_h: int, device: torch.device) -
 
 
 def sparse_attention_triton(
-    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, config=None,
-    splits=None,
+    q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, rope=None,
+    config=None, splits=None,
 ):  # fmt: skip
     """Triton twin of :func:`sparse_attention_torch`: a program per row, block of heads (the
     one K = V head's tiles shared by them) and split of the row's keys, an online softmax
@@ -495,6 +541,12 @@ def sparse_attention_triton(
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))  # TP: fewer heads a rank
     splits = splits or sparse_splits(t_rows, heads, block_h, q.device)
     sinks = sinks.float().contiguous()
+    cos = sin = sinks
+    eps, half = 0.0, 1
+    if rope is not None:
+        cos, sin, eps = rope
+        cos, sin, half = cos.contiguous(), sin.contiguous(), cos.shape[1]
+        assert cos.shape[0] >= t_rows and half & (half - 1) == 0 and 2 * half <= d
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty((t_rows, heads, splits, d), dtype=torch.float32, device=q.device)
@@ -504,14 +556,14 @@ def sparse_attention_triton(
         step.req_to_token, pk, sinks, heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
-        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, DV=d // dv_parts, IEEE=q.dtype == torch.float32, num_warps=warps,
-        num_stages=stages,
+        cos, sin, cos.stride(0), eps, WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
+        SPLITS=splits, DV=d // dv_parts, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        HALF=half, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _sparse_merge_kernel[(t_rows, heads)](
-            part_o, part_lse, sinks, out, heads, out.stride(0), out.stride(1), D=d,
-            SPLITS=splits, num_warps=4,
+            part_o, part_lse, sinks, out, heads, out.stride(0), out.stride(1), cos, sin,
+            cos.stride(0), D=d, SPLITS=splits, ROPE=rope is not None, HALF=half, num_warps=4,
         )  # fmt: skip
     return out
 

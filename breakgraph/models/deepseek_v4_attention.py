@@ -144,12 +144,16 @@ def compressed_attention(
     q: torch.Tensor,
     o: torch.Tensor,
     attn: DeepseekV4Attention,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     indexer_q: torch.Tensor | None = None,
     indexer_weights: torch.Tensor | None = None,
 ) -> None:
     """q/o [T, H, D]: the live step's rows over their sliding window and, on a compressed
     layer, its entries (a CSA layer's: the indexer's top-k, scored here from ``indexer_q``
-    and ``indexer_weights``). Writes o's live rows only."""
+    and ``indexer_weights``). q as projected: HF's ``apply_rope(q_norm(q))`` (cos/sin [T,
+    r / 2]) and the output's ``apply_rope(o, inverse)`` run inside the attention kernel.
+    Writes o's live rows only."""
     step = live_step()
     pool = get_forward_context().kv_pool
     n = step.positions.shape[0]
@@ -161,7 +165,7 @@ def compressed_attention(
             picks = comp.indexer.pick(indexer_q[:n], indexer_weights[:n], step)
     ops.sparse_attention(
         q[:n], pool.k_buffers[attn.layer_id], comp_cache, step, attn.sliding_window, attn.ratio,
-        picks, attn.sinks, attn.scaling, out=o[:n],
+        picks, attn.sinks, attn.scaling, out=o[:n], rope=(cos[:n], sin[:n], attn.eps),
     )  # fmt: skip
 
 
@@ -322,9 +326,8 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = rows.rope(self.rope_kind)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
-        # HF: q = apply_rope(q_norm(q)); kv = apply_rope(kv_norm(kv_proj(x))), then the
-        # cache's store: one kernel each (norm, rope and store: fused.norm_rope_tail)
-        q = ops.norm_rope_tail(q, None, self.eps, cos, sin)
+        # HF: kv = apply_rope(kv_norm(kv_proj(x))), then the cache's store: one kernel (norm,
+        # rope and store: fused.norm_rope_tail); q's norm and rope in the attention's
         kv_cache = ctx.kv_pool.k_buffers[self.layer_id]
         norm = self.kv_norm
         ops.norm_rope_tail(self.kv_proj(x), norm.weight, norm.variance_epsilon, cos, sin,
@@ -333,8 +336,7 @@ class DeepseekV4Attention(nn.Module):
         if self.compressor is not None:
             indexer_q, indexer_weights = self.compressor(x, q_residual, rows)
         o = _zeros_past_capture(torch.empty_like(q))
-        compressed_attention(q, o, self, indexer_q, indexer_weights)
-        # V = K carries rope: undone at the query's position
-        o = apply_rope(o, cos, sin, inverse=True)
+        # (V = K carries rope: the output's undone at the query's position, there too)
+        compressed_attention(q, o, self, cos, sin, indexer_q, indexer_weights)
         grouped = self.o_a_proj(o.reshape(t, self.o_a_proj.groups, -1))
         return self.o_b_proj(grouped)
