@@ -5,6 +5,8 @@ scores, and attention over a window plus picked entries with sinks."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -183,9 +185,12 @@ def test_sparse_attention_kernel_at_v4_flash_shapes_matches_twin(
     step = v4_step(prefix, rows, requests)
     q, kv, comp, sinks = v4_tensors(step)
     picks, _ = top_k_picks(step, 4)
-    for ratio, pk in ((4, picks), (128, None)):
+    # the model's call: q as projected, normed and roped in the kernel, the output's rope
+    # undone there (or in the merge)
+    rope = (*torch.randn(2, q.shape[0], 32, device=q.device).unbind(0), 1e-6)
+    for (ratio, pk), fold in itertools.product(((4, picks), (128, None)), (None, rope)):
         args = (q, kv, comp, step, WINDOW, ratio, pk, sinks, HEAD_DIM**-0.5)
-        got = sparse_attention_triton(*args, splits=splits, config=config)
-        want = sparse_attention_torch(*args)
+        got = sparse_attention_triton(*args, splits=splits, config=config, rope=fold)
+        want = sparse_attention_torch(*args, rope=fold)
         assert not got.isnan().any()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
