@@ -290,21 +290,37 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @_jit
-def _rope_pairs(x, cos_row, sin_row, first_pair, D: tl.constexpr, HALF: tl.constexpr,
-                INVERSE: tl.constexpr):  # fmt: skip
-    """x [M, W] float32, channels ``2 * first_pair`` on of rows of D: the pairs in the last
-    ``2 * HALF`` channels rotated (``fused.rope_tail_torch``'s arithmetic), the others as
-    they are; ``cos_row``/``sin_row`` the row's [HALF]."""
-    m: tl.constexpr = x.shape[0]
-    w: tl.constexpr = x.shape[1]
-    a, b = tl.split(tl.reshape(x, (m, w // 2, 2)))
-    k = first_pair + tl.arange(0, w // 2) - (D // 2 - HALF)
+def _pair_rotation(cos_row, sin_row, ch, D: tl.constexpr, HALF: tl.constexpr,
+                   INVERSE: tl.constexpr):  # fmt: skip
+    """For channels ``ch`` of rows of D whose last ``2 * HALF`` rotate in neighbouring pairs
+    (``fused.rope_tail_torch``): (cos, sin, even, the pair partner's channel); outside the
+    tail cos 1, sin 0 and the partner the channel itself, so ``v * c -+ p * s`` is v."""
+    k = ch - (D - 2 * HALF)
     tail = k >= 0
-    c = tl.load(cos_row + k, mask=tail, other=1.0)[None, :]
-    s = tl.load(sin_row + k, mask=tail, other=0.0)[None, :]
+    even = ch % 2 == 0
+    c = tl.load(cos_row + k // 2, mask=tail, other=1.0)
+    s = tl.load(sin_row + k // 2, mask=tail, other=0.0)
     if INVERSE:
         s = -s
-    return tl.reshape(tl.join(a * c - b * s, b * c + a * s), (m, w))
+    return c, s, even, tl.where(tail, tl.where(even, ch + 1, ch - 1), ch)
+
+
+@_jit
+def _unrope_stored(row, h_ok, cos_row, sin_row, D: tl.constexpr, HALF: tl.constexpr):
+    """The rope of rows of heads already stored (``row`` [BLOCK_H, 1] pointers) undone on
+    their last ``2 * HALF`` channels where they lie: every value and its partner read once
+    the whole program has stored (a barrier), written back once all have read (another);
+    a shuffle of the accumulator in registers would take a tile of shared memory."""
+    ch = D - 2 * HALF + tl.arange(0, 2 * HALF)
+    c, s, even, at = _pair_rotation(cos_row, sin_row, ch, D, HALF, True)
+    tl.debug_barrier()
+    v = tl.load(row + ch[None, :], mask=h_ok[:, None], other=0.0)
+    p = tl.load(row + at[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    vf = v.to(tl.float32)
+    c, s = c[None, :], s[None, :]
+    vf = tl.where(even[None, :], vf * c - p * s, vf * c + p * s)
+    tl.debug_barrier()
+    tl.store(row + ch[None, :], vf.to(v.dtype), mask=h_ok[:, None])
 
 
 @_jit
@@ -394,12 +410,18 @@ def _sparse_attention_kernel(
     q_tile = tl.load(
         q + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
     )
-    if ROPE:  # fused.norm_rope_tail's arithmetic: the norm's scale and product rounded
+    if ROPE:  # fused.norm_rope_tail's arithmetic (the norm's scale and product rounded)
         qf = q_tile.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(qf * qf, 1) / D + eps).to(q_tile.dtype).to(tl.float32)
-        qf = (qf * rstd[:, None]).to(q_tile.dtype).to(tl.float32)
-        qf = _rope_pairs(qf, cos + t * stride_c, sin + t * stride_c, 0, D, HALF, False)
-        q_tile = qf.to(q_tile.dtype)
+        rstd = tl.rsqrt(tl.sum(qf * qf, 1) / D + eps).to(q_tile.dtype).to(tl.float32)[:, None]
+        y = (qf * rstd).to(q_tile.dtype)
+        a, b = tl.split(tl.reshape(y, (BLOCK_H, D // 2, 2)))
+        k = tl.arange(0, D // 2) - (D // 2 - HALF)
+        c = tl.load(cos + t * stride_c + k, mask=k >= 0, other=1.0)[None, :]
+        s = tl.load(sin + t * stride_c + k, mask=k >= 0, other=0.0)[None, :]
+        a, b = a.to(tl.float32), b.to(tl.float32)
+        a2 = (a * c - b * s).to(q_tile.dtype)
+        b2 = (b * c + a * s).to(q_tile.dtype)
+        q_tile = tl.reshape(tl.join(a2, b2), (BLOCK_H, D))
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, DV), tl.float32)
@@ -448,12 +470,10 @@ def _sparse_attention_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.exp(sink - m_new)
         o = (acc * alpha[:, None] / l_i[:, None]).to(out.dtype.element_ty)
-        if ROPE:
-            first = tl.program_id(1) % parts * (DV // 2)
-            o = _rope_pairs(o.to(tl.float32), cos + t * stride_c, sin + t * stride_c, first, D,
-                            HALF, True).to(out.dtype.element_ty)  # fmt: skip
-        dst = out + t * stride_qt + h[:, None] * stride_qh + dv[None, :]
-        tl.store(dst, o, mask=h_ok[:, None])
+        row = out + t * stride_qt + h[:, None] * stride_qh
+        tl.store(row + dv[None, :], o, mask=h_ok[:, None])
+        if ROPE and tl.program_id(1) % parts == parts - 1:  # the part that holds the tail
+            _unrope_stored(row, h_ok, cos + t * stride_c, sin + t * stride_c, D, HALF)
     else:  # this split's partial: its output and log-sum-exp ([T, H, SPLITS] rows of D)
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -472,19 +492,21 @@ def _sparse_merge_kernel(
     value is 0) in the sum's denominator; ROPE: the output's rope undone."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    rows = (t * heads + h) * SPLITS + tl.arange(0, SPLITS)
     d = tl.arange(0, D)
-    part = (t * heads + h) * SPLITS
-    lse = tl.load(part_lse + part + s)
+    lse = tl.load(part_lse + rows)
     sink = tl.load(sinks + h)
     m = tl.maximum(tl.max(lse, 0), sink)
-    w = tl.exp(lse - m)
-    o = tl.load(part_o + (part + s)[:, None] * D + d[None, :])
-    o = (tl.sum(o * w[:, None], 0) / (tl.sum(w, 0) + tl.exp(sink - m))).to(out.dtype.element_ty)
-    if ROPE:
-        o2 = tl.reshape(o.to(tl.float32), (1, D))
-        o2 = _rope_pairs(o2, cos + t * stride_c, sin + t * stride_c, 0, D, HALF, True)
-        o = tl.reshape(o2, (D,)).to(out.dtype.element_ty)
+    w = tl.exp(lse - m)[:, None]
+    denom = tl.sum(w, 0) + tl.exp(sink - m)
+    o = tl.load(part_o + rows[:, None] * D + d[None, :])
+    o = (tl.sum(o * w, 0) / denom).to(out.dtype.element_ty)
+    if ROPE:  # each channel's pair partner merged the same way, then the rotation undone
+        c, s, even, at = _pair_rotation(cos + t * stride_c, sin + t * stride_c, d, D, HALF, True)
+        p = tl.load(part_o + rows[:, None] * D + at[None, :])
+        p = (tl.sum(p * w, 0) / denom).to(out.dtype.element_ty).to(tl.float32)
+        v = o.to(tl.float32)
+        o = tl.where(even, v * c - p * s, v * c + p * s).to(out.dtype.element_ty)
     tl.store(out + t * stride_ot + h * stride_oh + d, o)
 
 

@@ -122,6 +122,7 @@ def routes() -> int:
     sqrt(softplus) chosen with a correction bias and scaled (256 experts, top 6); the same
     experts per token (as sets) and their weights."""
     failed = 0
+    torch.manual_seed(1)  # its own draws, whatever the cases before it consumed
     cases = (
         (8, 2, "softmax", {}),
         (8, 3, "sigmoid", {}),
@@ -146,6 +147,13 @@ def routes() -> int:
         ok = same and diff.item() <= 1e-5
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} moe route {scoring} e={e} k={k}: max diff {diff:.1e}")
+        if not ok:  # what differed, to tell a near-tie from an error
+            bad = int(((w - w_ref).abs().max(1).values * same_rows).argmax())
+            print(
+                f"  {int(same_rows.sum())} rows agree; row {bad}: ids {order.values[bad].tolist()}"
+                f" / {order_ref.values[bad].tolist()}, weights {w[bad].tolist()} / "
+                f"{w_ref[bad].tolist()}, logits {logits[bad].gather(0, order.values[bad]).tolist()}"
+            )
     return failed
 
 
