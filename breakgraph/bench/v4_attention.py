@@ -19,8 +19,7 @@ import torch
 from breakgraph.kernels import compressed_attention as ca
 
 HEADS, HEAD_DIM, WINDOW, TOP_K = 64, 512, 128, 512
-# (heads a program, keys a block, warps, stages[, parts of the values' channels]):
-# compressed_attention's two defaults first
+# (heads a program, keys a block, warps, stages): compressed_attention's two defaults first
 CONFIGS = [
     ca.SPARSE_CONFIG,
     ca.PREFILL_SPARSE_CONFIG,
@@ -28,17 +27,10 @@ CONFIGS = [
     (32, 32, 8, 3),
     (64, 16, 8, 2),
     (64, 64, 8, 2),
-    (64, 32, 8, 2, 2),
-    (64, 32, 8, 3, 2),
-    (64, 16, 8, 3, 2),
-    (64, 64, 8, 2, 2),
-    (64, 32, 4, 2, 2),
-    (64, 32, 8, 2, 4),
-    (16, 16, 4, 3, 2),
 ]
 INDEX_HEADS, INDEX_DIM = 64, 128
 # (heads a tile, entries a program, warps): compressed_attention.INDEXER_CONFIG first
-INDEXER_CONFIGS = [ca.INDEXER_CONFIG, (16, 32, 4), (64, 64, 4), (64, 64, 8), (32, 128, 4),
+INDEXER_CONFIGS = [ca.INDEXER_CONFIG, (16, 32, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8),
                    (64, 128, 8)]  # fmt: skip
 
 

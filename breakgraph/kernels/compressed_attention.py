@@ -324,27 +324,18 @@ def _unrope_stored(row, h_ok, cos_row, sin_row, D: tl.constexpr, HALF: tl.conste
 
 
 @_jit
-def _attend_block(
-    q, cache, slot, stride, d, dv, ok, m_i, l_i, acc, scale, D: tl.constexpr,
-    DV: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    """One block of keys (the cache's rows ``slot``; ``ok`` masks them) into the online
-    softmax of a block of heads: running max ``m_i``, sum ``l_i`` and output ``acc``
-    [BLOCK_H, DV], the values' channels ``dv`` (K = V: all D of them, or a part that the
-    row's other programs share out, the scores computed by each)."""
-    rows = cache + slot[:, None] * stride
-    keys = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0)
+def _attend_block(q, cache, slot, stride, d, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One block of keys (the cache's rows ``slot``; ``ok`` masks them; K = V) into the
+    online softmax of a block of heads: running max ``m_i``, sum ``l_i`` and output ``acc``
+    [BLOCK_H, D]."""
+    keys = tl.load(cache + slot[:, None] * stride + d[None, :], mask=ok[:, None], other=0.0)
     logits = _dot(q, tl.trans(keys), IEEE) * scale
     logits = tl.where(ok[None, :], logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(logits - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if DV == D:
-        vals = keys
-    else:
-        vals = tl.load(rows + dv[None, :], mask=ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(vals.dtype), vals, IEEE)
+    acc = acc * alpha[:, None] + _dot(p.to(keys.dtype), keys, IEEE)
     return m_new, l_i, acc
 
 
@@ -392,15 +383,12 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
-    DV: tl.constexpr,  # the values' channels a program accumulates: D, or a part of them
     IEEE: tl.constexpr,
     ROPE: tl.constexpr,  # q normed and roped here, the output's rope undone (HALF pairs)
     HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    parts: tl.constexpr = D // DV
-    h = tl.program_id(1) // parts * BLOCK_H + tl.arange(0, BLOCK_H)
-    dv = tl.program_id(1) % parts * DV + tl.arange(0, DV)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = h < heads
     d = tl.arange(0, D)
@@ -424,7 +412,7 @@ def _sparse_attention_kernel(
         q_tile = tl.reshape(tl.join(a2, b2), (BLOCK_H, D))
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
     n = tl.arange(0, BLOCK_N)
     # the row's key blocks: the window's, then its entries' (every visible one, or the
     # picks); a split takes a contiguous run of them
@@ -445,7 +433,7 @@ def _sparse_attention_kernel(
     for b in range(tl.maximum(lo, first), tl.minimum(hi, window_blocks)):  # oldest first
         slot, ok = _window_slots(pos, b * BLOCK_N, n, table, WINDOW)
         m_i, l_i, acc = _attend_block(
-            q_tile, kv_cache, slot, stride_kv, d, dv, ok, m_i, l_i, acc, scale, D, DV, IEEE
+            q_tile, kv_cache, slot, stride_kv, d, ok, m_i, l_i, acc, scale, IEEE
         )
     for b in range(tl.maximum(lo, window_blocks), hi):
         j = (b - window_blocks) * BLOCK_N + n
@@ -461,9 +449,8 @@ def _sparse_attention_kernel(
             last = tl.minimum(tl.maximum(e, 0) * RATIO + RATIO - 1, table_width - 1)
             slot = tl.load(table + last, mask=ok, other=0).to(tl.int64)
             m_i, l_i, acc = _attend_block(
-                q_tile, comp_cache, slot, stride_comp, d, dv, ok, m_i, l_i, acc, scale, D, DV,
-                IEEE,
-            )  # fmt: skip
+                q_tile, comp_cache, slot, stride_comp, d, ok, m_i, l_i, acc, scale, IEEE
+            )
     if SPLITS == 1:
         sink = tl.load(sinks + h, mask=h_ok, other=0.0)
         m_new = tl.maximum(m_i, sink)
@@ -471,16 +458,16 @@ def _sparse_attention_kernel(
         l_i = l_i * alpha + tl.exp(sink - m_new)
         o = (acc * alpha[:, None] / l_i[:, None]).to(out.dtype.element_ty)
         row = out + t * stride_qt + h[:, None] * stride_qh
-        tl.store(row + dv[None, :], o, mask=h_ok[:, None])
-        if ROPE and tl.program_id(1) % parts == parts - 1:  # the part that holds the tail
+        tl.store(row + d[None, :], o, mask=h_ok[:, None])
+        if ROPE:
             _unrope_stored(row, h_ok, cos + t * stride_c, sin + t * stride_c, D, HALF)
     else:  # this split's partial: its output and log-sum-exp ([T, H, SPLITS] rows of D)
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -1.0e30)
         part = (t * heads + h) * SPLITS + split
-        tl.store(part_o + part[:, None] * D + dv[None, :], o, mask=h_ok[:, None])
-        tl.store(part_lse + part, lse, mask=h_ok)  # (the same from each part of D)
+        tl.store(part_o + part[:, None] * D + d[None, :], o, mask=h_ok[:, None])
+        tl.store(part_lse + part, lse, mask=h_ok)
 
 
 @_jit
@@ -516,7 +503,10 @@ def _sparse_merge_kernel(
 # CSA 8K tokens 5.75 against 11.24 with 16 heads a program, HCA 1.63 against 2.58, CSA 1K over
 # a 64K prefix 0.87 against 1.77; a decode step keeps 16 heads a program and splits each row's
 # keys (sparse_splits): CSA at batch 1 0.026 against 0.164 in one split, batch 32 0.097
-# against 0.164 (every head a program and 16 splits there: 0.101-0.110).
+# against 0.164 (every head a program and 16 splits there: 0.101-0.110). Every head a program
+# spills (255 registers, the [64, 512] float32 output tile); two programs a row each holding
+# half the output's channels do not, and measured 2.0x the time (CSA 8K 11.6 ms: each
+# recomputes the scores), four 3.7x.
 PREFILL_SPARSE_CONFIG = (64, 32, 8, 2)
 SPARSE_CONFIG = (16, 16, 4, 3)
 MAX_SPLITS = 16
@@ -543,7 +533,7 @@ def sparse_attention_triton(
     over the window's keys and the entries; with one split the sink is added last, with
     several a merge kernel combines the splits' partials and the sink. No host sync: every
     bound is a device value or a shape. ``config``: the launch config, (heads a program, keys
-    a block, warps, stages[, programs sharing out the values' channels]) (default
+    a block, warps, stages) (default
     :data:`PREFILL_SPARSE_CONFIG` where the rows fill the GPU, else :data:`SPARSE_CONFIG`);
     ``splits`` (a power of 2; default :func:`sparse_splits`)."""
     t_rows, heads, d = q.shape
@@ -558,8 +548,7 @@ def sparse_attention_triton(
     if config is None:
         fills = sparse_splits(t_rows, heads, SPARSE_CONFIG[0], q.device) == 1
         config = PREFILL_SPARSE_CONFIG if fills and q.is_cuda else SPARSE_CONFIG
-    block_h, block_n, warps, stages, *dv_parts = config
-    dv_parts = min(dv_parts[0] if dv_parts else 1, d // 16)
+    block_h, block_n, warps, stages = config
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))  # TP: fewer heads a rank
     splits = splits or sparse_splits(t_rows, heads, block_h, q.device)
     sinks = sinks.float().contiguous()
@@ -573,13 +562,13 @@ def sparse_attention_triton(
     if splits > 1:
         part_o = torch.empty((t_rows, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((t_rows, heads, splits), dtype=torch.float32, device=q.device)
-    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h) * dv_parts, splits)](
+    _sparse_attention_kernel[(t_rows, triton.cdiv(heads, block_h), splits)](
         q, kv_cache, comp, out, part_o, part_lse, step.positions, step.token_rows,
         step.req_to_token, pk, sinks, heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
         cos, sin, cos.stride(0), eps, WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, DV=d // dv_parts, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HALF=half, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
@@ -648,9 +637,10 @@ def _indexer_scores_kernel(
 
 
 # (heads a tile, entries a program, warps) of the indexer's scores kernel, by ``bench kernels
-# --v4-attention`` at V4-Flash's shapes (H100, ms): 8K tokens 1.20 against 1.70 with
-# (16, 32, 4), 1K over a 64K prefix 1.74 against 2.83, decode batch 1 and 32 even
-INDEXER_CONFIG = (32, 64, 4)
+# --v4-attention`` at V4-Flash's shapes (H100, ms): 8K tokens 0.84 against 1.19 with
+# (32, 64, 4) and 1.70 with (16, 32, 4); 1K over a 64K prefix 1.34 against 1.74 and 2.83;
+# decode batch 32 0.018 against 0.023, batch 1 0.008 against 0.009
+INDEXER_CONFIG = (32, 128, 4)
 
 
 def indexer_scores_triton(

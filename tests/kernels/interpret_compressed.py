@@ -87,9 +87,9 @@ def main() -> int:
         got = ca.sparse_attention_triton(*args, config=config, splits=splits)
         failed += check(f"sparse attention, sorted picks, {config}, {splits} splits", got, want)
     # V4's q as projected: normed and roped in the kernel, the output's rope undone there (or
-    # in the merge), in one part of the values' channels and two
+    # in the merge), in each default config
     rope = (*torch.randn(2, t, 4).unbind(0), 1e-6)
-    for config, splits in itertools.product((CONFIGS[0], (16, 16, 4, 3, 2)), (1, 4)):
+    for config, splits in itertools.product(CONFIGS[:2], (1, 4)):
         got = ca.sparse_attention_triton(*args, rope=rope, config=config, splits=splits)
         want = ca.sparse_attention_torch(*args, rope=rope)
         failed += check(
