@@ -785,14 +785,11 @@ def _rope_tail_in_place_kernel(
     at = tl.where(even, rel + 1, rel - 1)
     m = live[:, None] & (rel[None, :] >= 0)
     xv = tl.load(rows[:, None] + rel[None, :], mask=m, other=0.0)
-    partner = tl.load(rows[:, None] + at[None, :], mask=m, other=0.0).to(tl.float32)
-    cs = i0[:, None] * stride_c + (rel // 2)[None, :]
-    c = tl.load(cos + cs, mask=m, other=1.0)
-    s = tl.load(sin + cs, mask=m, other=0.0)
-    if INVERSE:
-        s = -s
-    v = xv.to(tl.float32)
-    rotated = tl.where(even[None, :], v * c - partner * s, v * c + partner * s)
+    partner = tl.load(rows[:, None] + at[None, :], mask=m, other=0.0)
+    rotated = _rotate_pairs(
+        xv.to(tl.float32), partner.to(tl.float32), cos + i0[:, None] * stride_c,
+        sin + i0[:, None] * stride_c, rel[None, :], even[None, :], m, INVERSE,
+    )  # fmt: skip
     tl.store(rows[:, None] + rel[None, :], rotated.to(xv.dtype), mask=m)
 
 
