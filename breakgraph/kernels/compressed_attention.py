@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from breakgraph.kernels.decode_attention import _num_sms  # the SM count, cached per device
-from breakgraph.kernels.fused import norm_rope_tail_torch, rope_tail_torch
+from breakgraph.kernels.fused import (
+    norm_rope_tail_torch,
+    norm_rope_tail_triton,
+    rope_tail_torch,
+    rope_tail_triton,
+)
 
 try:  # Triton is optional: the CPU-only install runs the torch versions
     import triton
@@ -554,10 +559,19 @@ def sparse_attention_triton(
     sinks = sinks.float().contiguous()
     cos = sin = sinks
     eps, half = 0.0, 1
+    # q's norm and rope (and the output's inverse) inside the kernel where its registers have
+    # room (16 heads a program); every head a program spills more with them (255 registers,
+    # 216 -> 344 bytes of stack) and measured slower than the two kernels beside it (an 8K
+    # step's 20 V4 layers: the attention 99 ms with them inside, against ~68 without and ~16
+    # for the two: H100, bench kernels --v4-attention and a profile of the same run)
+    fold = rope is not None and block_h < PREFILL_SPARSE_CONFIG[0]
     if rope is not None:
         cos, sin, eps = rope
-        cos, sin, half = cos.contiguous(), sin.contiguous(), cos.shape[1]
-        assert cos.shape[0] >= t_rows and half & (half - 1) == 0 and 2 * half <= d
+        cos, sin, half = cos[:t_rows].contiguous(), sin[:t_rows].contiguous(), cos.shape[1]
+        assert cos.shape[0] == t_rows and half & (half - 1) == 0 and 2 * half <= d
+        if not fold:
+            q = norm_rope_tail_triton(q, None, eps, cos, sin)
+            assert q.stride()[:2] == out.stride()[:2]
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty((t_rows, heads, splits, d), dtype=torch.float32, device=q.device)
@@ -567,15 +581,17 @@ def sparse_attention_triton(
         step.req_to_token, pk, sinks, heads, step.req_to_token.shape[1],
         0 if picks is None else picks.shape[1], q.stride(0), q.stride(1), kv_cache.stride(0),
         comp.stride(0), step.req_to_token.stride(0), 0 if picks is None else pk.stride(0), scale,
-        cos, sin, cos.stride(0), eps, WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
-        HALF=half, num_warps=warps, num_stages=stages,
+        cos, sin, cos.stride(0), eps, WINDOW=window, RATIO=max(ratio, 1), MODE=mode, D=d,
+        BLOCK_H=block_h, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        ROPE=fold, HALF=half, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _sparse_merge_kernel[(t_rows, heads)](
             part_o, part_lse, sinks, out, heads, out.stride(0), out.stride(1), cos, sin,
-            cos.stride(0), D=d, SPLITS=splits, ROPE=rope is not None, HALF=half, num_warps=4,
+            cos.stride(0), D=d, SPLITS=splits, ROPE=fold, HALF=half, num_warps=4,
         )  # fmt: skip
+    if rope is not None and not fold:  # the output's rope undone: its tail channels only
+        rope_tail_triton(out, cos, sin, inverse=True, in_place=True)
     return out
 
 

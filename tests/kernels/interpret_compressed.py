@@ -95,6 +95,14 @@ def main() -> int:
         failed += check(
             f"sparse attention, q normed and roped, {config}, {splits} splits", got, want
         )
+    # every head a program: q normed and roped by its own kernel, the output's tail unroped
+    # in place after
+    q64 = torch.randn(t, 64, d)
+    args64 = (q64, kv, comp, step, window, ratio, sorted_picks, torch.randn(64), 0.2)
+    want = ca.sparse_attention_torch(*args64, rope=rope)
+    for splits in (1, 4):
+        got = ca.sparse_attention_triton(*args64, rope=rope, config=CONFIGS[1], splits=splits)
+        failed += check(f"sparse attention, 64 heads, q roped beside, {splits} splits", got, want)
     iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
     keys = torch.randn(n_slots, 16)
     got, want = [], []

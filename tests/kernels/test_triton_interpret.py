@@ -41,7 +41,7 @@ def test_split_kernels_equal_the_twins():
 
 
 def test_compressed_attention_kernels_equal_the_torch_versions():
-    interpret("tests.kernels.interpret_compressed", 48)
+    interpret("tests.kernels.interpret_compressed", 36)
 
 
 def test_hyper_connection_kernels_equal_the_twins():
