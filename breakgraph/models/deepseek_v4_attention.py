@@ -152,8 +152,8 @@ def compressed_attention(
     """q/o [T, H, D]: the live step's rows over their sliding window and, on a compressed
     layer, its entries (a CSA layer's: the indexer's top-k, scored here from ``indexer_q``
     and ``indexer_weights``). q as projected: HF's ``apply_rope(q_norm(q))`` (cos/sin [T,
-    r / 2]) and the output's ``apply_rope(o, inverse)`` run inside the attention kernel.
-    Writes o's live rows only."""
+    r / 2]) and the output's ``apply_rope(o, inverse)`` are the attention op's (inside its
+    kernel in a decode step, beside it in a prefill one). Writes o's live rows only."""
     step = live_step()
     pool = get_forward_context().kv_pool
     n = step.positions.shape[0]
@@ -327,7 +327,7 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, d)
         # HF: kv = apply_rope(kv_norm(kv_proj(x))), then the cache's store: one kernel (norm,
-        # rope and store: fused.norm_rope_tail); q's norm and rope in the attention's
+        # rope and store: fused.norm_rope_tail); q's norm and rope are the attention op's
         kv_cache = ctx.kv_pool.k_buffers[self.layer_id]
         norm = self.kv_norm
         ops.norm_rope_tail(self.kv_proj(x), norm.weight, norm.variance_epsilon, cos, sin,
