@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from breakgraph.kernels.decode_attention import _num_sms  # the SM count, cached per device
-from breakgraph.kernels.fused import (
+from breakgraph.kernels.fused import (  # the pair rotation: the rope kernels' own
+    _rotate_pairs,
     norm_rope_tail_torch,
     norm_rope_tail_triton,
     rope_tail_torch,
@@ -295,35 +296,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @_jit
-def _pair_rotation(cos_row, sin_row, ch, D: tl.constexpr, HALF: tl.constexpr,
-                   INVERSE: tl.constexpr):  # fmt: skip
-    """For channels ``ch`` of rows of D whose last ``2 * HALF`` rotate in neighbouring pairs
-    (``fused.rope_tail_torch``): (cos, sin, even, the pair partner's channel); outside the
-    tail cos 1, sin 0 and the partner the channel itself, so ``v * c -+ p * s`` is v."""
-    k = ch - (D - 2 * HALF)
-    tail = k >= 0
-    even = ch % 2 == 0
-    c = tl.load(cos_row + k // 2, mask=tail, other=1.0)
-    s = tl.load(sin_row + k // 2, mask=tail, other=0.0)
-    if INVERSE:
-        s = -s
-    return c, s, even, tl.where(tail, tl.where(even, ch + 1, ch - 1), ch)
-
-
-@_jit
 def _unrope_stored(row, h_ok, cos_row, sin_row, D: tl.constexpr, HALF: tl.constexpr):
     """The rope of rows of heads already stored (``row`` [BLOCK_H, 1] pointers) undone on
     their last ``2 * HALF`` channels where they lie: every value and its partner read once
     the whole program has stored (a barrier), written back once all have read (another);
     a shuffle of the accumulator in registers would take a tile of shared memory."""
-    ch = D - 2 * HALF + tl.arange(0, 2 * HALF)
-    c, s, even, at = _pair_rotation(cos_row, sin_row, ch, D, HALF, True)
+    rel = tl.arange(0, 2 * HALF)
+    ch = D - 2 * HALF + rel
+    even = rel % 2 == 0
     tl.debug_barrier()
     v = tl.load(row + ch[None, :], mask=h_ok[:, None], other=0.0)
-    p = tl.load(row + at[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-    vf = v.to(tl.float32)
-    c, s = c[None, :], s[None, :]
-    vf = tl.where(even[None, :], vf * c - p * s, vf * c + p * s)
+    p = tl.load(row + tl.where(even, ch + 1, ch - 1)[None, :], mask=h_ok[:, None], other=0.0)
+    vf = _rotate_pairs(v.to(tl.float32), p.to(tl.float32), cos_row, sin_row, rel[None, :],
+                       even[None, :], (rel >= 0)[None, :], True)  # fmt: skip
     tl.debug_barrier()
     tl.store(row + ch[None, :], vf.to(v.dtype), mask=h_ok[:, None])
 
@@ -494,11 +479,14 @@ def _sparse_merge_kernel(
     o = tl.load(part_o + rows[:, None] * D + d[None, :])
     o = (tl.sum(o * w, 0) / denom).to(out.dtype.element_ty)
     if ROPE:  # each channel's pair partner merged the same way, then the rotation undone
-        c, s, even, at = _pair_rotation(cos + t * stride_c, sin + t * stride_c, d, D, HALF, True)
+        rel = d - (D - 2 * HALF)
+        tail = rel >= 0
+        even = d % 2 == 0
+        at = tl.where(tail, tl.where(even, d + 1, d - 1), d)
         p = tl.load(part_o + rows[:, None] * D + at[None, :])
         p = (tl.sum(p * w, 0) / denom).to(out.dtype.element_ty).to(tl.float32)
-        v = o.to(tl.float32)
-        o = tl.where(even, v * c - p * s, v * c + p * s).to(out.dtype.element_ty)
+        o = _rotate_pairs(o.to(tl.float32), p, cos + t * stride_c, sin + t * stride_c,
+                          tl.maximum(rel, 0), even, tail, True).to(out.dtype.element_ty)  # fmt: skip
     tl.store(out + t * stride_ot + h * stride_oh + d, o)
 
 

@@ -748,26 +748,6 @@ def _rotate_pairs(v, partner, cos, sin, rel, even, tail, INVERSE: tl.constexpr):
 
 
 @_jit
-def _rope_tail_kernel(
-    x, cos, sin, out, inner, stride_x0, stride_x1, stride_c, n_cols,
-    HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,  # kernels/pdl.py
-):  # fmt: skip
-    """One row (token, head): its last 2 * HALF channels rotated in neighbouring pairs, in
-    float32, the rest copied."""
-    pdl.enter(PDL)
-    pid, i0, row, offs, mask, xv, tail, rel, even, at = _tail_row(
-        x, inner, stride_x0, stride_x1, n_cols, HALF, BLOCK
-    )
-    partner = tl.load(row + at, mask=tail, other=0.0)
-    rotated = _rotate_pairs(
-        xv.to(tl.float32), partner.to(tl.float32), cos + i0 * stride_c, sin + i0 * stride_c,
-        rel, even, tail, INVERSE,
-    )  # fmt: skip
-    tl.store(out + pid * n_cols + offs, tl.where(tail, rotated.to(xv.dtype), xv), mask=mask)
-
-
-@_jit
 def _rope_tail_in_place_kernel(
     x, cos, sin, n_rows, inner, stride_x0, stride_x1, stride_c, start,
     HALF: tl.constexpr, INVERSE: tl.constexpr, ROWS: tl.constexpr,
@@ -802,7 +782,7 @@ def _norm_rope_tail_kernel(
 ):  # fmt: skip
     """One row (token, head): Gemma's norm (WEIGHTED) or V4's unweighted one, then its last
     2 * HALF channels rotated in neighbouring pairs, each value rounded where the two
-    kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_kernel``); the
+    kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_in_place_kernel``); the
     partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``.
     ROUND_IN: x (float32) rounded to ``out``'s dtype first, the cast the twin makes."""
     pdl.enter(PDL)
@@ -863,30 +843,22 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
 
 
 def rope_tail_triton(x, cos, sin, inverse=False, in_place=False) -> torch.Tensor:
-    """Triton twin of :func:`rope_tail_torch` (its arguments): one launch; in place, it
-    moves only the tail's channels (V4's 64 of 512: an eighth of the bytes)."""
+    """Triton twin of :func:`rope_tail_torch` (its arguments): in place, one launch that
+    moves only the tail's channels (V4's 64 of 512: an eighth of the bytes); else the same
+    on a copy of x."""
+    if not in_place:
+        return rope_tail_triton(x.clone(), cos, sin, inverse, in_place=True)
     n_cols, half = x.shape[-1], cos.shape[-1]
     outer, inner, sx0, sx1 = _outer_inner(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     assert x.stride(-1) == 1
     assert 2 * half <= n_cols and cos.shape[0] == x.shape[0]
-    if in_place:
-        assert half & (half - 1) == 0, "in place: a tail of a power of 2 channels"
-        if x.numel():
-            rows = max(1, 2048 // (2 * half))  # a tile of ~2K channels a program
-            _rope_tail_in_place_kernel[(triton.cdiv(outer * inner, rows),)](
-                x, cos, sin, outer * inner, inner, sx0, sx1, cos.stride(0), n_cols - 2 * half,
-                HALF=half, INVERSE=inverse, ROWS=rows, num_warps=4, enable_fp_fusion=False,
-                **pdl.launch(x.device),
-            )  # fmt: skip
-        return x
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    block = triton.next_power_of_2(n_cols)
-    _rope_tail_kernel[(outer * inner,)](
-        x, cos, sin, out, inner, sx0, sx1, cos.stride(0), n_cols, HALF=half, INVERSE=inverse,
-        BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False,
-        **pdl.launch(x.device),
-    )  # fmt: skip
-    return out
+    assert half & (half - 1) == 0, "a tail of a power of 2 channels"
+    if x.numel():
+        rows = max(1, 2048 // (2 * half))  # a tile of ~2K channels a program
+        _rope_tail_in_place_kernel[(triton.cdiv(outer * inner, rows),)](
+            x, cos, sin, outer * inner, inner, sx0, sx1, cos.stride(0), n_cols - 2 * half,
+            HALF=half, INVERSE=inverse, ROWS=rows, num_warps=4, enable_fp_fusion=False,
+            **pdl.launch(x.device),
+        )  # fmt: skip
+    return x
