@@ -105,6 +105,31 @@ def test_verify_sampling_keeps_the_target_distribution(draft):
     assert (got - want).abs().max() < 0.012, (got, want)
 
 
+def test_verify_sampling_in_row_chunks_draws_what_one_pass_does(monkeypatch):
+    """A verify batch larger than a chunk of ``MAX_SAMPLE_FLOATS`` goes in row chunks: seeded
+    rows (each its own generator) accept and choose as in one pass, greedy rows too."""
+    import breakgraph.engine.acceptance as acceptance
+
+    vocab, n = 64, 50
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=0.0 if i % 5 == 0 else 0.9, top_p=0.9)
+        for i in range(n)
+    ]
+    draft_next = logits.argsort(dim=-1)[:, -2].clone()  # each row's second most likely
+    draft_next[::7] = -1
+
+    def run():
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(n)]
+        return verify_sample(logits, params, gens, draft_next)
+
+    whole = run()
+    monkeypatch.setattr(acceptance, "MAX_SAMPLE_FLOATS", vocab * 8)
+    chunked = run()
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert whole[0].any() and not whole[0].all()
+
+
 @pytest.fixture
 def llama_dir(tiny_llama_dir):
     return tiny_llama_dir
