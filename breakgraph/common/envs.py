@@ -162,11 +162,12 @@ PDL = Choice(
     "(kernels/pdl.py).",
 )  # fmt: skip
 EXTEND_ATTENTION = Choice(
-    "BREAKGRAPH_EXTEND_ATTENTION", "triton", ("triton", "flashinfer"), kind="tuning",
-    doc="Prefill (extend) attention on CUDA: triton (kernels/extend_attention.py) or flashinfer "
-    "(FlashInfer's batch prefill, FA3's kernels, where it serves the step: Hopper, bf16 or "
-    "fp16, head sizes 64-256, and a step whose keys the Triton kernel would not split; "
-    "kernels/flashinfer_extend.py).",
+    "BREAKGRAPH_EXTEND_ATTENTION", "auto", ("auto", "triton", "flashinfer"), kind="tuning",
+    doc="Prefill (extend) attention on CUDA: auto (FlashInfer's batch prefill, FA3's kernels, "
+    "where it is installed and serves the step: Hopper, bf16 or fp16, head sizes 64-256, and "
+    "a step whose keys the Triton kernel would not split; else Triton), triton "
+    "(kernels/extend_attention.py) or flashinfer (as auto, saying so when it does not "
+    "import; kernels/flashinfer_extend.py).",
 )  # fmt: skip
 SKINNY = Str(
     "BREAKGRAPH_SKINNY", "table", kind="tuning",

@@ -2,18 +2,19 @@
 paged KV, each slot a page of one token: the candidate for prefill attention at Hopper's
 limit where the Triton kernel (kernels/extend_attention.py) stays the portable path.
 
-Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``triton`` (the default: through the server on an
-H100 FlashInfer gave 1.19x the cold 8K x8 input throughput, but a 64K prompt's chunks crashed
-the engine with an illegal memory access: one wrapper's plans made ahead of the GPU, see
-``RING``; not yet measured since), ``flashinfer`` where it serves the
-step (CUDA of compute capability 9, bf16 or fp16, head sizes 64, 128 and 256, host lengths
-known, not inside a capture, no zeroed padding) and the Triton kernel would not split the
-step's keys (``ops.plan_extend_attention``: ``bench kernels`` on an H200 measured FlashInfer
-1.40x faster at 8K new tokens and 1.53x at 1K over a 32K prefix, 0.46x at 256 over 32K,
-where the split-KV path fills the GPU), else Triton. The plan is the step's, shared by its
-layers like ``ExtendPlan``: FlashInfer's ``plan()`` (host scheduling and one non-blocking
-upload) inside the attention break, then one ``run`` per layer. A wrapper per attention
-shape lives for the process (its plan buffers), over one float workspace per device.
+Chosen by ``BREAKGRAPH_EXTEND_ATTENTION``: ``auto`` (the default) and ``flashinfer`` where
+FlashInfer imports and serves the step (CUDA of compute capability 9, bf16 or fp16, head sizes
+64, 128 and 256, host lengths known, not inside a capture, no zeroed padding) and the Triton
+kernel would not split the step's keys (``ops.plan_extend_attention``), else Triton;
+``triton`` never. Through the server on an H100 (Qwen3-0.6B shapes, ``h200_serve.sh
+flashinfer``) FlashInfer gave 1.18x Triton's cold 8K x8 input throughput and 0.72x its
+64K-prefix hit TTFT; ``bench kernels`` on an H200 measured it 1.40x faster at 8K new tokens,
+1.53x at 1K over a 32K prefix, 0.46x at 256 over 32K (where the split-KV path fills the GPU).
+The plan is the step's, shared by its layers like ``ExtendPlan``: FlashInfer's ``plan()``
+(host scheduling and one non-blocking upload) inside the attention break, then one ``run``
+per layer. A wrapper per attention shape lives for the process (its plan buffers), over one
+float workspace per device. Where a plan fails (its kernel does not build: no nvcc, say), the
+process says why in one line and stays on Triton.
 
 FlashInfer reaches the GPU machine pruned (``benchmarks/flashinfer_bundle.py``) and builds
 each kernel variant with the machine's nvcc at its first use (minutes, then cached on disk):
@@ -50,20 +51,33 @@ _rings: dict[tuple, Iterator[_Slot]] = {}
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
+_failed: list[str] = []  # why FlashInfer stopped serving this process, once it has
+
+
 @functools.cache
-def load():
-    """The ``flashinfer`` module, or None where it does not import (said once)."""
+def load(asked: bool = False):
+    """The ``flashinfer`` module, or None where it does not import (said once: a warning
+    where ``asked`` for by name, else an info line)."""
     try:
         import flashinfer
     except ImportError as e:
-        logger.warning("flashinfer does not import (%s): extend attention stays on Triton", e)
+        log = logger.warning if asked else logger.info
+        log("flashinfer does not import (%s): extend attention stays on Triton", e)
         return None
     return flashinfer
 
 
+def give_up(error: Exception) -> None:
+    """FlashInfer failed to plan (its kernel did not build): Triton from now on, said once."""
+    if not _failed:
+        _failed.append(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
+        logger.warning("flashinfer failed (%s): extend attention stays on Triton", _failed[0])
+
+
 def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMeta, zero_pad: bool) -> bool:
     """Whether this step's extend attention runs on FlashInfer (see the module's doc)."""
-    if envs.EXTEND_ATTENTION.get() != "flashinfer":
+    mode = envs.EXTEND_ATTENTION.get()
+    if mode == "triton" or _failed:
         return False
     return (
         q.is_cuda
@@ -74,7 +88,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMeta, zero_pad
         and not zero_pad
         and torch.cuda.get_device_capability(q.device)[0] == 9
         and not torch.cuda.is_current_stream_capturing()
-        and load() is not None
+        and load(asked=mode == "flashinfer") is not None
     )
 
 

@@ -31,7 +31,7 @@ def test_flat_slots_are_each_request_table_row_in_order():
 
 
 def test_chosen_only_when_asked_and_able():
-    """Triton by default; asked for, never on the CPU (nor inside a capture, nor for a
+    """Never on the CPU, by default (auto) or asked for (nor inside a capture, nor for a
     bucket whose padding rows must be zeroed, nor without the host's exact lengths)."""
     _, k_cache, meta, _ = paged_batch(BATCH, 2, 128, torch.bfloat16, "cpu")
     q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
@@ -40,6 +40,33 @@ def test_chosen_only_when_asked_and_able():
         assert not fi.usable(q, k_cache, meta, zero_pad=False)  # a CPU tensor
     plan = ops.plan_extend_attention(q, k_cache, meta, 0.1)
     assert not isinstance(plan, fi.FlashInferPlan)
+
+
+def test_a_plan_that_fails_leaves_the_process_on_triton(monkeypatch, caplog):
+    """FlashInfer's plan raising (its kernel did not build) gives the step the Triton plan,
+    says why in one line, and FlashInfer serves no later step."""
+    import types
+
+    monkeypatch.setattr(fi, "_failed", [])
+    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+    triton_plan = types.SimpleNamespace(empty=False, splits=1)
+    monkeypatch.setattr(ops._extend, "ExtendPlan", lambda *a, **kw: triton_plan)
+    monkeypatch.setattr(fi, "usable", lambda *a: not fi._failed)
+
+    def no_build(*a, **kw):
+        raise RuntimeError("Ninja build failed: nvcc not found\n(the build log)")
+
+    monkeypatch.setattr(fi, "FlashInferPlan", no_build)
+    _, k_cache, meta, _ = paged_batch(BATCH, 2, 128, torch.bfloat16, "cpu")
+    q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        assert ops.plan_extend_attention(q, k_cache, meta, 0.1) is triton_plan
+        assert ops.plan_extend_attention(q, k_cache, meta, 0.1) is triton_plan
+    said = [r.getMessage() for r in caplog.records if "flashinfer failed" in r.getMessage()]
+    assert said == [
+        "flashinfer failed (RuntimeError: Ninja build failed: nvcc not found): extend "
+        "attention stays on Triton"
+    ]
 
 
 def test_step_metadata_carries_exact_host_lengths_only():
