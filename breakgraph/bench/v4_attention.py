@@ -1,7 +1,9 @@
 """``bench kernels --v4-attention``: DeepSeek V4's sparse attention and indexer kernels
 (kernels/compressed_attention.py) at V4-Flash's shapes, in each launch config of
 :data:`CONFIGS` and :data:`INDEXER_CONFIGS`, against the time a dense bf16 GEMM of the same
-FLOPs takes on this GPU (measured in the same run).
+FLOPs takes on this GPU (measured in the same run); and the hyper-connections' mixes
+(kernels/hyper_connection.py) in each config of :data:`MIXES_CONFIGS` against torch's float32
+copy and GEMM.
 
 V4-Flash attends with 64 query heads of 512 over one K = V head: each row its sliding window
 of 128 keys and, on a CSA layer (one entry per 4 tokens), the indexer's top 512 entries, on
@@ -17,6 +19,7 @@ import functools
 import torch
 
 from breakgraph.kernels import compressed_attention as ca
+from breakgraph.kernels import hyper_connection as hc
 
 HEADS, HEAD_DIM, WINDOW, TOP_K = 64, 512, 128, 512
 # (heads a program, keys a block, warps, stages): compressed_attention's two defaults first
@@ -32,6 +35,10 @@ INDEX_HEADS, INDEX_DIM = 64, 128
 # (heads a tile, entries a program, warps): compressed_attention.INDEXER_CONFIG first
 INDEXER_CONFIGS = [ca.INDEXER_CONFIG, (16, 32, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8),
                    (64, 128, 8)]  # fmt: skip
+
+HC_WIDTH, HC_COLS = 4 * 4096, 24  # 4 streams of 4096; (2 + 4) x 4 mixes
+# (rows a program, K a step, warps, stages): hyper_connection's default first
+MIXES_CONFIGS = [hc.MIXES_CONFIG, (16, 128, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3)]
 
 
 def v4_step(prefix: int, rows: int, requests: int = 1) -> ca.CompressedStep:
@@ -143,4 +150,27 @@ def bench_indexer(step: ca.CompressedStep, tflops: float) -> list[tuple]:
         )
         ms = triton.testing.do_bench(fn, return_mode="median")
         rows.append((f"indexer scores {config}", shape, ms, "dense GEMM, same FLOPs", floor))
+    return rows
+
+
+def bench_hc_mixes(row_counts: list[int]) -> list[tuple]:
+    """The hyper-connections' mixes [T, 24] from bf16 streams [T, 16384] and float32 weights,
+    per config (its default split, then one program along K), against torch's
+    ``F.linear(x.float(), fn)`` (the copy and cuBLAS's float32 GEMM)."""
+    import triton.testing
+
+    rows = []
+    fn = torch.randn(HC_COLS, HC_WIDTH, device="cuda") / 128
+    for t in row_counts:
+        x = torch.randn(t, HC_WIDTH, device="cuda", dtype=torch.bfloat16)
+        torch_mixes = functools.partial(hc.hc_mixes_torch, x, fn)
+        ref = triton.testing.do_bench(torch_mixes, return_mode="median")
+        want = hc.hc_mixes_torch(x, fn)
+        for config in MIXES_CONFIGS:
+            for splits in (None, 1):
+                f = functools.partial(hc.hc_mixes_triton, x, fn, config=config, splits=splits)
+                diff = (f() - want).abs().max().item()
+                ms = triton.testing.do_bench(f, return_mode="median")
+                name = f"hc mixes {config}{' 1 split' if splits else ''} (diff {diff:.0e})"
+                rows.append((name, f"{t} x {HC_WIDTH} -> {HC_COLS}", ms, "torch float32", ref))
     return rows

@@ -44,6 +44,7 @@ __all__ = [
     "rope_tail",
     "clamped_silu_mul",
     "hc_collapse",
+    "hc_mixes",
     "hc_expand",
     "indexer_scores",
     "linear",
@@ -222,6 +223,7 @@ sparse_attention = _twin(_compressed.sparse_attention_torch, _compressed.sparse_
 
 # ---- hyper-connections (DeepSeek V4's mHC; kernels/hyper_connection.py)
 
+hc_mixes = _twin(_hc.hc_mixes_torch, _hc.hc_mixes_triton)
 hc_collapse = _twin(_hc.hc_collapse_torch, _hc.hc_collapse_triton)
 hc_expand = _twin(_hc.hc_expand_torch, _hc.hc_expand_triton)
 

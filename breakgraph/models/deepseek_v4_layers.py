@@ -40,7 +40,7 @@ class DeepseekV4HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed [T, H]): HF's input
         norm (one scale per row) applied after the projection, in ``ops.hc_collapse``."""
-        mixes = F.linear(streams.flatten(1).float(), self.fn)
+        mixes = ops.hc_mixes(streams.flatten(1), self.fn)
         return ops.hc_collapse(
             streams, mixes, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps
         )
@@ -59,7 +59,7 @@ class DeepseekV4HyperHead(nn.Module):
         self.hc_scale = fp32_param(1)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(streams.flatten(1).float(), self.hc_fn)
+        mixes = ops.hc_mixes(streams.flatten(1), self.hc_fn)
         _, _, collapsed = ops.hc_collapse(
             streams, mixes, self.hc_base, self.hc_scale, 0, self.eps, self.norm_eps, False
         )

@@ -218,3 +218,17 @@ def test_moe_gated_epilogues_compile_for_hopper():
               "PERSISTENT": False, "HALF_TAIL": False, "C_ATOMIC": False,
               "RED_V8": False}  # fmt: skip
     assert _kernel_ptx(fm._moe_gemm_kernel, consts, types)
+
+
+@pytest.mark.parametrize("cols", [24, 4])
+def test_hc_mixes_compiles_for_hopper(cols):
+    """DeepSeek V4's hyper-connection mixes (bf16 rows against float32 weights, 3xTF32 on
+    the tensor cores) build for sm_90 in its config, for the sites' 24 columns and the
+    hyper head's 4 (a dot of 16 columns)."""
+    from breakgraph.kernels import hyper_connection as hc
+
+    block_t, block_k, warps, stages = hc.MIXES_CONFIG
+    consts = dict(BLOCK_T=block_t, BLOCK_N=max(16, triton.next_power_of_2(cols)), BLOCK_K=block_k)
+    types = {"x": "*bf16", "fn": "*fp32", "out": "*fp32"}
+    options = {"num_warps": warps, "num_stages": stages}
+    assert _kernel_ptx(hc._hc_mixes_kernel, consts, types, options)

@@ -45,7 +45,7 @@ def test_compressed_attention_kernels_equal_the_torch_versions():
 
 
 def test_hyper_connection_kernels_equal_the_twins():
-    interpret("tests.kernels.interpret_hyper", 3)
+    interpret("tests.kernels.interpret_hyper", 9)
 
 
 def test_fused_moe_launch_variants():
@@ -70,13 +70,15 @@ def test_decode_step_kernel_count_does_not_grow(skinny, most):
 
 
 def test_deepseek_v4_decode_step_kernel_count_does_not_grow():
-    """DeepSeek V4's decode step on the Triton path (tiny model, 4 layers): 191 kernels, 48
+    """DeepSeek V4's decode step on the Triton path (tiny model, 4 layers): 192 kernels, 48
     a layer (150 before its norms, its interleaved RoPE, its clamped SwiGLU and a
     compressor's logits became one kernel each, a norm + RoPE + store one kernel, and its
     routed experts took the MoE GEMV path; at 43 layers a step's launches pace its graph).
     Counted in float32, where casts to the model's dtype are no kernels: in bfloat16 the
     pooled entries' cast (in the store kernel) and the indexer weights' cast and scale (in
-    the scores kernel) are three fewer a CSA layer and one an HCA layer besides."""
+    the scores kernel) are three fewer a CSA layer and one an HCA layer besides, and each
+    hyper-connection site's mixes (a kernel and its split's sum, counted here) replaced the
+    streams' float32 copy and a GEMM (one kernel here: the copy is none in float32)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
@@ -85,4 +87,4 @@ def test_deepseek_v4_decode_step_kernel_count_does_not_grow():
     )  # fmt: skip
     found = re.search(r"deepseek_v4 +4 layers: (\d+) kernels per decode step", out.stdout)
     assert out.returncode == 0 and found, out.stdout + out.stderr[-3000:]
-    assert int(found.group(1)) <= 183, out.stdout
+    assert int(found.group(1)) <= 192, out.stdout
