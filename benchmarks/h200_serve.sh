@@ -89,9 +89,12 @@ gemma_stage() {  # the benches' own warm-up waves stand in for the server's (fou
     "graphs_all --no-kv-sharing-fast-prefill" "eager_fast --cuda-graph-backend-prefill disabled" \
     "eager_all --cuda-graph-backend-prefill disabled --no-kv-sharing-fast-prefill"
 }
-flashinfer_stage() {  # the extend attention: Triton's, then FlashInfer's (carry .fi)
-  arms extend "triton"
-  BREAKGRAPH_EXTEND_ATTENTION=flashinfer arms extend "flashinfer"
+flashinfer_stage() {  # the extend attention: Triton's, then FlashInfer's (carry .fi); ARMS
+  # picks (default both)
+  case " ${ARMS:-triton flashinfer} " in *" triton "*)
+    BREAKGRAPH_EXTEND_ATTENTION=triton arms extend "triton";; esac
+  case " ${ARMS:-triton flashinfer} " in *" flashinfer "*)
+    BREAKGRAPH_EXTEND_ATTENTION=flashinfer arms extend "flashinfer";; esac
   save_fi_ws
 }
 moe_stage() { MODEL=qwen3-30b-a3b arms moe "graphs" "eager --cuda-graph-backend-prefill disabled"; }
