@@ -317,10 +317,15 @@ def run_kernels_bench(args) -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     if args.v4_attention:
-        from breakgraph.bench.v4_attention import bench_hc_mixes, bench_v4_attention
+        from breakgraph.bench.v4_attention import (
+            bench_hc_mixes,
+            bench_norm_rope,
+            bench_v4_attention,
+        )
 
         cases = [(0, 1024, 1), (0, 8192, 1), (65536, 1024, 1), (8192, 1, 1), (8192, 32, 32)]
         rows = bench_v4_attention(cases) + bench_hc_mixes([1, 32, 1024, 8000])
+        rows += bench_norm_rope([1, 32, 8000])
     elif args.decode_sweep:
         from breakgraph.bench.decode_sweep import bench_decode_sweep
 

@@ -1,9 +1,10 @@
 """``bench kernels --v4-attention``: DeepSeek V4's sparse attention and indexer kernels
 (kernels/compressed_attention.py) at V4-Flash's shapes, in each launch config of
 :data:`CONFIGS` and :data:`INDEXER_CONFIGS`, against the time a dense bf16 GEMM of the same
-FLOPs takes on this GPU (measured in the same run); and the hyper-connections' mixes
+FLOPs takes on this GPU (measured in the same run); the hyper-connections' mixes
 (kernels/hyper_connection.py) in each config of :data:`MIXES_CONFIGS` against torch's float32
-copy and GEMM.
+copy and GEMM; q's norm and rope (``fused.norm_rope_tail``) per tile size against a copy of
+the same bytes.
 
 V4-Flash attends with 64 query heads of 512 over one K = V head: each row its sliding window
 of 128 keys and, on a CSA layer (one entry per 4 tokens), the indexer's top 512 entries, on
@@ -19,6 +20,7 @@ import functools
 import torch
 
 from breakgraph.kernels import compressed_attention as ca
+from breakgraph.kernels import fused
 from breakgraph.kernels import hyper_connection as hc
 
 HEADS, HEAD_DIM, WINDOW, TOP_K = 64, 512, 128, 512
@@ -173,4 +175,29 @@ def bench_hc_mixes(row_counts: list[int]) -> list[tuple]:
                 ms = triton.testing.do_bench(f, return_mode="median")
                 name = f"hc mixes {config}{' 1 split' if splits else ''} (diff {diff:.0e})"
                 rows.append((name, f"{t} x {HC_WIDTH} -> {HC_COLS}", ms, "torch float32", ref))
+    return rows
+
+
+def bench_norm_rope(row_counts: list[int]) -> list[tuple]:
+    """q's unweighted norm and interleaved rope [T, 64, 512] (bf16) per ``NORM_ROPE_TILE``
+    (channels a program: 512 is a row a program), against ``x.clone()`` (the same bytes read
+    and written)."""
+    import triton.testing
+
+    rows, tile = [], fused.NORM_ROPE_TILE
+    for t in row_counts:
+        x = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        cos, sin = torch.rand(t, 32, device="cuda"), torch.rand(t, 32, device="cuda")
+        ref = triton.testing.do_bench(x.clone, return_mode="median")
+        want = fused.norm_rope_tail_torch(x, None, 1e-6, cos, sin)
+        try:
+            for size in (512, 1024, 2048, 4096, 8192):
+                fused.NORM_ROPE_TILE = size
+                f = functools.partial(fused.norm_rope_tail_triton, x, None, 1e-6, cos, sin)
+                diff = (f().float() - want.float()).abs().max().item()
+                ms = triton.testing.do_bench(f, return_mode="median")
+                name = f"norm rope, {size} channels a program (diff {diff:.0e})"
+                rows.append((name, f"{t} x {HEADS} x {HEAD_DIM}", ms, "copy, same bytes", ref))
+        finally:
+            fused.NORM_ROPE_TILE = tile
     return rows

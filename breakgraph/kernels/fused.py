@@ -718,24 +718,6 @@ def gemma_qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin, store=Non
 
 
 @_jit
-def _tail_row(x, inner, stride_x0, stride_x1, n_cols, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """A program's row (token, head) of x and the layout of its last 2 * HALF channels:
-    (program, token, row pointer, offsets, mask, the row's values, in the tail, index in
-    the tail, even in its pair, the pair partner's offsets)."""
-    pid = tl.program_id(0).to(tl.int64)
-    i0 = pid // inner
-    row = x + i0 * stride_x0 + (pid % inner) * stride_x1
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    xv = tl.load(row + offs, mask=mask, other=0.0)
-    start = n_cols - 2 * HALF
-    tail = mask & (offs >= start)
-    rel = tl.where(tail, offs - start, 0)
-    even = rel % 2 == 0
-    return pid, i0, row, offs, mask, xv, tail, rel, even, tl.where(even, offs + 1, offs - 1)
-
-
-@_jit
 def _rotate_pairs(v, partner, cos, sin, rel, even, tail, INVERSE: tl.constexpr):
     """float32 values and their pair partners rotated, as the twin (the products and the sum
     each rounded: no FMA): x1' = x1 cos - x2 sin at the even channel, x2' = x2 cos + x1 sin;
@@ -775,41 +757,64 @@ def _rope_tail_in_place_kernel(
 
 @_jit
 def _norm_rope_tail_kernel(
-    x, weight, cos, sin, out, loc, inner, stride_x0, stride_x1, stride_c, stride_o, n_cols,
-    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
-    STORE: tl.constexpr, ROUND_IN: tl.constexpr = False,
+    x, weight, cos, sin, out, loc, n_rows, inner, stride_x0, stride_x1, stride_c, stride_o,
+    n_cols, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
+    STORE: tl.constexpr, ROUND_IN: tl.constexpr = False, ROWS: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/pdl.py
 ):  # fmt: skip
-    """One row (token, head): Gemma's norm (WEIGHTED) or V4's unweighted one, then its last
-    2 * HALF channels rotated in neighbouring pairs, each value rounded where the two
-    kernels it replaces round (``_gemma_rms_norm_kernel``, ``_rope_tail_in_place_kernel``); the
-    partner channel normed from its own load. STORE: to ``out``'s row ``loc[token]``.
-    ROUND_IN: x (float32) rounded to ``out``'s dtype first, the cast the twin makes."""
+    """ROWS rows (token, head) a program: Gemma's norm (WEIGHTED) or V4's unweighted one,
+    then each row's last 2 * HALF channels rotated in neighbouring pairs, each value rounded
+    where the two kernels it replaces round (``_gemma_rms_norm_kernel``,
+    ``_rope_tail_in_place_kernel``); the partner channel normed from its own load. STORE: to
+    ``out``'s row ``loc[token]``. ROUND_IN: x (float32) rounded to ``out``'s dtype first, the
+    cast the twin makes."""
     pdl.enter(PDL)
-    pid, i0, row, offs, mask, xv, tail, rel, even, at = _tail_row(
-        x, inner, stride_x0, stride_x1, n_cols, HALF, BLOCK
-    )
-    pv = tl.load(row + at, mask=tail, other=0.0)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = r < n_rows
+    i0 = r // inner
+    row = x + i0 * stride_x0 + (r % inner) * stride_x1
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < n_cols
+    start = n_cols - 2 * HALF
+    in_tail = in_row & (offs >= start)
+    rel = tl.where(in_tail, offs - start, 0)
+    even = rel % 2 == 0
+    at = tl.where(even, offs + 1, offs - 1)  # the pair partner
+    mask = live[:, None] & in_row[None, :]
+    tail = live[:, None] & in_tail[None, :]
+    xv = tl.load(row[:, None] + offs[None, :], mask=mask, other=0.0)
+    pv = tl.load(row[:, None] + at[None, :], mask=tail, other=0.0)
     if ROUND_IN:
         xv = xv.to(out.dtype.element_ty)
         pv = pv.to(out.dtype.element_ty)
     h = xv.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
+    rstd = tl.rsqrt(tl.sum(h * h, 1) / n_cols + eps)[:, None]
     pv = pv.to(tl.float32)
     if WEIGHTED:  # normalized and scaled in fp32, one rounding
-        y = (h * rstd * tl.load(weight + offs, mask=mask, other=0.0)).to(xv.dtype)
-        p = (pv * rstd * tl.load(weight + at, mask=tail, other=0.0)).to(xv.dtype)
+        w = tl.load(weight + offs, mask=in_row, other=0.0)[None, :]
+        wp = tl.load(weight + at, mask=in_tail, other=0.0)[None, :]
+        y = (h * rstd * w).to(xv.dtype)
+        p = (pv * rstd * wp).to(xv.dtype)
     else:  # the scale rounded to the dtype, the product too
-        r = rstd.to(xv.dtype).to(tl.float32)
-        y = (h * r).to(xv.dtype)
-        p = (pv * r).to(xv.dtype)
+        scale = rstd.to(xv.dtype).to(tl.float32)
+        y = (h * scale).to(xv.dtype)
+        p = (pv * scale).to(xv.dtype)
     rotated = _rotate_pairs(
-        y.to(tl.float32), p.to(tl.float32), cos + i0 * stride_c, sin + i0 * stride_c, rel,
-        even, tail, False,
+        y.to(tl.float32), p.to(tl.float32), cos + i0[:, None] * stride_c,
+        sin + i0[:, None] * stride_c, rel[None, :], even[None, :], tail, False,
     )  # fmt: skip
     y = tl.where(tail, rotated.to(xv.dtype), y)
-    dst = tl.load(loc + i0).to(tl.int64) if STORE else pid
-    tl.store(out + dst * stride_o + offs, y.to(out.dtype.element_ty), mask=mask)
+    if STORE:
+        dst = tl.load(loc + i0, mask=live, other=0).to(tl.int64)
+    else:
+        dst = r
+    tl.store(out + dst[:, None] * stride_o + offs[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+# channels a program of ``norm_rope_tail`` covers: whole rows, as many as fit (V4's q: 4 heads
+# of 512). A row a program took 0.7 ms for V4-Flash's q at 8K tokens on an H100 (512K
+# programs of 1 KB: 42% of the bandwidth its 1 GB of traffic needs)
+NORM_ROPE_TILE = 2048
 
 
 def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
@@ -833,11 +838,12 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
     if weight is not None:
         assert weight.is_contiguous() and weight.dtype == torch.float32
     block = triton.next_power_of_2(n_cols)
-    _norm_rope_tail_kernel[(outer * inner,)](
-        x, x if weight is None else weight, cos, sin, out, loc if store else cos, inner, sx0,
-        sx1, cos.stride(0), stride_o, n_cols, eps, HALF=half, BLOCK=block,
-        WEIGHTED=weight is not None, STORE=store, ROUND_IN=round_in, num_warps=_row_warps(block),
-        enable_fp_fusion=False, **pdl.launch(x.device),
+    rows = max(1, NORM_ROPE_TILE // block)
+    _norm_rope_tail_kernel[(triton.cdiv(outer * inner, rows),)](
+        x, x if weight is None else weight, cos, sin, out, loc if store else cos, outer * inner,
+        inner, sx0, sx1, cos.stride(0), stride_o, n_cols, eps, HALF=half, BLOCK=block,
+        WEIGHTED=weight is not None, STORE=store, ROUND_IN=round_in, ROWS=rows,
+        num_warps=_row_warps(block * rows), enable_fp_fusion=False, **pdl.launch(x.device),
     )  # fmt: skip
     return None if store else out
 

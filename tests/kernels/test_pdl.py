@@ -191,13 +191,14 @@ def test_no_kernel_parameter_shadows_tritons_argument_binder():
 
 def test_norm_rope_tail_compiles_for_hopper():
     """DeepSeek V4's norm + RoPE + store kernel builds for sm_90 (ptxas included), both
-    norms, storing or not."""
+    norms, storing or not, a row or a tile of rows a program."""
     from breakgraph.kernels.fused import _norm_rope_tail_kernel as kernel
 
     types = dict.fromkeys(("x", "out"), "*bf16") | dict.fromkeys(("weight", "cos", "sin"), "*fp32")
     types |= {"loc": "*i64", "eps": "fp32"}
-    for weighted, store in ((False, False), (True, True)):
-        consts = {"HALF": 32, "BLOCK": 512, "WEIGHTED": weighted, "STORE": store, "PDL": True}
+    for weighted, store, rows in ((False, False, 4), (True, True, 4), (True, True, 1)):
+        consts = {"HALF": 32, "BLOCK": 512, "WEIGHTED": weighted, "STORE": store, "ROWS": rows,
+                  "PDL": True}  # fmt: skip
         assert _kernel_ptx(kernel, consts, types, {"enable_fp_fusion": False})
 
 
