@@ -130,6 +130,12 @@ def _next_slot(key: tuple, device: torch.device) -> _Slot:
                 WORKSPACE_BYTES, dtype=torch.uint8, device=device
             )
         make = load().BatchPrefillWithPagedKVCacheWrapper
+        heads, kv_heads, head_dim, window_left = key[:4]
+        logger.info(
+            "extend attention: FlashInfer's fa3 prefill for %d query / %d kv heads of %d%s "
+            "(BREAKGRAPH_EXTEND_ATTENTION=triton keeps Triton's)", heads, kv_heads, head_dim,
+            "" if window_left < 0 else f", window {window_left + 1}",
+        )  # fmt: skip
         ring = _rings[key] = itertools.cycle(
             [_Slot(make(workspace, "NHD", backend="fa3")) for _ in range(RING)]
         )
