@@ -18,6 +18,9 @@ import numpy as np
 from breakgraph.common.codec import PACKED_INT32, Codec
 from breakgraph.common.sampling_params import SamplingParams
 
+# the engine's stats (Engine.stats): numbers by name, and the forward steps by graph
+EngineStats = dict[str, int | float | dict[str, int]]
+
 
 # ---- API -> engine ----
 @dataclass
@@ -170,7 +173,7 @@ class StatsReply:
     engine loop sent unasked (what /metrics and /get_server_info fall back on mid-step)."""
 
     call_id: int
-    stats: dict[str, int | float]
+    stats: EngineStats
 
 
 STATS_PUBLISHED = -1

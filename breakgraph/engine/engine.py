@@ -18,7 +18,7 @@ import torch
 from breakgraph.cache.kv_pool import SlotAllocator
 from breakgraph.cache.radix_cache import RadixCache
 from breakgraph.common import envs, gc_watch
-from breakgraph.common.messages import TokenDelta
+from breakgraph.common.messages import EngineStats, TokenDelta
 from breakgraph.common.sampling_params import check_logprob_args
 from breakgraph.distributed import TPGroup
 from breakgraph.engine.args import EngineArgs
@@ -307,11 +307,14 @@ class Engine:
         rejected, self._rejected = self._rejected, []
         return rejected
 
-    def stats(self) -> dict[str, int | float]:
-        """Live load and KV usage, for the server's /metrics and /get_server_info."""
+    def stats(self) -> EngineStats:
+        """Live load and KV usage, for the server's /metrics and /get_server_info; the
+        forward steps by graph (``forward_steps``: each bank's count, an eager step's by its
+        reason, the warm-up's included)."""
         compiles = jit_watch.stats()
         return {
             **asdict(self.scheduler.stats()),
+            "forward_steps": self.runner.steps_by_graph(),
             "kernel_compilations_total": compiles.total,
             "kernel_compilations_after_ready": compiles.after_ready,
             "warmup_requests": self.warmup_report.requests if self.warmup_report else 0,

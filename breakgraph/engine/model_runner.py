@@ -109,6 +109,14 @@ class ModelRunner:
         """Rank 0's steps so far through any of ``banks`` (graphs/key.py's names)."""
         return sum(n for key, n in self.step_counts.items() if key.bank in banks)
 
+    def steps_by_graph(self) -> dict[str, int]:
+        """Rank 0's steps so far by the bank they replayed, eager ones by why: ``{"decode":
+        n, "eager (padding)": m, ...}`` (``StepKey``'s text without its buckets)."""
+        steps: Counter[str] = Counter()
+        for key, n in self.step_counts.items():
+            steps[str(key) if key.eager else key.bank] += n
+        return dict(steps)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, key: StepKey | None = None) -> torch.Tensor:
         """-> logits [B, vocab] float32 of each request's last row, through ``key`` (default:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from breakgraph.common import messages
+from breakgraph.common.messages import EngineStats
 from breakgraph.common.sampling_params import MAX_SAMPLES, SamplingParams
 from breakgraph.engine.args import EngineArgs
 from breakgraph.server.errors import EngineError, RequestRejected
@@ -58,7 +59,7 @@ class EngineClient:
         self._conn: EngineConnection | None = None
         self._ready: asyncio.Future | None = None  # Ready's model info, or why it failed
         # the engine's latest stats (any StatsReply) and when they came (monotonic)
-        self._stats: dict[str, int | float] | None = None
+        self._stats: EngineStats | None = None
         self._stats_at = 0.0
         self._stats_call: asyncio.Future | None = None  # latest_stats' question in flight
 
@@ -257,14 +258,12 @@ class EngineClient:
     def num_inflight(self) -> int:
         return len(self.requests)
 
-    async def stats(self, timeout_s: float = 30.0) -> dict[str, int | float]:
+    async def stats(self, timeout_s: float = 30.0) -> EngineStats:
         """The engine's live load and KV usage (``Engine.stats()``), answered between two steps."""
         reply: messages.StatsReply = await self._call(messages.StatsReq, timeout_s)
         return reply.stats
 
-    async def latest_stats(
-        self, wait_s: float = STATS_WAIT_S
-    ) -> tuple[dict[str, int | float], float]:
+    async def latest_stats(self, wait_s: float = STATS_WAIT_S) -> tuple[EngineStats, float]:
         """The engine's stats and their age in seconds: its answer if it comes within
         ``wait_s`` (it answers between two steps), else what it last published (its loop
         publishes them before and during work, engine_process.py), so a scrape or a probe

@@ -10,8 +10,10 @@ at scrape time. Each ServerMetrics has its own registry.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from breakgraph.common.messages import EngineStats
 
 try:  # no *_created series: the exposition stays what it was before prometheus_client
     from prometheus_client import disable_created_metrics
@@ -89,12 +91,24 @@ class _EngineStats(Collector):
     """The engine's live stats, as gauges, from the snapshot taken for this scrape."""
 
     def __init__(self) -> None:
-        self.stats: dict[str, int | float] | None = None
+        self.stats: EngineStats | None = None
 
     def collect(self):
         for key, (name, help_text) in GAUGES.items():
             if self.stats is not None and key in self.stats:
                 yield GaugeMetricFamily(PREFIX + name, help_text, value=self.stats[key])
+        steps = (self.stats or {}).get("forward_steps")
+        if steps:
+            family = CounterMetricFamily(
+                PREFIX + "forward_steps",
+                "Forward steps by the CUDA graph bank they replayed (eager: none; reason: why "
+                "a step ran eagerly), the warm-up's included.",
+                labels=("graph", "reason"),
+            )
+            for graph, n in sorted(steps.items()):
+                bank, _, why = graph.partition(" (")
+                family.add_metric([bank, why.removesuffix(")")], n)
+            yield family
 
 
 class ServerMetrics:
@@ -183,6 +197,6 @@ class ServerMetrics:
         self.queue_time.observe(max(engine["scheduled"] - engine["engine_recv"], 0.0))
         self.scheduling_time.observe(max(engine["forward_start"] - engine["scheduled"], 0.0))
 
-    def render(self, stats: dict[str, int | float] | None) -> str:
+    def render(self, stats: EngineStats | None) -> str:
         self._engine_stats.stats = stats
         return generate_latest(self.registry).decode()

@@ -503,6 +503,23 @@ def test_metrics_timeline_histograms_move(server):
     assert stages <= ttft + 1e-3 * n
 
 
+def test_forward_steps_are_counted_by_graph_and_eager_reason(server):
+    """Each forward step counts under the bank it replayed, an eager one under why: on the
+    CPU every step is eager (no CUDA graphs), a prompt's under "no prefill graphs" and the
+    decode steps under "no decode graphs"; /metrics and /get_server_info agree."""
+    before = info(server)["forward_steps"]
+    body = {"input_ids": [1, 2, 9], "sampling_params": GREEDY}  # 6 tokens: 1 prefill, 5 decode
+    assert post(server, "/generate", body).status_code == 200
+    after = info(server)["forward_steps"]
+    grew = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    assert grew == {"eager (no prefill graphs)": 1, "eager (no decode graphs)": 5}, grew
+    values = metric_values(server.url)
+    for graph, n in after.items():
+        reason = graph.removeprefix("eager (").removesuffix(")")
+        name = f'breakgraph_forward_steps_total{{graph="eager",reason="{reason}"}}'
+        assert values[name] >= n  # a scrape after the call: as many or more
+
+
 def test_return_timeline_adds_up_to_e2e(server):
     """Each stage is non-negative and together they are the end-to-end latency reported."""
     for stream in (False, True):
