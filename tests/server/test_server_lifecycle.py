@@ -17,7 +17,14 @@ import httpx
 import pytest
 
 from tests.support.hf import make_hf_model
-from tests.support.server import CONTEXT_LEN, ServerProcess, pid_alive, sse_events, wait_idle
+from tests.support.server import (
+    CONTEXT_LEN,
+    ServerProcess,
+    free_port,
+    pid_alive,
+    sse_events,
+    wait_idle,
+)
 
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -49,6 +56,19 @@ def test_port_in_use_is_one_line_before_loading(tiny_model_dir):
     assert "already in use" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "engine process" not in r.stderr and elapsed < 30  # no model was loaded
+
+
+def test_an_engine_that_fails_to_start_says_why_in_one_line(tiny_model_dir):
+    """A failure inside the engine process's start (here its draft model, a config without
+    weights) reaches the API process: the server exits non-zero, one error line names the
+    cause, and nothing prints a traceback."""
+    r = run_cli("serve", "--port", str(free_port()), "--model-path", str(tiny_model_dir),
+                "--speculative-algorithm", "STANDALONE",
+                "--speculative-draft-model-path", "qwen3-0.6b")  # fmt: skip
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if "cannot start the server" in line]
+    assert len(errors) == 1 and "ships a config only" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(
