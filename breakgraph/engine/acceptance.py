@@ -38,20 +38,21 @@ def verify_sample(
     ``MAX_SAMPLE_FLOATS // V`` at a time, as ``sample`` does: the filters' [rows, V]
     temporaries over a full verify batch (1,024 requests x 4 rows of a 151,936-token
     vocabulary) took 27 GiB, which the memory plan kept free beside the KV pool."""
-    greedy_ids = logits.argmax(dim=-1)
-    has_draft = draft_next >= 0
-    d = draft_next.clamp(min=0)
-    accept_greedy = has_draft & (greedy_ids == d)
-    if all(p.greedy for p in params):
-        return accept_greedy, greedy_ids
+    all_greedy = all(p.greedy for p in params)
     rows = max(1, MAX_SAMPLE_FLOATS // max(logits.shape[-1], 1))
-    if logits.shape[0] > rows:
+    if not all_greedy and logits.shape[0] > rows:  # each chunk's argmax too: no second pass
         parts = [
             verify_sample(logits[i : i + rows], params[i : i + rows], generators[i : i + rows],
                           draft_next[i : i + rows])
             for i in range(0, logits.shape[0], rows)
         ]  # fmt: skip
         return torch.cat([a for a, _ in parts]), torch.cat([c for _, c in parts])
+    greedy_ids = logits.argmax(dim=-1)
+    has_draft = draft_next >= 0
+    d = draft_next.clamp(min=0)
+    accept_greedy = has_draft & (greedy_ids == d)
+    if all_greedy:
+        return accept_greedy, greedy_ids
     probs, greedy = filtered_probs(logits, params)
     p_d = probs.gather(1, d[:, None]).squeeze(1)
     u = torch.rand(probs.shape[0], device=probs.device)
