@@ -16,7 +16,7 @@
 #            (OLD=. OLD_FLAGS="..." compares one flag on this tree)
 #   spec     speculative decoding, 3.51 tokens kept a step (synthetic): in process (STANDALONE
 #            with verify steps chained and not), then bench serving (8K in / SPEC_OUT out,
-#            CONC) with it and without (MODEL default qwen3-8b, DRAFT qwen3-0.6b)
+#            CONC) without it and per SPEC_ALGOS (MODEL default qwen3-8b, DRAFT qwen3-0.6b)
 #   nextn    DeepSeek V4's MTP drafts in process (deepseek-v4-flash-e32, synthetic 3.51)
 #   v4       deepseek-v4-flash-e32, prefill graphs and eager (V4_ARMS): the latency table at
 #            P = 0 and 155,648, cold 8192 x8, hit 65536 x1; CONC adds the serving table
@@ -150,17 +150,21 @@ coldab_stage() {  # both servers up at once (started in turn: --mem-fraction-sta
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
   (cd "$OUT" && tar czf coldab.tgz coldab && rm -rf coldab)
 }
-spec_stage() {
-  local m=${MODEL:-qwen3-8b} d=${DRAFT:-qwen3-0.6b} out=${SPEC_OUT:-1024}
-  local spec="--speculative-algorithm STANDALONE --speculative-draft-model-path $d"
-  inproc spec --model-path "$m" --algorithm STANDALONE --draft-model-path "$d" --input-len 8192 \
-    --output-len "$out" --draft-tokens 3 --synthetic-accept-length 3.51 --unchained \
-    --device cuda --json "$OUT/spec_inproc_$m.json"
+spec_stage() {  # SPEC_ALGOS picks the served arms (default STANDALONE; NGRAM too), INPROC=0
+  # skips the in-process bench
+  local m=${MODEL:-qwen3-8b} d=${DRAFT:-qwen3-0.6b} out=${SPEC_OUT:-1024} algo spec
+  [ "${INPROC:-1}" = 0 ] || inproc spec --model-path "$m" --algorithm STANDALONE \
+    --draft-model-path "$d" --input-len 8192 --output-len "$out" --draft-tokens 3 \
+    --synthetic-accept-length 3.51 --unchained --device cuda --json "$OUT/spec_inproc_$m.json"
   MODEL=$m serve "spec_off_$m" --context-length 16384 \
     && { serving "spec_off_$m" 8192 "$out" ${CONC:-1 8}; stop; }
-  BREAKGRAPH_BENCH=1 MODEL=$m serve "spec_on_$m" --context-length 16384 $spec \
-    --speculative-num-steps 3 --bench-synthetic-accept-length 3.51 \
-    && { serving "spec_on_$m" 8192 "$out" ${CONC:-1 8}; stop; }
+  for algo in ${SPEC_ALGOS:-STANDALONE}; do
+    spec="--speculative-algorithm $algo"
+    [ "$algo" = STANDALONE ] && spec="$spec --speculative-draft-model-path $d"
+    BREAKGRAPH_BENCH=1 MODEL=$m serve "spec_${algo,,}_$m" --context-length 16384 $spec \
+      --speculative-num-steps 3 --bench-synthetic-accept-length 3.51 \
+      && { serving "spec_${algo,,}_$m" 8192 "$out" ${CONC:-1 8}; stop; }
+  done
 }
 v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graphs, eager):
   # seed 003's latency table (one request, max_new_tokens 1, median of 3 after 2 warm: P = 0
