@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from breakgraph.kernels.decode_attention import _num_sms  # the SM count, cached per device
 from breakgraph.kernels.fused import (  # the pair rotation: the rope kernels' own
     _rotate_pairs,
     norm_rope_tail_torch,
@@ -35,6 +34,7 @@ from breakgraph.kernels.fused import (  # the pair rotation: the rope kernels' o
     rope_tail_torch,
     rope_tail_triton,
 )
+from breakgraph.kernels.launch import sm_count
 
 try:  # Triton is optional: the CPU-only install runs the torch versions
     import triton
@@ -511,7 +511,7 @@ def sparse_splits(t_rows: int, heads: int, block_h: int, device: torch.device) -
     if device.type != "cuda":
         return 1
     programs = t_rows * triton.cdiv(heads, block_h)
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     if programs >= sms:
         return 1
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))

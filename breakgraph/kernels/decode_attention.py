@@ -4,7 +4,6 @@ per request, or a verify step's several rows of one request)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 
@@ -13,6 +12,7 @@ import torch
 from breakgraph.kernels import pdl
 from breakgraph.kernels.attention_meta import AttentionMeta
 from breakgraph.kernels.extend_attention import _attend_loaded, extend_attention_torch
+from breakgraph.kernels.launch import sm_count
 from breakgraph.kernels.workspace import Workspace
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
@@ -93,14 +93,9 @@ def long_context() -> Iterator[None]:
         _long_context = saved
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits for ~16 programs per SM (many waves: a small tail); host sizes only."""
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     want = triton.cdiv(16 * sms, max(1, batch * num_kv_heads))
     return min(64, max(2, triton.next_power_of_2(want)))
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from breakgraph.kernels.attention_meta import AttentionMeta
-from breakgraph.kernels.launch import Launch
+from breakgraph.kernels.launch import Launch, sm_count
 
 try:  # Triton is optional: the CPU-only install runs the torch twin
     import triton
@@ -500,17 +500,6 @@ ONE_PASS_MAX_KEYS = 2 * _SPLIT_MIN_KEYS - 1
 _MERGE_M = 16  # rows per merge program
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # the Triton interpreter: a nominal H100/H200
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def num_kv_splits(
     num_heads: int,
     batch: int,
@@ -613,7 +602,7 @@ class ExtendPlan:
             splits = 0
         elif splits is None:
             splits = num_kv_splits(
-                num_heads, batch, max_extend_len, meta.max_seq_len, block_m, _sm_count(q.device)
+                num_heads, batch, max_extend_len, meta.max_seq_len, block_m, sm_count(q.device)
             )
         self.splits = splits
         self.window = sliding_window or 0

@@ -42,8 +42,8 @@ from torch.nn import functional as F
 
 from breakgraph.common import envs
 from breakgraph.kernels import pdl
-from breakgraph.kernels.extend_attention import _num_sms
 from breakgraph.kernels.fused import clamped_silu_mul_triton, silu_and_mul_triton
+from breakgraph.kernels.launch import sm_count
 
 try:  # Triton is optional: the CPU-only install runs the torch twins
     import triton
@@ -786,12 +786,6 @@ def _moe_gemm_kernel(
 _SMEM_PIPELINE_BYTES = 200 * 1024  # the pipeline's shared memory, under the H200's 227 KB
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # the Triton interpreter: a few programs, each looping
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """Whether a TMA descriptor can tile ``t``: contiguous, its base and rows 16-byte
     aligned (else the GEMM loads it through pointers)."""
@@ -831,8 +825,9 @@ def _launch_gemm(
     max_padded = sorted_ids.shape[0]
     assert a.stride(-1) == 1 and c.stride(-1) == 1
     grid = (max_padded // block_m * triton.cdiv(n_out, block_n),)
-    if persistent:  # about one program per SM (the live tiles are a device value)
-        grid = (min(grid[0], _sm_count(a.device)),)
+    if persistent:  # about one program per SM (the live tiles are a device value); the
+        # interpreter runs a few programs, each looping
+        grid = (min(grid[0], sm_count(a.device, interpreted=4)),)
     half_tail = half_tail and not persistent and block_m >= 32  # a half tile's dot: >= 16 rows
     a_arg, b_arg = a, b
     tma = tma and _tma_ok(b) and (_tma_ok(a) or not flags["A_SORTED"])

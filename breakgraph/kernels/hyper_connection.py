@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from breakgraph.kernels.extend_attention import _sm_count  # the SM count (132 interpreted)
+from breakgraph.kernels.launch import sm_count
 
 try:  # Triton is optional: the CPU-only install runs the torch twins
     import triton
@@ -145,7 +145,7 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, config=None, splits=None)
     t_blocks = max(1, triton.cdiv(t, block_t))
     k_blocks = triton.cdiv(width, block_k)
     if splits is None:  # fill the GPU: about two programs an SM
-        splits = max(1, min(k_blocks, 2 * _sm_count(x.device) // t_blocks))
+        splits = max(1, min(k_blocks, 2 * sm_count(x.device) // t_blocks))
     per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(width, per_split)
     out = torch.empty((splits, t, cols), dtype=torch.float32, device=x.device)

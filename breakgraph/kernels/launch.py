@@ -17,6 +17,7 @@ launch under Triton's interpreter, goes through the JIT as before.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +27,21 @@ try:  # Triton is optional: the CPU-only install runs the torch twins
     from triton.runtime import driver
 except ImportError:
     triton = None
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreted: int = 132) -> int:
+    """``device``'s multiprocessor count (cached per device), the host's grid sizes' unit;
+    ``interpreted`` for a CPU tensor (Triton's interpreter: a nominal H100/H200 by default)."""
+    if device.type != "cuda":
+        return interpreted
+    return _multiprocessors(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def _spec(args: tuple) -> list:

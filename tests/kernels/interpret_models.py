@@ -20,7 +20,7 @@ import torch
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
 from breakgraph.engine.request import SamplingParams
-from breakgraph.kernels import decode_attention, extend_attention, ops, skinny_gemm
+from breakgraph.kernels import extend_attention, launch, ops, skinny_gemm
 from tests.support.hf import LogitsTap, make_hf_model
 
 FAMILIES = [
@@ -42,8 +42,7 @@ ATOL = 1e-5
 
 def stand_in_h200_host_helpers() -> None:
     torch.cuda.current_device = lambda: 0
-    decode_attention._num_sms = lambda index: 132
-    extend_attention._num_sms = lambda index: 132
+    launch._multiprocessors = lambda index: 132
     extend_attention._capability = lambda index: (9, 0)
 
 

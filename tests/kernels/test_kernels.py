@@ -13,7 +13,7 @@ from breakgraph.common import envs
 from breakgraph.forward_batch import ForwardBatch, ForwardMode
 from breakgraph.kernels import decode_attention as dec
 from breakgraph.kernels import extend_attention as ext
-from breakgraph.kernels import fused, kv_store, ops
+from breakgraph.kernels import fused, kv_store, launch, ops
 from breakgraph.kernels import skinny_gemm as sg
 from breakgraph.kernels.attention_meta import AttentionMeta
 from tests.support.kernels import paged_batch
@@ -111,7 +111,7 @@ def _split_count(q, batch, max_extend_len, max_seq_len):
     """The split count ``extend_attention_triton`` picks for this launch."""
     block_m = ext._extend_config(q.shape[-1], q.dtype, q.device)[0]
     return ext.num_kv_splits(
-        q.shape[1], batch, max_extend_len, max_seq_len, block_m, ext._sm_count(q.device)
+        q.shape[1], batch, max_extend_len, max_seq_len, block_m, launch.sm_count(q.device)
     )
 
 
@@ -316,7 +316,7 @@ DECODE_SEQ_LENS = [1, 2, 63, 64, 65, 777, 4097, 10000]
 def test_decode_split_count_host_heuristic(monkeypatch):
     """About 16 programs per SM at every batch, between 2 and 64 splits (host sizes only)."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(dec, "_num_sms", lambda index: 132)  # an H200's
+    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)  # an H200's
     cuda = torch.device("cuda", 0)  # only its index is read
     split = {bs: dec.default_num_kv_splits(bs, 8, cuda) for bs in (1, 16, 32, 64, 512)}
     assert split == {1: 64, 16: 32, 32: 16, 64: 8, 512: 2}
