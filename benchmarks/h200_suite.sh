@@ -17,7 +17,7 @@ FILES=${FILES:-tests/graph/test_graph.py tests/graph/test_graph_memory.py \
   tests/models/test_deepseek_v4_gpu.py tests/models/test_deepseek_v4_graphs_gpu.py \
   tests/engine/test_moe_engine_gpu.py tests/server/test_server_input.py \
   tests/server/test_server_text.py tests/kernels/test_kernels.py tests/kernels/test_fused_moe.py \
-  tests/kernels/test_compressed_attention.py}
+  tests/kernels/test_compressed_attention.py tests/kernels/test_hyper_connection.py}
 L=$OUT/suite.log
 (nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 10 > "$OUT/smi.log" 2>&1 &)
 s=$(date +%s)
