@@ -78,6 +78,14 @@ def add_decode_args(p) -> None:
         "moegemv<N> (MoE steps of up to N tokens on the GEMV path), moetable=PATH",
     )
     p.add_argument("--rounds", type=int, default=7, help="--variants: interleaved rounds")
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="time a speculative verify step instead (each request's token and K drafts), "
+        "beside the plain step's graph",
+    )
     add_tp(p)
     add_outputs(p, "step ms against batch size")
 

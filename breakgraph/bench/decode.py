@@ -13,7 +13,9 @@ under TP the workers' latency, which rank 0's first all-reduce waits for). "back
 the graph step's mean over steps launched without a sync between them, as overlap scheduling
 runs them: what is left there is the GPU's own time, or a host slower than the GPU.
 ``--variants`` compares decode graphs captured under different kernel tables instead
-(decode_variants.py).
+(decode_variants.py). ``--draft-tokens k`` times a speculative verify step instead (each
+request's last token and k drafts, a row each, as serving replays it) against the same floor
+(its rows share their request's KV) and, in the same engine, the plain decode step's graph.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from breakgraph.bench.decode_setup import decode_batch, decode_engine
+from breakgraph.bench.decode_setup import decode_batch, decode_engine, verify_batch
 from breakgraph.bench.plot import require_plot
 from breakgraph.bench.timing import (
     count_launches,
@@ -49,6 +51,8 @@ class DecodePoint:
     gpu_gaps_by_kind: dict[str, list[float]] | None = None  # --profile: gaps_by_kind
     back_to_back_ms: float | None = None  # graph steps with no sync between them (mean)
     graph_note: str = ""  # why there is no graph time: the key the step dispatched to
+    draft_tokens: int = 0  # --draft-tokens: a verify step of 1 + k rows a request
+    plain_graph_ms: float | None = None  # --draft-tokens: the plain decode step's graph
 
 
 # kernel names by kind, first match wins (cuBLAS/CUTLASS GEMMs have many names)
@@ -109,9 +113,12 @@ def gaps_by_kind(kernels: list[tuple[float, float, str]], reps: int) -> dict[str
     return out
 
 
-def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, top_k: int) -> int:
+def step_read_bytes(
+    model, batch_size: int, context: int, kv_slot_bytes: int, top_k: int, rows_each: int = 1
+) -> int:
     """Bytes one decode step reads at least: weights (embedding tables only as the LM head;
-    MoE experts only as many as ``batch_size * top_k`` can touch) plus the KV of context."""
+    MoE experts only as many as ``batch_size * rows_each * top_k`` can touch) plus the KV of
+    context (once a request: a verify step's ``rows_each`` rows share it)."""
     from breakgraph.layers.linear import ParallelLMHead, VocabParallelEmbedding
     from breakgraph.layers.moe import FusedMoE
 
@@ -121,7 +128,7 @@ def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, to
         if isinstance(m, VocabParallelEmbedding) and id(m.weight) not in lm_heads:
             scale[id(m.weight)] = 0.0  # a gather of batch_size rows
         elif isinstance(m, FusedMoE):
-            touched = min(1.0, batch_size * max(top_k, 1) / m.num_experts)
+            touched = min(1.0, batch_size * rows_each * max(top_k, 1) / m.num_experts)
             for p in m.parameters(recurse=False):
                 scale[id(p)] = touched
     seen, total = set(), 0.0
@@ -134,6 +141,8 @@ def step_read_bytes(model, batch_size: int, context: int, kv_slot_bytes: int, to
 
 def run_decode_bench(args) -> list[DecodePoint]:
     if args.variants:
+        if args.draft_tokens:
+            raise SystemExit("error: bench decode --draft-tokens times one engine, not --variants")
         from breakgraph.bench.decode_variants import run_variants
 
         return run_variants(args)
@@ -148,9 +157,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
         bandwidth = copy_bandwidth_bytes_per_ms() * 1e3  # bytes/s
     if bandwidth:
         print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    k = args.draft_tokens
     for model in args.models:
         eng, rows, slots = decode_engine(
-            model, device, max_bs, args.context, tp_size=args.tp_size,
+            model, device, max_bs, args.context, draft_tokens=k, tp_size=args.tp_size,
             disable_custom_all_reduce=args.disable_custom_all_reduce,
         )  # fmt: skip
         runner = eng.runner
@@ -160,6 +170,10 @@ def run_decode_bench(args) -> list[DecodePoint]:
         slot_bytes = eng.kv_pool.model_slot_bytes(eng.model, eng.dtype)
         for bs in args.batch_sizes:
             batch = decode_batch(eng, rows, slots, bs, args.context)
+            plain = None
+            if k:  # the plain step's graph for the ratio, then the verify step's arms
+                plain = batch
+                batch = verify_batch(eng, rows, slots, bs, args.context, k)
             eager = lambda b=batch, r=runner: r.forward_eager(b)  # noqa: E731
             graph = lambda b=batch, r=runner: r.forward(b)  # noqa: E731
             key = runner.dispatch(batch)  # the key serving replays
@@ -173,13 +187,16 @@ def run_decode_bench(args) -> list[DecodePoint]:
                 count_launches(eager),
                 count_launches(graph) if has_graph else None,
                 graph_note="" if has_graph else str(key),
+                draft_tokens=k,
             )
+            if plain is not None and not runner.dispatch(plain).eager:
+                pt.plain_graph_ms = time_ms(lambda b=plain, r=runner: r.forward(b), args.reps)
             if has_graph and device == "cuda":
                 pt.back_to_back_ms = time_ms(graph, args.reps, back_to_back=True)
             if pt.eager_launches is not None:
                 pt.kernels_per_layer = round(pt.eager_launches / num_layers, 1)
             if bandwidth:
-                read = step_read_bytes(eng.model, bs, args.context, slot_bytes, top_k)
+                read = step_read_bytes(eng.model, bs, args.context, slot_bytes, top_k, 1 + k)
                 pt.floor_ms = read / bandwidth * 1e3
             if getattr(args, "profile", False) and device == "cuda":
                 pt.gpu_ms_by_kind, pt.gpu_gaps_by_kind = gpu_time_by_kind(
@@ -200,7 +217,8 @@ def format_decode_point(pt: DecodePoint) -> str:
     ratio = f"{pt.eager_ms / pt.graph_ms:6.1f}x" if pt.graph_ms else f"{'':7}"
     if pt.graph_ms is None:  # the dispatcher's reason, e.g. eager (no decode graphs)
         ratio = explain_eager(pt.graph_note) or pt.graph_note or "no graph"
-    line = f"{pt.model:<14} bs={pt.batch_size:<4} C={pt.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}"
+    bs = f"{pt.batch_size}" + (f"+{pt.draft_tokens}d" if pt.draft_tokens else "")
+    line = f"{pt.model:<14} bs={bs:<4} C={pt.context:<6} eager {pt.eager_ms:8.3f} ms  graph {g} ms  {ratio}"
     if pt.back_to_back_ms is not None:
         line += f"  back-to-back {pt.back_to_back_ms:.3f} ms"
     if pt.eager_launches is not None:
@@ -208,6 +226,8 @@ def format_decode_point(pt: DecodePoint) -> str:
     if pt.floor_ms:
         best = pt.graph_ms if pt.graph_ms is not None else pt.eager_ms
         line += f"  floor {pt.floor_ms:.3f} ms ({best / pt.floor_ms:.2f}x)"
+    if pt.plain_graph_ms and pt.graph_ms:
+        line += f"  plain step {pt.plain_graph_ms:.3f} ms (verify {pt.graph_ms / pt.plain_graph_ms:.2f}x)"
     if pt.gpu_ms_by_kind:
         by = pt.gpu_ms_by_kind
         total = by["total"] or 1.0

@@ -361,6 +361,32 @@ def test_decode_floor_counts_the_bytes_a_step_reads():
     # 16 experts, top-4: batch 4 touches all of them; batch 1 at most a quarter
     assert step_read_bytes(model, 4, 100, 10, top_k=4) == every + 4 * 100 * 10
     assert step_read_bytes(model, 1, 0, 10, top_k=4) == every - experts + experts // 4
+    # a verify step of 1 + 3 rows a request: its rows touch experts, its KV is read once
+    assert step_read_bytes(model, 1, 100, 10, top_k=4, rows_each=4) == every + 100 * 10
+
+
+def test_decode_bench_times_a_verify_step_beside_the_plain_one(tmp_path):
+    """`--draft-tokens K`: each request's step is a verify step of 1 + K rows over its
+    context (every row's logits, decode rows: what serving's speculative step replays), run
+    in an engine that verifies K NGRAM drafts."""
+    from breakgraph.bench.decode_setup import decode_engine, verify_batch
+
+    eng, rows, slots = decode_engine("smollm2-135m", "cpu", 2, 16, draft_tokens=3)
+    try:
+        assert eng.scheduler.spec is not None
+        batch = verify_batch(eng, rows, slots, 2, 16, 3)
+        assert batch.decode_rows and batch.num_tokens == 8 and batch.batch_size == 2
+        assert list(batch.seq_lens_cpu) == [20, 20]
+        assert batch.out_cache_loc.tolist() == slots[:2, 16:20].reshape(-1).tolist()
+        assert eng.runner.forward(batch).shape[0] == 8  # a row of logits per token
+    finally:
+        eng.shutdown()
+    out = cli("bench", "decode", "--models", "smollm2-135m", "--batch-sizes", "1", "--context",
+              "16", "--reps", "1", "--device", "cpu", "--draft-tokens", "2",
+              "--json", str(tmp_path / "verify.json"))  # fmt: skip
+    assert "bs=1+2d" in out
+    (pt,) = json.loads((tmp_path / "verify.json").read_text())
+    assert pt["draft_tokens"] == 2 and pt["eager_ms"] > 0
 
 
 def test_decode_profile_kinds_and_line():
