@@ -169,9 +169,14 @@ spec_stage() {  # SPEC_ALGOS picks the served arms (default STANDALONE; NGRAM to
 v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graphs, eager):
   # seed 003's latency table (one request, max_new_tokens 1, median of 3 after 2 warm: P = 0
   # and P = 155,648 with N = V4_N), cold 8192 x8, hit 65536 x1, and with CONC set the serving
-  # table (8K in / 1K out)
+  # table (8K in / 1K out); the arm `default` starts it at default flags (the memory test)
   local a name flags n
   for a in ${V4_ARMS:-graphs eager}; do
+    if [ "$a" = default ]; then  # started at default flags, one request, the memory split
+      MEMORY_TEST_MODELS=deepseek-v4-flash-e32 python3 -m pytest -s -q -m gpu \
+        -p no:cacheprovider tests/engine/test_memory_gpu.py -k every_builtin 2>&1 | tail -n 4 | log
+      continue
+    fi
     case $a in graphs) flags="" ;; eager) flags="--cuda-graph-backend-prefill disabled" ;; esac
     MODEL=deepseek-v4-flash-e32 serve "v4_$a" --context-length 170000 \
       --mem-fraction-static 0.9 $flags || continue
