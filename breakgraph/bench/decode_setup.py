@@ -17,29 +17,24 @@ def decode_engine(
     from breakgraph.engine.engine import Engine
 
     rows_each = 1 + draft_tokens
-    if draft_tokens:
-        engine_args = {
-            "speculative_algorithm": "NGRAM",
-            "speculative_num_draft_tokens": draft_tokens,
-            "cuda_graph_backend_prefill": "auto",
-            "cuda_graph_max_tokens_prefill": 256,  # the verify buckets below it, not 8K's
-            **engine_args,
-        }
-    eng = Engine(
-        EngineArgs(
-            **{
-                "model_path": model,
-                "load_format": "dummy",
-                "device": device,
-                "max_total_tokens": max_bs * (context + rows_each) + 16,
-                "max_running_requests": max_bs * rows_each,
-                "cuda_graph_max_bs": max_bs * rows_each,
-                "cuda_graph_backend_prefill": "disabled",
-                "context_length": max(context + 16 + draft_tokens, 4096),
-                **engine_args,
-            }
-        )
+    args = dict(
+        model_path=model,
+        load_format="dummy",
+        device=device,
+        max_total_tokens=max_bs * (context + rows_each) + 16,
+        max_running_requests=max_bs * rows_each,
+        cuda_graph_max_bs=max_bs * rows_each,
+        cuda_graph_backend_prefill="disabled",
+        context_length=max(context + 16 + draft_tokens, 4096),
     )
+    if draft_tokens:
+        args.update(
+            speculative_algorithm="NGRAM",
+            speculative_num_draft_tokens=draft_tokens,
+            cuda_graph_backend_prefill="auto",
+            cuda_graph_max_tokens_prefill=256,  # the verify buckets below it, not 8K's
+        )
+    eng = Engine(EngineArgs(**{**args, **engine_args}))
     rows = [eng.req_pool.alloc() for _ in range(max_bs)]
     slots = eng.allocator.alloc(max_bs * (context + rows_each)).view(max_bs, -1)
     for r, s in zip(rows, slots, strict=True):
