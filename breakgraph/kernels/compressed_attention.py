@@ -241,6 +241,7 @@ def sparse_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    q_scratch: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D] over each row's last ``window`` keys of ``kv_cache`` [slots, 1, D] (K = V)
     and, with ``comp_cache`` [slots, D], its visible compressed entries (``picks`` [T, k]:
@@ -248,7 +249,9 @@ def sparse_attention_torch(
     visible), softmax with a sink logit per head (``sinks`` [H]) -> [T, H, D] in q's dtype
     (into ``out`` where given). ``rope`` (cos, sin [T, r / 2], eps): DeepSeek V4's q as the
     projection leaves it, normed (unweighted, ``eps``) and roped on its last r channels
-    first, and the output's rope undone at the row's position (V = K carries it)."""
+    first, and the output's rope undone at the row's position (V = K carries it).
+    ``q_scratch``: the caller reads q no more, so a kernel may norm and rope it in place
+    (here it is not)."""
     t_rows, heads, d = q.shape
     out = torch.empty_like(q) if out is None else out
     if rope is not None:
@@ -519,7 +522,7 @@ def sparse_splits(t_rows: int, heads: int, block_h: int, device: torch.device) -
 
 def sparse_attention_triton(
     q, kv_cache, comp_cache, step, window, ratio, picks, sinks, scale, out=None, rope=None,
-    config=None, splits=None,
+    q_scratch=False, config=None, splits=None,
 ):  # fmt: skip
     """Triton twin of :func:`sparse_attention_torch`: a program per row, block of heads (the
     one K = V head's tiles shared by them) and split of the row's keys, an online softmax
@@ -557,8 +560,9 @@ def sparse_attention_triton(
         cos, sin, eps = rope
         cos, sin, half = cos[:t_rows].contiguous(), sin[:t_rows].contiguous(), cos.shape[1]
         assert cos.shape[0] == t_rows and half & (half - 1) == 0 and 2 * half <= d
-        if not fold:
-            q = norm_rope_tail_triton(q, None, eps, cos, sin)
+        if not fold:  # in place where the caller gives q up (the prefill's: [T, 64, 512])
+            scratch = q_scratch and q.is_contiguous()
+            q = norm_rope_tail_triton(q, None, eps, cos, sin, in_place=scratch)
             assert q.stride()[:2] == out.stride()[:2]
     part_o = part_lse = out
     if splits > 1:

@@ -817,9 +817,10 @@ def _norm_rope_tail_kernel(
 NORM_ROPE_TILE = 2048
 
 
-def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
+def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None, in_place=False):
     """Triton twin of :func:`norm_rope_tail_torch` (its arguments): one launch for the norm,
-    the rotation and (with ``cache``) the store."""
+    the rotation and (with ``cache``) the store. ``in_place``: into ``x`` (contiguous; each
+    program loads its rows whole before it writes them), returned."""
     n_cols, half = x.shape[-1], cos.shape[-1]
     outer, inner, sx0, sx1 = _outer_inner(x)
     store = cache is not None
@@ -829,7 +830,8 @@ def norm_rope_tail_triton(x, weight, eps, cos, sin, cache=None, loc=None):
         assert not round_in or x.dtype == torch.float32, "a cast in: float32 rows only"
         out, stride_o = cache, cache.stride(0)
     else:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        assert not in_place or x.is_contiguous(), "in place: contiguous rows only"
+        out = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         stride_o = n_cols
     if x.numel() == 0:
         return None if store else out

@@ -153,7 +153,8 @@ def compressed_attention(
     layer, its entries (a CSA layer's: the indexer's top-k, scored here from ``indexer_q``
     and ``indexer_weights``). q as projected: HF's ``apply_rope(q_norm(q))`` (cos/sin [T,
     r / 2]) and the output's ``apply_rope(o, inverse)`` are the attention op's (inside its
-    kernel in a decode step, beside it in a prefill one). Writes o's live rows only."""
+    kernel in a decode step, beside it in a prefill one, in q's place). Writes o's live rows
+    only."""
     step = live_step()
     pool = get_forward_context().kv_pool
     n = step.positions.shape[0]
@@ -166,6 +167,7 @@ def compressed_attention(
     ops.sparse_attention(
         q[:n], pool.k_buffers[attn.layer_id], comp_cache, step, attn.sliding_window, attn.ratio,
         picks, attn.sinks, attn.scaling, out=o[:n], rope=(cos[:n], sin[:n], attn.eps),
+        q_scratch=True,
     )  # fmt: skip
 
 

@@ -103,6 +103,15 @@ def main() -> int:
     for splits in (1, 4):
         got = ca.sparse_attention_triton(*args64, rope=rope, config=CONFIGS[1], splits=splits)
         failed += check(f"sparse attention, 64 heads, q roped beside, {splits} splits", got, want)
+    # the model's call: q given up, normed and roped in its place
+    scratch = q64.clone()
+    got = ca.sparse_attention_triton(scratch, *args64[1:], rope=rope, q_scratch=True,
+                                     config=CONFIGS[1])  # fmt: skip
+    diff = (got - want).abs().max().item()
+    ok = diff <= 1e-5 and not torch.equal(scratch, q64)  # the result, and q was the scratch
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} sparse attention, 64 heads, q roped in place: "
+          f"max diff {diff:.1e}")  # fmt: skip
     iq, iw = torch.randn(t, 2, 16), torch.rand(t, 2)
     keys = torch.randn(n_slots, 16)
     got, want = [], []

@@ -193,6 +193,16 @@ def norm_rope_tail() -> int:
     ok = diff <= 1e-6
     failed += not ok
     print(f"{'ok' if ok else 'FAIL'} norm rope tail, unweighted heads: max diff {diff:.1e}")
+    # in place over contiguous heads, as the prefill attention's q (rows of 3 heads a tile)
+    q = torch.randn(6, 3, 80) * 3
+    want = fused.norm_rope_tail_torch(q, None, 1e-6, cos, sin)
+    got = fused.norm_rope_tail_triton(q, None, 1e-6, cos, sin, in_place=True)
+    diff = (q - want).abs().max().item()
+    ok = diff <= 1e-6 and got.data_ptr() == q.data_ptr()
+    failed += not ok
+    print(
+        f"{'ok' if ok else 'FAIL'} norm rope tail, unweighted heads in place: max diff {diff:.1e}"
+    )
     kv, weight, loc = torch.randn(6, 80) * 2, torch.rand(80) + 0.5, torch.tensor([3, 0, 7, 1, 9, 4])
     for shape in ((11, 1, 80), (11, 80)):
         got, want = torch.zeros(shape), torch.zeros(shape)

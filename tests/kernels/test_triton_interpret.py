@@ -37,11 +37,11 @@ def test_every_family_on_the_triton_path_equals_the_twins():
 
 
 def test_split_kernels_equal_the_twins():
-    interpret("tests.kernels.interpret_kernels", 61)
+    interpret("tests.kernels.interpret_kernels", 62)
 
 
 def test_compressed_attention_kernels_equal_the_torch_versions():
-    interpret("tests.kernels.interpret_compressed", 36)
+    interpret("tests.kernels.interpret_compressed", 37)
 
 
 def test_hyper_connection_kernels_equal_the_twins():
