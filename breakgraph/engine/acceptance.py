@@ -18,27 +18,35 @@ from breakgraph.forward_batch import upload_many
 def kept(draft: np.ndarray, accept: list[bool], choice: list[int]) -> list[int]:
     """The tokens a request keeps from its verify rows: the draft while its rows accept,
     then the first rejecting row's choice (or, all accepted, the last row's)."""
-    j = 0
-    while j < len(draft) and accept[j]:
-        j += 1
+    j = leading_accepts(accept, 0, len(draft))
     return [int(t) for t in draft[:j]] + [int(choice[j])]
+
+
+def leading_accepts(accept: list, start: int, n: int) -> int:
+    """``kept``'s count of draft tokens from a step's read-back ``accept`` (every row's):
+    the rows from ``start`` on that accept, at most ``n``."""
+    j = 0
+    while j < n and accept[start + j]:
+        j += 1
+    return j
 
 
 def verify_sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    params: list[SamplingParams] | None,
+    generators: list[torch.Generator | None] | None,
     draft_next: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] of verify rows, each row's sampling parameters and generator, and the
-    draft token that follows it (-1 for a request's last row) -> (accept [R] bool: the draft
-    token is kept; choice [R] int64: the row's token where the run stops there). Greedy rows
-    accept a draft equal to their argmax; sampled rows keep it with probability p(d) and
-    otherwise draw from p without it. On the device, no host sync. Sampled rows go
-    ``MAX_SAMPLE_FLOATS // V`` at a time, as ``sample`` does: the filters' [rows, V]
-    temporaries over a full verify batch (1,024 requests x 4 rows of a 151,936-token
-    vocabulary) took 27 GiB, which the memory plan kept free beside the KV pool."""
-    all_greedy = all(p.greedy for p in params)
+    """logits [R, V] of verify rows, each row's sampling parameters and generator (None:
+    every row greedy, no per-row lists built), and the draft token that follows it (-1 for
+    a request's last row) -> (accept [R] bool: the draft token is kept; choice [R] int64:
+    the row's token where the run stops there). Greedy rows accept a draft equal to their
+    argmax; sampled rows keep it with probability p(d) and otherwise draw from p without
+    it. On the device, no host sync. Sampled rows go ``MAX_SAMPLE_FLOATS // V`` at a time,
+    as ``sample`` does: the filters' [rows, V] temporaries over a full verify batch (1,024
+    requests x 4 rows of a 151,936-token vocabulary) took 27 GiB, which the memory plan kept
+    free beside the KV pool."""
+    all_greedy = params is None or all(p.greedy for p in params)
     rows = max(1, MAX_SAMPLE_FLOATS // max(logits.shape[-1], 1))
     if not all_greedy and logits.shape[0] > rows:  # each chunk's argmax too: no second pass
         parts = [
@@ -102,6 +110,11 @@ class SyntheticAcceptance:
         it as the mean."""
         a = self.mean_length - 1.0
         return int(a) + int(self.rng.random() < a - int(a))
+
+    def draws(self, n: int) -> np.ndarray:
+        """``n`` draws at once (int64), the same as ``n`` calls of ``draw``."""
+        a = self.mean_length - 1.0
+        return int(a) + (self.rng.random(n) < a - int(a)).astype(np.int64)
 
 
 def pool_rows(verify, input_ids: torch.Tensor) -> tuple:

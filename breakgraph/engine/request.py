@@ -124,11 +124,13 @@ class Req:
     def set_kv(self, slots: torch.Tensor) -> None:
         self._kv_buf, self.kv_len, self._kv_np = slots, slots.numel(), None
 
-    def append_kv(self, slots: torch.Tensor) -> None:
-        """Amortized O(1) per token: the buffer grows by doubling."""
-        n = self.kv_len + slots.numel()
+    def append_kv(self, slots: torch.Tensor | np.ndarray) -> None:
+        """Amortized O(1) per token: the buffer grows by doubling. ``slots``: a host tensor,
+        or an array (a step's slices of one array cost no tensor each)."""
+        src = slots if isinstance(slots, np.ndarray) else slots.numpy()
+        n = self.kv_len + len(src)
         self._own_kv(n)
-        self._kv_np[self.kv_len : n] = slots.numpy()
+        self._kv_np[self.kv_len : n] = src
         self.kv_len = n
 
     def append_kv_slot(self, slot: int) -> None:
@@ -174,13 +176,15 @@ class FillTokens:
     def __len__(self) -> int:
         return self.req.fill_len
 
-    def tolist_from(self, start: int) -> list[int]:
-        """``fill_ids[start:].tolist()``, the output part without an array between."""
+    def tolist_from(self, start: int, stop: int | None = None) -> list[int]:
+        """``fill_ids[start:stop].tolist()``, the output part without an array between."""
         req = self.req
         k = len(req.input_ids)
         if start >= k:
-            return req.output_ids[start - k :]
-        return req.input_ids[start:].tolist() + req.output_ids
+            return req.output_ids[start - k : None if stop is None else stop - k]
+        if stop is not None and stop <= k:
+            return req.input_ids[start:stop].tolist()
+        return req.input_ids[start:].tolist() + req.output_ids[: None if stop is None else stop - k]
 
     def __getitem__(self, i):
         req = self.req

@@ -44,8 +44,8 @@ import torch
 
 from breakgraph.engine.acceptance import (
     SyntheticAcceptance,
-    kept,
     kept_logprobs,
+    leading_accepts,
     pool_rows,
     verify_sample,
 )
@@ -151,8 +151,9 @@ class SpecDecoder:
         else:
             draft = self.proposer.propose_after(req.fill_tokens(), ahead, n, req.ngram)
         if self.synthetic is not None:  # the draft and the last token, repeated to n
-            cycle = [*draft.tolist(), req.output_ids[-1]]
-            return np.array([cycle[i % len(cycle)] for i in range(n)], dtype=np.int32)
+            cycle = draft.tolist()
+            cycle.append(req.output_ids[-1])
+            return np.array((cycle * n)[:n], dtype=np.int32)
         return draft
 
     def schedule(self, stepping: list[Req]) -> tuple[list[Req], ForwardBatch] | None:
@@ -179,26 +180,28 @@ class SpecDecoder:
         ``prev`` or with a grammar, one that may need more room than the context has, or
         too few free slots (the caller reads ``prev`` back first)."""
         index = {id(r): i for i, r in enumerate(prev.reqs)}
+        at = [index.get(id(r)) for r in stepping]
         if (
             not self.chain
             or prev.carry is None
-            or any(id(r) not in index or r.grammar is not None for r in stepping)
+            or None in at
+            or any(r.grammar is not None for r in stepping)
         ):
             return None
-        k, ctx = self.num_draft, self.max_context_len
-        lens, at, drafts = [], [], []
-        for req in stepping:
-            i = index[id(req)]
-            room = self._room(req, ahead=len(prev.drafts[i]) + 1)  # all prev may keep
+        k, ctx, ngram = self.num_draft, self.max_context_len, self.proposer is not None
+        lens, drafts = [], []
+        for req, i in zip(stepping, at, strict=True):
+            ahead = prev.drafts[i]
+            room = self._room(req, ahead=len(ahead) + 1)  # all prev may keep
             n = max(0, min(k, room)) if self.drafts_for(req) else 0
-            draft = np.zeros(n, dtype=np.int32)  # a draft model's: drafted on the device
-            if self.proposer is not None and n:  # n-gram drafts, past what prev verifies
-                draft = self._ngram_draft(req, n, ahead=prev.drafts[i])
+            if ngram and n:  # n-gram drafts, past what prev verifies
+                draft = self._ngram_draft(req, n, ahead=ahead)
                 n = len(draft)
+            else:  # a draft model's: drafted on the device
+                draft = np.zeros(n, dtype=np.int32)
             if req.kv_len + n + 1 > ctx:  # the table's row ends before its worst case
                 return None
             lens.append(n)
-            at.append(i)
             drafts.append(draft)
         need = len(stepping) + sum(lens)
         if need == len(stepping) or self.cache.available < need:
@@ -208,16 +211,19 @@ class SpecDecoder:
         ext = [n + 1 for n in lens]
         rows = [r.req_pool_idx for r in stepping]
         req_pool = self.cache.req_pool
-        cols = token_positions(np.asarray(upper), np.asarray(ext))
+        ends = np.cumsum(ext)
+        starts_np = ends - ext
+        cols = token_positions(np.asarray(upper), np.asarray(ext), starts_np)
         req_pool.write_many(np.repeat(rows, ext), cols, slots)
-        done = 0
-        for req, e in zip(stepping, ext, strict=True):
-            req.append_kv(slots[done : done + e])
-            done += e
-        starts = (np.cumsum(ext) - ext).tolist()
+        host = slots.numpy()  # a view: each request's slice without a tensor of its own
+        ends = ends.tolist()
+        starts = starts_np.tolist()
+        for req, s, e in zip(stepping, starts, ends, strict=True):
+            req.append_kv(host[s:e])
         host_ids = np.zeros(need, dtype=np.int64)  # n-gram drafts after each first row
-        for s, d in zip(starts, drafts, strict=True):
-            host_ids[s + 1 : s + 1 + len(d)] = d
+        drafted = np.ones(need, dtype=bool)
+        drafted[starts] = False
+        host_ids[drafted] = np.concatenate(drafts)
         pick, first, ids = upload_many([at, starts, host_ids], torch.int64, self.device)
         base, last = prev.carry.base[pick], prev.carry.last[pick]
         ids[first] = last
@@ -239,9 +245,8 @@ class SpecDecoder:
         for a draft model's drafts of a constrained request (its masks need them on the
         host)."""
         verify, self.pending = self.pending, None
-        rows = [
-            verify.starts[i] + 1 + j for i, d in enumerate(verify.drafts) for j in range(len(d))
-        ]
+        owner, offset = verify.layout()
+        rows = np.flatnonzero(offset)  # the draft tokens' rows
         if self.drafter is not None:
             lens = [len(d) for d in verify.drafts]
             if verify.chained_to is not None:  # from the carried tokens, on the device
@@ -249,7 +254,7 @@ class SpecDecoder:
                 table = self.drafter.propose_chained(verify.reqs, lens, c.base, c.prev, c.last)
             else:
                 table = self.drafter.propose(verify.reqs, lens, verify.prefixes)
-            cells = [i * table.shape[1] + j for i, n in enumerate(lens) for j in range(n)]
+            cells = owner[rows] * table.shape[1] + offset[rows] - 1
             at, cell = upload_many([rows, cells], torch.int64, batch.input_ids.device)
             flat = table.view(-1)[cell]
             batch.input_ids[at] = flat
@@ -257,9 +262,7 @@ class SpecDecoder:
             draft_next[at - 1] = flat
             verify.draft_ids = readback.add(flat)
         else:
-            nxt = [-1] * verify.rows
-            for r, t in zip(rows, np.concatenate(verify.drafts).tolist(), strict=True):
-                nxt[r - 1] = t
+            nxt = verify.next_drafts(np.concatenate(verify.drafts), offset)
             (draft_next,) = upload_many([nxt], torch.int64, batch.input_ids.device)
         if self.states:
             self.states.save([r.req_pool_idx for r in verify.reqs])
@@ -276,18 +279,18 @@ class SpecDecoder:
         if penalties is not None and any(r.penalty_row is not None for r in verify.reqs):
             pooled = pool_rows(verify, batch.input_ids)
         if self.synthetic is not None:
-            verify.fixed = [min(self.synthetic.draw(), len(d)) for d in verify.drafts]
+            sizes = np.fromiter(map(len, verify.drafts), np.int64, len(verify.drafts))
+            verify.fixed = np.minimum(self.synthetic.draws(len(sizes)), sizes).tolist()
         accept, choice = self._sample(
             verify, logits, draft_next, drafts, readback, grammar_mask, penalties, pooled
         )
         if self.chain:
-            self._carry(verify, batch, accept, choice)
+            self._carry(verify, batch, accept, choice, owner)
         return verify
 
-    def _carry(self, verify: Verify, batch: ForwardBatch, accept, choice) -> None:
-        """What a verify step leaves the next one chained to it (spec_chain.Carry)."""
-        sizes = [1 + len(d) for d in verify.drafts]
-        owner = np.repeat(np.arange(len(sizes)), sizes)
+    def _carry(self, verify: Verify, batch: ForwardBatch, accept, choice, owner) -> None:
+        """What a verify step leaves the next one chained to it (spec_chain.Carry); ``owner``:
+        each row's request."""
         fixed = [] if verify.fixed is None else verify.fixed
         prefixes = [] if verify.chained_to is not None else verify.prefixes
         owner_t, starts, first, fixed_t, pre = upload_many(
@@ -320,8 +323,10 @@ class SpecDecoder:
             for i in constrained:
                 reqs[i].grammar.fill_draft_rows(host, starts[i], drafts[i])
             grammar_mask.apply_host(target, host)
-        params = [r.sampling for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
-        gens = [r.generator for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
+        params = gens = None  # every row greedy: no per-row lists
+        if not all(r.sampling.greedy for r in reqs):
+            params = [r.sampling for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
+            gens = [r.generator for r, n in zip(reqs, sizes, strict=True) for _ in range(n)]
         accept, choice = verify_sample(target, params, gens, draft_next)
         if pooled is not None:  # each emitted row's token: its draft token if kept, else choice
             kept_rows = emitted(accept, pooled[2])
@@ -344,39 +349,44 @@ class SpecDecoder:
         draft (and the rows ``nxt``, the verify step chained to it, may write past them), the
         rejected rows' slots freed. A request that finished while it ran is skipped."""
         later = {} if nxt is None else {id(r): i for i, r in enumerate(nxt.reqs)}
-        choice, accept = values[verify.choice], values[verify.accept]
         drafts = verify.drafts
         if verify.draft_ids is not None:  # a draft model's, read back with the step
-            flat = np.asarray(values[verify.draft_ids], dtype=np.int32)
-            drafts = np.split(flat, np.cumsum([len(d) for d in drafts])[:-1])
+            ids = np.asarray(values[verify.draft_ids], dtype=np.int32)
+            drafts = np.split(ids, np.cumsum([len(d) for d in drafts])[:-1])
+        choice, accept = values[verify.choice], values[verify.accept]
+        flat = np.concatenate(drafts).tolist()  # request i's draft from starts[i] - i on
+        fixed = verify.fixed
         stats = self.stats
         stats.steps += 1
         rewind: list[tuple[Req, list[int]]] = []
         kept_drafts: list[int] = []
+        dropped: list[torch.Tensor] = []  # the rejected rows' slots, freed at once
+        logprobs = verify.logprobs is not None
         for i, (req, draft, start) in enumerate(zip(verify.reqs, drafts, verify.starts,
                                                     strict=True)):  # fmt: skip
             if req.finished:  # ended by the step before (chained): nothing of it is kept
                 kept_drafts.append(None)
                 continue
-            rows = slice(start, start + 1 + len(draft))
-            if verify.fixed is not None:
-                j = verify.fixed[i]
-                toks = [*draft[:j].tolist(), int(choice[start + j])]
-            else:
-                toks = kept(draft, [bool(a) for a in accept[rows]], choice[rows])
+            j = fixed[i] if fixed is not None else leading_accepts(accept, start, len(draft))
+            toks = flat[start - i : start - i + j]
+            toks.append(int(choice[start + j]))
             stats.verified += 1
             stats.drafted += len(draft)
-            stats.accepted += len(toks) - 1
-            end = verify.prefixes[i] + len(toks)
-            j = later.get(id(req))
-            if j is not None:  # the chained step's prefix, and the rows it may write
-                nxt.prefixes[j] = end
-                end += nxt.extent[j]
-            self.cache.allocator.free(req.truncate_kv(end))
-            kept_drafts.append(len(toks) - 1)
-            if verify.saved and len(toks) <= len(draft):
+            stats.accepted += j
+            end = verify.prefixes[i] + j + 1
+            later_i = later.get(id(req))
+            if later_i is not None:  # the chained step's prefix, and the rows it may write
+                nxt.prefixes[later_i] = end
+                end += nxt.extent[later_i]
+            if end != req.kv_len:
+                dropped.append(req.truncate_kv(end))
+            kept_drafts.append(j)
+            if verify.saved and j < len(draft):
                 rewind.append((req, toks[:-1]))
-            yield req, toks, kept_logprobs(verify, values, req, start, len(toks))
+            lps = kept_logprobs(verify, values, req, start, j + 1) if logprobs else (None, None)
+            yield req, toks, lps
+        if dropped:
+            self.cache.allocator.free(torch.cat(dropped))
         if self.drafter is not None:  # before the rewind's forward (the step's streams)
             done = [r.finished for r in verify.reqs]
             self.drafter.accepted(

@@ -40,6 +40,22 @@ class Verify:
     chained_to: Verify | None = None
     extent: list[int] | None = None
 
+    def layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's request and its offset among that request's rows (int64 [rows]): offset
+        0 holds the request's last token, offset j its draft token j - 1. Array ops, no
+        Python per row (a verify batch has 1 + k rows per request)."""
+        first = np.zeros(self.rows, dtype=np.int64)
+        first[self.starts] = 1
+        owner = np.cumsum(first) - 1
+        return owner, np.arange(self.rows) - np.asarray(self.starts)[owner]
+
+    def next_drafts(self, flat: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """Each row's draft token that follows it (-1 after a request's last row), from the
+        drafts concatenated (``flat``) and ``layout``'s offsets."""
+        nxt = np.full(self.rows, -1, dtype=np.int64)
+        nxt[np.flatnonzero(offset) - 1] = flat
+        return nxt
+
 
 @dataclass
 class SpecStats:
@@ -73,17 +89,19 @@ def build_verify(
     the logits of every row."""
     ext = [1 + len(d) for d in drafts]
     prefixes = [r.kv_len for r in reqs]
-    parts, starts, at = [], [], 0
-    for req, draft, n in zip(reqs, drafts, ext, strict=True):
-        parts.append(np.concatenate([np.asarray([req.output_ids[-1]], np.int32), draft]))
-        starts.append(at)
-        at += n
-    at = 0
-    for req, n in zip(reqs, ext, strict=True):
-        req.append_kv(slots[at : at + n])
-        at += n
+    ends = np.cumsum(ext).tolist()
+    starts = [e - n for e, n in zip(ends, ext, strict=True)]
+    at = ends[-1]
+    first = np.zeros(at, dtype=bool)
+    first[starts] = True
+    ids = np.empty(at, dtype=np.int32)
+    ids[first] = [r.output_ids[-1] for r in reqs]
+    ids[~first] = np.concatenate(drafts)
+    host = slots.numpy()  # a view: each request's slice without a tensor of its own
+    for req, s, e in zip(reqs, starts, ends, strict=True):
+        req.append_kv(host[s:e])
     table_rows = [r.req_pool_idx for r in reqs]
-    batch = extend_batch(np.concatenate(parts), slots, table_rows, prefixes, ext, req_pool, device)
+    batch = extend_batch(ids, slots, table_rows, prefixes, ext, req_pool, device)
     batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
     batch.decode_rows = True
     return Verify(reqs, drafts, starts, at), batch
