@@ -160,11 +160,18 @@ def plot_ratios(tables: list[dict], peer: str, path: str) -> None:
     for ax, (t, rows) in zip(axes[0], panels, strict=True):
         ratios = [1 / r["ratio"] if r["higher_is_better"] else r["ratio"] for r in rows]
         colors = ["tab:green" if x <= 1 else "tab:red" for x in ratios]
-        ys = range(len(rows))
-        ax.barh(list(ys), ratios, color=colors)
+        ys = list(range(len(rows)))
+        # each bar from parity (1) to its ratio, labelled: its length is the gap
+        ax.barh(ys, [x - 1 for x in ratios], left=1.0, color=colors)
+        for y, x in zip(ys, ratios, strict=True):
+            ax.annotate(f"{x:.2f}", (x, y), xytext=(3 if x > 1 else -3, 0),
+                        textcoords="offset points", va="center", fontsize="xx-small",
+                        ha="left" if x > 1 else "right")  # fmt: skip
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_yticks(list(ys), [r["metric"].strip() for r in rows], fontsize="x-small")
+        lo, hi = min(ratios + [1.0]), max(ratios + [1.0])
+        ax.set_xlim(lo / 1.35, hi * 1.35)  # room for the labels
+        ax.set_yticks(ys, [r["metric"].strip() for r in rows], fontsize="x-small")
         ax.invert_yaxis()
         ax.set_xlabel(f"breakgraph / {peer} (time; throughput inverted): below 1 is faster")
         ax.set_title(f"{t['model']}, {t['setting']}", fontsize="small")
