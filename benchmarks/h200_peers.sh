@@ -10,7 +10,12 @@
 #   MoE models first bring the MoE library: carry .dev/peer/moe_C.so.xz.part0 and part1
 #   (39 MB, with .whl in a later call). ARGS adds flags to `bench peers` (README: one model per
 #   call; `--concurrency` with no value skips the serving table, `--rounds 1`).
+#   breakgraph's prefill attention on FlashInfer (its default where installed): carry .fi in a
+#   call of its own or beside parts 2 and 3 (without .whl); what a call carries is unpacked
+#   (device_env.sh) and stays in /tmp while the machine is kept. Untried: vLLM's PYTHONPATH then
+#   has the pruned FlashInfer too, after its own tree.
 set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
 mkdir -p /tmp/peer-parts
 cp -n .dev/peer/*.part* /tmp/peer-parts/ 2>/dev/null
 ls /tmp/peer-parts
@@ -30,7 +35,6 @@ if [ ! -f "$moe" ] && [ "$(ls /tmp/peer-parts/moe_C.so.xz.part* 2>/dev/null | wc
   cat /tmp/peer-parts/moe_C.so.xz.part* | xz -dc > "$moe" || rm -f "$moe"
 fi
 [ -z "${MODELS:-}" ] && { echo "h200_peers: the vLLM tree is ready; set MODELS to measure"; exit 0; }
-source "$(dirname "$0")/device_env.sh"
 for m in $MODELS; do
   python3 -m breakgraph.cli bench peers --models "$m" --log-dir /tmp/peers ${ARGS:-} \
     --json "$OUT/peers-$m.json" --plot "$OUT/peers-$m.png" 2>&1 \
