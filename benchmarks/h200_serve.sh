@@ -19,7 +19,8 @@
 #            CONC) without it and per SPEC_ALGOS (MODEL default qwen3-8b, DRAFT qwen3-0.6b)
 #   nextn    DeepSeek V4's MTP drafts in process (deepseek-v4-flash-e32, synthetic 3.51)
 #   v4       deepseek-v4-flash-e32, prefill graphs and eager (V4_ARMS): the latency table at
-#            P = 0 and 155,648, cold 8192 x8, hit 65536 x1; CONC adds the serving table
+#            P = 0 and 155,648, cold 8192 x8, hit 65536 x1; CONC adds the serving table;
+#            V4_CUT=20 serves its first 20 layers instead (benchmarks/v4_cut.py: an H100)
 #   OUT=$OUT [MODEL=...] [OLD=...] bash benchmarks/h200_serve.sh [STAGE ...]
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
@@ -170,7 +171,8 @@ v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graph
   # seed 003's latency table (one request, max_new_tokens 1, median of 3 after 2 warm: P = 0
   # and P = 155,648 with N = V4_N), cold 8192 x8, hit 65536 x1, and with CONC set the serving
   # table (8K in / 1K out); the arm `default` starts it at default flags (the memory test)
-  local a name flags n
+  local a name flags n model=deepseek-v4-flash-e32
+  [ -n "${V4_CUT:-}" ] && model=$(python3 benchmarks/v4_cut.py "$V4_CUT" /tmp/v4-cut-$V4_CUT)
   for a in ${V4_ARMS:-graphs eager}; do
     if [ "$a" = default ]; then  # started at default flags, one request, the memory split
       MEMORY_TEST_MODELS=deepseek-v4-flash-e32 python3 -m pytest -s -q -m gpu \
@@ -178,7 +180,7 @@ v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graph
       continue
     fi
     case $a in graphs) flags="" ;; eager) flags="--cuda-graph-backend-prefill disabled" ;; esac
-    MODEL=deepseek-v4-flash-e32 serve "v4_$a" --context-length 170000 \
+    MODEL=$model serve "v4_$a" --context-length 170000 \
       --mem-fraction-static 0.9 $flags || continue
     for n in ${V4_N:-256 1024 8000}; do  # the 155,648-token prefix is prefilled once
       prefill hit 155648 1 --hit-new-tokens $n --keep-cache --warmup-waves 2 --waves 3 \
