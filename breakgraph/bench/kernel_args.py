@@ -131,6 +131,12 @@ def add_kernels_args(p) -> None:
         "launch config, against a dense GEMM of the same FLOPs",
     )  # fmt: skip
     p.add_argument(
+        "--tflops", type=int, nargs="*", metavar="HEAD_DIM", default=None,
+        help="only prefill attention's TFLOP/s against a bf16 GEMM's, per head size (default "
+        "128 512): 1K, 8K, 32K causal and 1K over 16K and 64K cached; Triton, FlashInfer, "
+        "torch's varlen flash",
+    )  # fmt: skip
+    p.add_argument(
         "--sweep-batches", type=int, nargs="+", default=[1, 8, 64],
         help="--decode-sweep: requests per case",
     )  # fmt: skip

@@ -47,11 +47,14 @@ def copy_bandwidth_bytes_per_ms(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / bench_ms(lambda: dst.copy_(src))
 
 
-def _paged_kv(num_tokens_per_req: list[int], shuffle: bool, device="cuda"):
+def _paged_kv(
+    num_tokens_per_req: list[int], shuffle: bool, device="cuda", kv_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+):  # fmt: skip
     """Caches holding every request's tokens; slots in order (a fresh pool) or shuffled.
     Returns ``(k_cache, v_cache, meta)``, ``meta`` one query row per request (decode)."""
     total = sum(num_tokens_per_req)
-    k_cache = torch.randn(total + 1, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+    k_cache = torch.randn(total + 1, kv_heads, head_dim, device=device, dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     slots = torch.arange(1, total + 1, device=device)
     if shuffle:
@@ -316,6 +319,15 @@ def run_kernels_bench(args) -> None:
         raise SystemExit("error: bench kernels needs a CUDA device")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.tflops is not None:
+        from breakgraph.bench import attention_tflops as at
+
+        head_dims = args.tflops or [128, 512]
+        if not set(head_dims) <= at.HEADS.keys():
+            raise SystemExit(f"error: --tflops takes head sizes {sorted(at.HEADS)}")
+        rate = at.matrix_tflops(bench_ms)
+        print("\n".join(at.format_tflops(at.bench_tflops(head_dims, bench_ms, _paged_kv), rate)))
+        return
     if args.v4_attention:
         from breakgraph.bench.v4_attention import (
             bench_hc_mixes,
