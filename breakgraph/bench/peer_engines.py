@@ -161,8 +161,8 @@ def model_flags(spec: EngineSpec, config: dict) -> list[str]:
 
 
 def breakgraph_spec(extra_flags: list[str], latency_flags: list[str]) -> EngineSpec:
-    """``breakgraph serve`` from this interpreter. Its documentation names no latency setting
-    apart from its defaults: ``latency`` is its defaults unless ``latency_flags`` say more."""
+    """``breakgraph serve`` from this interpreter; ``latency_flags``: its latency setting
+    (``bench peers``' default: docs/deploy.md's, mixed chunks), none: its defaults."""
     command = ["{python}", "-m", "breakgraph.cli", "serve", "--model-path", "{model_dir}",
                "--load-format", "dummy", "--host", "{host}", "--port", "{port}",
                "--context-length", "{context_length}"]  # fmt: skip
