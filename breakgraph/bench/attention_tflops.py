@@ -40,6 +40,7 @@ def bench_tflops(head_dims: list[int], bench_ms, paged_kv) -> list[dict]:
     """Rows ``{case, head_dim, kernel, ms, tflops}`` per case, head size and kernel.
     ``paged_kv(lens, shuffle, kv_heads=, head_dim=)``: ``bench kernels``' KV builder."""
     from breakgraph.bench.attention_refs import flashinfer_reference, varlen_reference
+    from breakgraph.bench.kernels import one_request_extend
     from breakgraph.kernels import extend_attention as ext
     from breakgraph.kernels import flashinfer_extend as fi
 
@@ -49,15 +50,8 @@ def bench_tflops(head_dims: list[int], bench_ms, paged_kv) -> list[dict]:
         for prefix, new in CASES:
             seq = prefix + new
             k_cache, v_cache, meta = paged_kv([seq], False, kv_heads=kv_heads, head_dim=head_dim)
-            device = meta.seq_lens.device
-            meta = replace(
-                meta,
-                extend_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-                extend_lens=torch.tensor([new], dtype=torch.int32, device=device),
-                max_extend_len=new,
-                max_seq_len=seq,
-            )
-            q = torch.randn(new, heads, head_dim, device=device, dtype=k_cache.dtype)
+            meta = replace(one_request_extend(meta, new), max_seq_len=seq)
+            q = torch.randn(new, heads, head_dim, device=k_cache.device, dtype=k_cache.dtype)
             o = torch.empty_like(q)
             scale = head_dim**-0.5
             args = (q, o, k_cache, v_cache, meta, scale)

@@ -62,14 +62,12 @@ def verify_batch(eng, rows, slots, bs: int, context: int, draft_tokens: int):
     tokens: its last token and ``draft_tokens`` drafts, a row each, every row's logits (as
     engine/verify_step.build_verify builds it)."""
     import numpy as np
-    import torch
 
-    from breakgraph.engine.prefill import extend_batch
+    from breakgraph.engine.verify_step import verify_rows_batch
 
     n = 1 + draft_tokens
     ids = (1000 + np.arange(bs * n, dtype=np.int32)) % 2000
     new = slots[:bs, context : context + n].reshape(-1)
-    batch = extend_batch(ids, new, rows[:bs], [context] * bs, [n] * bs, eng.req_pool, eng.device)
-    batch.logits_rows = torch.arange(bs * n, dtype=torch.int64, device=batch.input_ids.device)
-    batch.decode_rows = True
-    return batch
+    return verify_rows_batch(
+        ids, new, rows[:bs], [context] * bs, [n] * bs, eng.req_pool, eng.device
+    )

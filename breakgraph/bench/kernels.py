@@ -71,7 +71,7 @@ def _paged_kv(
     return k_cache, v_cache, AttentionMeta.decode(req_to_token, pool, seq_lens)
 
 
-def _one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
+def one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
     """One request's last ``n`` tokens as the query rows (``meta`` of one request)."""
     device = meta.seq_lens.device
     return replace(
@@ -85,7 +85,7 @@ def _one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
 def bench_extend(n: int, sweep: bool) -> list[tuple]:
     rows = []
     k_cache, v_cache, meta = _paged_kv([n], shuffle=False)
-    meta = _one_request_extend(meta, n)
+    meta = one_request_extend(meta, n)
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
     args = (k_cache, v_cache, meta, HEAD_DIM**-0.5)
@@ -105,7 +105,7 @@ def bench_extend(n: int, sweep: bool) -> list[tuple]:
     for name, ref_ms in refs:
         rows.append(("extend attention", shape, triton_ms, name, ref_ms))
     k_shuf, v_shuf, meta_shuf = _paged_kv([n], shuffle=True)
-    shuffled = (k_shuf, v_shuf, _one_request_extend(meta_shuf, n), HEAD_DIM**-0.5)
+    shuffled = (k_shuf, v_shuf, one_request_extend(meta_shuf, n), HEAD_DIM**-0.5)
     shuffled_ms = bench_ms(lambda: ext.extend_attention_triton(q, o, *shuffled))
     rows.append(("extend, shuffled slots", shape, shuffled_ms, refs[0][0], refs[0][1]))
     if sweep:
@@ -152,7 +152,7 @@ def bench_long_prefix(n: int, prefix: int, sweep: bool) -> list[tuple]:
     """
     seq = prefix + n
     k_cache, v_cache, meta = _paged_kv([seq], shuffle=False)
-    meta = _one_request_extend(meta, n)
+    meta = one_request_extend(meta, n)
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     o = torch.empty_like(q)
     o_one = torch.empty_like(q)

@@ -101,10 +101,17 @@ def build_verify(
     for req, s, e in zip(reqs, starts, ends, strict=True):
         req.append_kv(host[s:e])
     table_rows = [r.req_pool_idx for r in reqs]
-    batch = extend_batch(ids, slots, table_rows, prefixes, ext, req_pool, device)
-    batch.logits_rows = torch.arange(at, dtype=torch.int64, device=batch.input_ids.device)
-    batch.decode_rows = True
+    batch = verify_rows_batch(ids, slots, table_rows, prefixes, ext, req_pool, device)
     return Verify(reqs, drafts, starts, at), batch
+
+
+def verify_rows_batch(ids, slots, table_rows, prefixes, ext, req_pool, device) -> ForwardBatch:
+    """``extend_batch``'s step (its arguments) as a verify step runs it: every row's logits,
+    each row a decode row of its request (``ForwardBatch.as_decode_rows``)."""
+    batch = extend_batch(ids, slots, table_rows, prefixes, ext, req_pool, device)
+    batch.logits_rows = torch.arange(len(ids), dtype=torch.int64, device=batch.input_ids.device)
+    batch.decode_rows = True
+    return batch
 
 
 def draft_tokens(args, model) -> int:
