@@ -1,13 +1,27 @@
 """Reference attention for ``bench kernels``, measured beside the Triton kernels in the same
 run: torch's varlen flash attention, SDPA's flash backend (causal top-left, and bottom-right
 for a cached prefix), and FlashInfer's batch prefill over the same paged KV where it imports.
-Each returns a closure that computes the reference (or None, printed why)."""
+Each returns a closure that computes the reference (or None, printed why). Also the cases'
+one-request extend metadata (``one_request_extend``)."""
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
+
+
+def one_request_extend(meta, n: int):
+    """One request's last ``n`` tokens as the query rows (``meta``: an ``AttentionMeta`` of
+    one request)."""
+    device = meta.seq_lens.device
+    return replace(
+        meta,
+        extend_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+        extend_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        max_extend_len=n,
+    )
 
 
 def varlen_reference(q, k, v, n: int, n_k: int | None = None):

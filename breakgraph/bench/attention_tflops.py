@@ -39,8 +39,11 @@ def matrix_tflops(bench_ms, n: int = 8192) -> float:
 def bench_tflops(head_dims: list[int], bench_ms, paged_kv) -> list[dict]:
     """Rows ``{case, head_dim, kernel, ms, tflops}`` per case, head size and kernel.
     ``paged_kv(lens, shuffle, kv_heads=, head_dim=)``: ``bench kernels``' KV builder."""
-    from breakgraph.bench.attention_refs import flashinfer_reference, varlen_reference
-    from breakgraph.bench.kernels import one_request_extend
+    from breakgraph.bench.attention_refs import (
+        flashinfer_reference,
+        one_request_extend,
+        varlen_reference,
+    )
     from breakgraph.kernels import extend_attention as ext
     from breakgraph.kernels import flashinfer_extend as fi
 

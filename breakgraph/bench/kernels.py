@@ -21,6 +21,7 @@ import torch
 
 from breakgraph.bench.attention_refs import (
     flashinfer_reference,
+    one_request_extend,
     sdpa_flash_lower_right_reference,
     sdpa_flash_reference,
     varlen_reference,
@@ -69,17 +70,6 @@ def _paged_kv(
     pool = torch.arange(len(num_tokens_per_req), device=device)
     seq_lens = torch.tensor(num_tokens_per_req, dtype=torch.int32, device=device)
     return k_cache, v_cache, AttentionMeta.decode(req_to_token, pool, seq_lens)
-
-
-def one_request_extend(meta: AttentionMeta, n: int) -> AttentionMeta:
-    """One request's last ``n`` tokens as the query rows (``meta`` of one request)."""
-    device = meta.seq_lens.device
-    return replace(
-        meta,
-        extend_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-        extend_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        max_extend_len=n,
-    )
 
 
 def bench_extend(n: int, sweep: bool) -> list[tuple]:
