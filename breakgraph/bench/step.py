@@ -4,9 +4,10 @@ of P, timed for several arms in one process on the same weights.
 Arms: breakgraph eager, breakgraph graphs (the key serving would replay, ``runner.dispatch``:
 the whole graph for a lone request whose context fits a whole bucket, then also
 ``breakable``, the breakable bank's bucket on the same step), the floor (the same forward
-captured whole as one CUDA graph at that fixed shape; TP 1), HF transformers eager (sdpa),
-and HF under ``torch.compile(mode="reduce-overhead")`` where it compiles within a bound.
-A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
+captured whole as one CUDA graph at that fixed shape; TP 1), on CUDA the FLOP limit (the
+step's matrix FLOPs over a bf16 GEMM's rate measured in the run: bench/flop_limit.py), HF
+transformers eager (sdpa), and HF under ``torch.compile(mode="reduce-overhead")`` where it
+compiles within a bound. A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
 the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
 layers replayed on each request's last row only), each with its own floor.
 Prints ms per arm (median of reps, wall clock with a sync: host-bound arms pay their host
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from breakgraph.bench.attention_tflops import matrix_tflops
+from breakgraph.bench.flop_limit import flop_limit_ms, step_flops
 from breakgraph.bench.hf import HFArms
 from breakgraph.bench.plot import require_plot
 from breakgraph.bench.timing import (
@@ -160,9 +163,11 @@ def bench_point(
     tp_size: int = 1,
     profile: bool = False,
     no_compile_reason: str = "skipped",
+    matrix_rate: float | None = None,
 ) -> PointResult:
     """``benches``: arm suffix -> engine ("" for a model without KV-shared layers);
-    ``no_compile_reason``: the HF compile arm's note where ``do_compile`` is off."""
+    ``no_compile_reason``: the HF compile arm's note where ``do_compile`` is off;
+    ``matrix_rate``: the bf16 GEMM rate (TFLOP/s) measured in this run, for the FLOP limit."""
     res = PointResult(next(iter(benches.values())).model_name, n, p)
 
     def add(arm, fn, note=""):
@@ -176,6 +181,12 @@ def bench_point(
         arms = engine_arms(sb.engine.runner, sb.batch(n, p), tp_size)
         for arm, fn, note in arms:
             add(arm + tag, fn, note)
+        if matrix_rate:
+            flops = step_flops(sb.engine.runner.model, n, p)
+            note = f"{flops / 1e12:.2f} TFLOP at {matrix_rate:.0f} TFLOP/s (bf16 GEMM, this run)"
+            res.arms.append(
+                ArmResult("FLOP limit" + tag, flop_limit_ms(flops, matrix_rate), None, note)
+            )
         if profile and torch.cuda.is_available():
             graphed = {
                 arm + tag: fn for arm, fn, _ in arms if fn is not None and "eager" not in arm
@@ -228,6 +239,9 @@ def format_table(points: list[PointResult]) -> str:
             xh = f"{a.ms / hf:7.2f}" if a.ms and hf else f"{'-':>7}"
             la = f"{a.launches:9d}" if a.launches is not None else f"{'-':>9}"
             lines.append(f"  {a.arm:<18} {ms} {xf} {xh} {la}  {a.note}")
+        graphs, limit = pt.ms("breakgraph graphs"), pt.ms("FLOP limit")
+        if graphs and limit:
+            lines.append(f"  breakgraph graphs / FLOP limit: {graphs / limit:.2f}x")
         lines += [f"  - {why}" for why in _dash_reasons(pt, floor, hf)]
     return "\n".join(lines)
 
@@ -243,7 +257,7 @@ def _dash_reasons(pt: PointResult, floor: float | None, hf: float | None) -> lis
         out.append("x floor: no floor, the step captured whole as one CUDA graph (CUDA, TP 1)")
     if hf is None and timed:
         out.append("x HF: no HF eager arm (--no-hf, transformers missing, or it failed)")
-    if any(a.launches is None for a in timed):
+    if any(a.launches is None for a in timed if not a.arm.startswith("FLOP limit")):
         out.append("launches: kernel launches are counted by the CUDA profiler only")
     return out
 
@@ -252,6 +266,10 @@ def run_step_bench(args) -> list[PointResult]:
     require_plot(args.plot)
     device = resolve_device(args.device)
     points: list[PointResult] = []
+    rate = None
+    if device == "cuda":  # the FLOP limit's matrix rate: a dense bf16 GEMM's, this run
+        rate = matrix_tflops(lambda fn: time_ms(fn, 20, back_to_back=True))
+        print(f"bf16 GEMM rate (8192^3, cuBLAS): {rate:.0f} TFLOP/s", flush=True)
     for model in args.models:
         shape = (model, max(args.new_tokens), max(args.prefix_tokens), device, args.dtype)
         t0 = time.perf_counter()
@@ -274,7 +292,16 @@ def run_step_bench(args) -> list[PointResult]:
                 do_compile = not args.no_compile and device == "cuda"
                 why = "skipped: --no-compile" if args.no_compile else "skipped: CUDA only"
                 pt = bench_point(
-                    benches, hf, n, p, args.reps, do_compile, args.tp_size, args.profile, why
+                    benches,
+                    hf,
+                    n,
+                    p,
+                    args.reps,
+                    do_compile,
+                    args.tp_size,
+                    args.profile,
+                    why,
+                    rate,
                 )
                 points.append(pt)
                 print(format_table([pt]), flush=True)
