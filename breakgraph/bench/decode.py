@@ -13,7 +13,7 @@ under TP the workers' latency, which rank 0's first all-reduce waits for). "back
 the graph step's mean over steps launched without a sync between them, as overlap scheduling
 runs them: what is left there is the GPU's own time, or a host slower than the GPU.
 ``--variants`` compares decode graphs captured under different kernel tables instead
-(decode_variants.py). ``--draft-tokens k`` times a speculative verify step instead (each
+(decode_variants.py; with ``--draft-tokens``, their verify steps). ``--draft-tokens k`` times a speculative verify step instead (each
 request's last token and k drafts, a row each, as serving replays it) against the same floor
 (its rows share their request's KV) and, in the same engine, the plain decode step's graph.
 """
@@ -141,8 +141,6 @@ def step_read_bytes(
 
 def run_decode_bench(args) -> list[DecodePoint]:
     if args.variants:
-        if args.draft_tokens:
-            raise SystemExit("error: bench decode --draft-tokens times one engine, not --variants")
         from breakgraph.bench.decode_variants import run_variants
 
         return run_variants(args)

@@ -7,7 +7,8 @@ the variant's tables set (they decide what the graphs launch); then every varian
 step is timed in interleaved rounds, so that clock and placement drift fall on all of them
 alike. Prints, per batch size, each variant's median over rounds of the median step (ms, a
 sync around each step), its ratio to the first variant, and its largest logit difference to
-the first. Variants (``a+b``: both):
+the first; with ``--draft-tokens k`` each variant's verify step (1 + k rows a request).
+Variants (``a+b``: both):
 
 - ``base``: the code as it is;
 - ``nogemv``: the skinny-GEMM table without its GEMV entries (batch 1 on the tensor-core
@@ -27,7 +28,7 @@ import statistics
 
 import torch
 
-from breakgraph.bench.decode_setup import decode_batch, decode_engine
+from breakgraph.bench.decode_setup import decode_batch, decode_engine, verify_batch
 from breakgraph.bench.timing import time_ms
 
 
@@ -94,20 +95,24 @@ def run_variants(args) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("error: bench decode --variants needs a CUDA device")
     max_bs = max(args.batch_sizes)
+    k = args.draft_tokens  # > 0: each variant's verify step (1 + k rows a request) instead
     results = []
     for model in args.models:
         engines = {}
         for name in args.variants:
             with variant(name, model):
                 engines[name] = decode_engine(
-                    model, "cuda", max_bs, args.context, tp_size=args.tp_size,
+                    model, "cuda", max_bs, args.context, draft_tokens=k, tp_size=args.tp_size,
                     disable_custom_all_reduce=args.disable_custom_all_reduce,
                 )  # fmt: skip
         for bs in args.batch_sizes:
             samples: dict[str, list[float]] = {name: [] for name in engines}
             calls = {}
             for name, (eng, rows, slots) in engines.items():
-                batch = decode_batch(eng, rows, slots, bs, args.context)
+                if k:
+                    batch = verify_batch(eng, rows, slots, bs, args.context, k)
+                else:
+                    batch = decode_batch(eng, rows, slots, bs, args.context)
                 calls[name] = lambda r=eng.runner, b=batch: r.forward(b)
             for _ in range(args.rounds):
                 for name, call in calls.items():
@@ -115,12 +120,13 @@ def run_variants(args) -> list[dict]:
             logits = {name: call().float() for name, call in calls.items()}
             first = args.variants[0]
             base = statistics.median(samples[first])
-            line = f"{model:<14} bs={bs:<3} C={args.context:<6}"
+            line = f"{model:<14} bs={bs:<3} C={args.context:<6}" + (f" k={k}" if k else "")
             for name in engines:
                 ms = statistics.median(samples[name])
                 diff = (logits[name] - logits[first]).abs().max().item()
                 results.append(
-                    dict(model=model, batch_size=bs, context=args.context, variant=name, ms=ms,
+                    dict(model=model, batch_size=bs, context=args.context, draft_tokens=k,
+                         variant=name, ms=ms,
                          ratio=ms / base, samples=samples[name], max_logit_diff=diff)
                 )  # fmt: skip
                 line += f"  {name} {ms:.3f} ({ms / base:.3f}x, dlogit {diff:.2g})"
