@@ -159,6 +159,17 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     (3072, 576): [(1, _v(2, 1024, 2, 2))],  # smollm2-135m:gate_up
     (576, 1536): [(1, _v(2, 2048, 4, 1))],  # smollm2-135m:down
     # smollm2-135m:lm_head (49152, 576): cuBLAS at M = 1 (17.71 against 18.81 us)
+    # deepseek-v4-flash (and -e32: the same projections), M = 1, measured on one H100
+    # (2026-12-06, `bench gemm --gemv --models deepseek-v4-flash`; cuBLAS -> GEMV us); its
+    # shared expert's gate/up (4096, 4096) and down (4096, 2048) take the rows above
+    (1024, 4096): [(1, _v(2, 4096, 8, 2))],  # q_a; a CSA compressor's kv, gate (7.90 -> 4.87)
+    (32768, 1024): [(1, _v(2, 1024, 4, 1))],  # q_b (27.26 -> 24.30)
+    (512, 4096): [(1, _v(2, 4096, 8, 2))],  # kv; an HCA compressor's kv, gate (7.23 -> 3.50)
+    (4096, 8192): [(1, _v(2, 4096, 8, 1))],  # o_b (28.34 -> 24.61)
+    (256, 4096): [(1, _v(2, 4096, 8, 3))],  # the indexer's compressor kv, gate (7.02 -> 2.76)
+    (8192, 1024): [(1, _v(2, 512, 1, 2))],  # the indexer's q_b (8.42 -> 7.57)
+    (64, 4096): [(1, _v(2, 4096, 8, 2))],  # the indexer's weights (6.78 -> 2.16)
+    (129280, 4096): [(1, _v(1, 4096, 2, 1))],  # lm_head (374.37 -> 332.96)
     # one rank of TP2, measured on an nvidia-h200-x2 (2026-12-01, same stack):
     # `breakgraph bench gemm --models llama-3.1-8b --tp 2` (o and gate/up: cuBLAS);
     # M = 1 on the GEMV kernel since (below)
