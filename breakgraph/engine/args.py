@@ -22,7 +22,8 @@ class EngineArgs:
     device: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.85
+    # None: auto, 0.85 of the GPU, or 0.90 where one --context-length request needs it
+    mem_fraction_static: float | None = None
     chunked_prefill_size: int = 8192
     max_running_requests: int | None = None
     max_prefill_tokens: int | None = None

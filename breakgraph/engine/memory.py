@@ -9,6 +9,12 @@ The plan, in bytes, on a device of ``total`` with ``used`` in use after the prof
 its pools (the weights, the penalty pool, the CUDA context and library handles)::
 
     KV = total x fraction - used - activations - graph pools - request table
+
+``--mem-fraction-static`` left unset is auto: 0.85, or 0.90 (vLLM's default share of the GPU)
+where 0.85 cannot hold one request of the context (``--context-length``, else the model's,
+which the pool then bounds: :func:`fit_context`), said in the log;
+the 10-15% left beside the plan is for what it does not measure (allocator fragmentation, a
+library's workspace, the CUDA graphs' growth past their estimate).
     activations = max(step peaks measured by the profile)
     graph pools = sum over banks of (their largest capture's activations + its outputs
                   + GRAPH_OVERHEAD_BYTES per graph)
@@ -25,6 +31,7 @@ rounding, a break's returned tensor, library workspaces).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -38,7 +45,11 @@ from breakgraph.engine.graphs.key import (
     MTP_DECODE,
 )
 
+logger = logging.getLogger(__name__)
+
 GIB = 2**30
+DEFAULT_MEM_FRACTION = 0.85  # --mem-fraction-static left unset (auto) ...
+AUTO_MEM_FRACTION_MAX = 0.90  # ... or this, where one full-context request needs more
 # the most running requests a default --max-running-requests allows (max_running_requests)
 MAX_RUNNING_DEFAULT_CAP = 1024
 GRAPH_OVERHEAD_BYTES = 6 << 20  # per captured graph, beside its outputs (module docstring)
@@ -154,7 +165,7 @@ NO_RESERVE = Reserve(0, 0, 0)
 
 def kv_budget_slots(
     mem: DeviceMemory,
-    fraction: float,
+    fraction: float | None,
     slot_bytes: int,
     context_len: int,
     weights_bytes: int,
@@ -164,15 +175,32 @@ def kv_budget_slots(
     """KV slots the budget holds: ``total x fraction`` less what is in use now (the weights
     and everything loaded with them) and the ``reserve``; at least one request of
     ``context_len`` tokens (``least`` tokens where the caller fits a default context to the
-    pool: :func:`fit_context`), else a ``MemoryPlanError`` naming every number."""
+    pool: :func:`fit_context`), else a ``MemoryPlanError`` naming every number. ``fraction``
+    None is auto: :data:`DEFAULT_MEM_FRACTION`, or :data:`AUTO_MEM_FRACTION_MAX` where that
+    one request needs it (module docstring)."""
     used = mem.total - mem.free
-    budget = mem.total * fraction - used - reserve.total
     tokens = context_len if least is None else least
     need = slot_bytes * tokens
+
+    def budget_at(share: float) -> float:
+        return mem.total * share - used - reserve.total
+
+    auto = fraction is None
+    share = DEFAULT_MEM_FRACTION if auto else fraction
+    budget = budget_at(share)
+    full = slot_bytes * context_len  # one request of the whole context (the least one's too)
+    if auto and budget < full:
+        logger.info(
+            "--mem-fraction-static auto: %.2f of %.1f GiB (%.2f leaves %.2f GiB, one %d-token "
+            "request's KV needs %.2f)", AUTO_MEM_FRACTION_MAX, mem.total / GIB, share,
+            max(budget, 0) / GIB, context_len, full / GIB,
+        )  # fmt: skip
+        budget = budget_at(AUTO_MEM_FRACTION_MAX)
     if budget < need:
+        flag = fraction if not auto else f"auto ({AUTO_MEM_FRACTION_MAX})"
         raise MemoryPlanError(
             f"the KV cache for one {tokens}-token request needs {need / GIB:.2f} GiB, but "
-            f"--mem-fraction-static {fraction} of {mem.total / GIB:.1f} GiB leaves "
+            f"--mem-fraction-static {flag} of {mem.total / GIB:.1f} GiB leaves "
             f"{max(budget, 0) / GIB:.2f} GiB beside the {used / GIB:.2f} GiB in use "
             f"(weights {weights_bytes / GIB:.2f} GiB), peak activations "
             f"{reserve.activations / GIB:.2f} GiB, graph pools (estimate) "

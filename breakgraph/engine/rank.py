@@ -23,6 +23,7 @@ from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.draft import DraftModel, load_draft_model
 from breakgraph.engine.graph_plan import graph_sizes
 from breakgraph.engine.memory import (
+    DEFAULT_MEM_FRACTION,
     NO_RESERVE,
     DeviceMemory,
     Reserve,
@@ -127,7 +128,8 @@ def build_rank(
             logger.warning(
                 "context length %d, not the model's %d: the KV cache holds %d tokens at "
                 "--mem-fraction-static %s (set --context-length to ask for more and be told "
-                "what it needs)", fitted, context_len, num_slots, args.mem_fraction_static,
+                "what it needs)", fitted, context_len, num_slots,
+                args.mem_fraction_static or DEFAULT_MEM_FRACTION,
             )  # fmt: skip
             context_len = fitted
     # + the reserved padding slot 0; only the layers that store KV (Gemma 4 shares KV)

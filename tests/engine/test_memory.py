@@ -151,6 +151,25 @@ def test_a_budget_short_of_one_full_context_request_fails_in_one_line_with_the_n
     assert fits == 4 * GIB // SLOT
 
 
+def test_auto_fraction_takes_090_only_where_085_cannot_hold_one_request(caplog):
+    """``--mem-fraction-static`` unset: 0.85, or 0.90 (said in the log) where 0.85 leaves
+    less than one request of the context; short even at 0.90, the refusal says auto."""
+    mem = DeviceMemory(free=20 * GIB, total=80 * GIB)  # 60 GiB in use
+    at = lambda share: int((80 * share - 60) * GIB // SLOT)  # noqa: E731
+    assert kv_budget_slots(mem, None, SLOT, 4096, 55 * GIB) == at(0.85)  # 8 GiB: 0.85 holds it
+    with caplog.at_level("INFO", logger="breakgraph.engine.memory"):
+        slots = kv_budget_slots(mem, None, SLOT, (9 * GIB) // SLOT, 55 * GIB)  # 0.85: 8 GiB
+    assert slots == at(0.90) and "--mem-fraction-static auto: 0.90" in caplog.text
+    # the model's context (no --context-length): 0.90 where 0.85 cannot hold all of it
+    assert kv_budget_slots(mem, None, SLOT, 1 << 20, 55 * GIB, least=8192) == at(0.90)
+    # an explicit fraction stays as it is
+    with pytest.raises(MemoryPlanError, match="--mem-fraction-static 0.85 of"):
+        kv_budget_slots(mem, 0.85, SLOT, (9 * GIB) // SLOT, 55 * GIB)
+    with pytest.raises(MemoryPlanError) as err:
+        kv_budget_slots(mem, None, SLOT, (13 * GIB) // SLOT, 55 * GIB)
+    assert "--mem-fraction-static auto (0.9) of 80.0 GiB leaves 12.00 GiB" in str(err.value)
+
+
 def test_a_default_context_longer_than_the_pool_is_fitted_to_it():
     """Started without --context-length (a 1M-token model beside 78 GiB of weights): the
     budget need only hold one prefill chunk, and the context becomes the pool's, rounded
