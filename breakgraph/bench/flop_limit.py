@@ -32,9 +32,11 @@ def _router_weight(module: nn.Module):
     )
 
 
-def step_flops(model: nn.Module, new: int, prefix: int) -> float:
+def step_flops(model: nn.Module, new: int, prefix: int) -> float | None:
     """Matrix FLOPs of one request's prefill step of ``new`` tokens after ``prefix`` cached
-    ones, through ``model`` (a fused MoE layer at its router's ``top_k`` experts per token)."""
+    ones, through ``model`` (a fused MoE layer at its router's ``top_k`` experts per token);
+    None for a model whose attention is its own (DeepSeek V4's compressed attention): not
+    counted here."""
     from breakgraph.layers.attention import Attention
     from breakgraph.layers.linear import (
         ColumnParallelLinear,
@@ -50,6 +52,7 @@ def step_flops(model: nn.Module, new: int, prefix: int) -> float:
         (m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), 0
     )
     flops = 0.0
+    attention_layers = 0
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             flops += 2.0 * module.weight.numel()  # the last row's logits
@@ -61,10 +64,11 @@ def step_flops(model: nn.Module, new: int, prefix: int) -> float:
             ) / module.num_experts
             flops += 2.0 * new * top_k * per_expert
         elif isinstance(module, Attention):
+            attention_layers += 1
             keys = _window_keys(prefix, new, module.sliding_window)
             # attention_flops(0, n) counts n (n + 1) / 2 keys: pass the total as one "row"
             flops += attention_flops(0, 1, module.num_heads, module.head_dim) * keys
-    return flops
+    return flops if attention_layers else None
 
 
 def flop_limit_ms(flops: float, matrix_tflops: float) -> float:

@@ -183,10 +183,14 @@ def bench_point(
             add(arm + tag, fn, note)
         if matrix_rate:
             flops = step_flops(sb.engine.runner.model, n, p)
-            note = f"{flops / 1e12:.2f} TFLOP at {matrix_rate:.0f} TFLOP/s (bf16 GEMM, this run)"
-            res.arms.append(
-                ArmResult("FLOP limit" + tag, flop_limit_ms(flops, matrix_rate), None, note)
-            )
+            if flops is None:
+                add("FLOP limit" + tag, None, "not counted: the model's attention is its own")
+            else:
+                note = (
+                    f"{flops / 1e12:.2f} TFLOP at {matrix_rate:.0f} TFLOP/s (bf16 GEMM, this run)"
+                )
+                limit = flop_limit_ms(flops, matrix_rate)
+                res.arms.append(ArmResult("FLOP limit" + tag, limit, None, note))
         if profile and torch.cuda.is_available():
             graphed = {
                 arm + tag: fn for arm, fn, _ in arms if fn is not None and "eager" not in arm

@@ -50,3 +50,7 @@ def test_a_sliding_window_caps_the_keys_each_row_sees():
 
 def test_the_limit_is_flops_over_the_rate():
     assert flop_limit_ms(700e12 * 0.025, 700.0) == 25.0
+
+
+def test_a_model_whose_attention_is_its_own_is_not_counted():
+    assert step_flops(_built("deepseek-v4-flash-e32"), 256, 0) is None
