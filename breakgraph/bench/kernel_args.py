@@ -134,7 +134,7 @@ def add_kernels_args(p) -> None:
         "--tflops", type=int, nargs="*", metavar="HEAD_DIM", default=None,
         help="only prefill attention's TFLOP/s against a bf16 GEMM's, per head size (default "
         "128 512): 1K, 8K, 32K causal and 1K over 16K and 64K cached; Triton, FlashInfer, "
-        "torch's varlen flash",
+        "torch's varlen flash; with --sweep the Triton kernel at other tiles too",
     )  # fmt: skip
     p.add_argument(
         "--sweep-batches", type=int, nargs="+", default=[1, 8, 64],

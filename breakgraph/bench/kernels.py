@@ -316,7 +316,8 @@ def run_kernels_bench(args) -> None:
         if not set(head_dims) <= at.HEADS.keys():
             raise SystemExit(f"error: --tflops takes head sizes {sorted(at.HEADS)}")
         rate = at.matrix_tflops(bench_ms)
-        print("\n".join(at.format_tflops(at.bench_tflops(head_dims, bench_ms, _paged_kv), rate)))
+        rows = at.bench_tflops(head_dims, bench_ms, _paged_kv, sweep=args.sweep)
+        print("\n".join(at.format_tflops(rows, rate)))
         return
     if args.v4_attention:
         from breakgraph.bench.v4_attention import (

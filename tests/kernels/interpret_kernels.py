@@ -59,6 +59,7 @@ def main() -> int:
         + clamped_silu_mul()
         + skinny_gemm()
         + extend_zero_pad()
+        + sweep_tiles()
         + apply_penalties()  # after the cases that draw from the global generator unseeded
         + norm_rope_tail()
     )
@@ -253,6 +254,29 @@ def extend_zero_pad() -> int:
                 f"{'ok' if ok else 'FAIL'} extend zero_pad prefix={prefix} extend={extend} "
                 f"splits={splits}: max diff {diff:.1e}, padding zero {zeros}"
             )
+    return failed
+
+
+def sweep_tiles() -> int:
+    """``bench kernels --tflops --sweep``'s d512 tiles (bench/attention_tflops.py) on the
+    one-pass extend kernel: each equals the twin (a cached prefix, ragged blocks), so the
+    sweep on the GPU measures speed only."""
+    from breakgraph.bench.attention_tflops import TILE_SWEEP
+    from breakgraph.kernels import extend_attention as ext
+    from tests.support.kernels import paged_batch
+
+    failed = 0
+    kc, vc, meta, rows = paged_batch([(20, 37)], 1, 512, torch.float32, "cpu")
+    q = torch.randn(rows, 8, 512)
+    ref = torch.zeros_like(q)
+    ext.extend_attention_torch(q, ref, kc, vc, meta, 512**-0.5)
+    for cfg in TILE_SWEEP[512]:
+        o = torch.zeros_like(q)
+        ext.ExtendPlan(q, kc, meta, 512**-0.5, config=cfg, splits=0)(q, o, kc, vc)
+        diff = (o[:37] - ref[:37]).abs().max().item()
+        ok = diff <= 1e-5
+        failed += not ok
+        print(f"{'ok' if ok else 'FAIL'} d512 tile {cfg}: max diff {diff:.1e}")
     return failed
 
 
