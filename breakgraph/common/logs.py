@@ -2,8 +2,9 @@
 the start-up loggers that speak at the default level.
 
 At the default level (warning) a user still sees what start-up is doing: the model loading,
-the engine's summary (device, dtype, KV slots, context, running requests, the memory split),
-the graph capture and the warm-up; ``--log-level info`` adds the rest, ``error`` hides them.
+the engine's summary (device, dtype, KV slots, context, running requests, the memory split,
+the fraction an unset ``--mem-fraction-static`` took where not 0.85), the graph capture, the
+warm-up and the extend attention FlashInfer serves; ``--log-level info`` adds the rest, ``error`` hides them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ STARTUP_LOGGERS = (
     "breakgraph.models.loader",
     "breakgraph.models.gguf_loader",
     "breakgraph.engine.engine",
+    "breakgraph.engine.memory",  # --mem-fraction-static auto taking 0.90
     "breakgraph.engine.memory_profile",
     "breakgraph.engine.model_runner",
     "breakgraph.engine.warmup",
     "breakgraph.graph.bank",
+    "breakgraph.kernels.flashinfer_extend",  # which extend attention serves, once per shape
     "breakgraph.server.client",
 )
 

@@ -61,3 +61,25 @@ def test_errors_of_serve_and_generate_share_one_format():
         taken.listen()
         port = str(taken.getsockname()[1])
         assert "already in use" in err("serve", "--model-path", "smollm2-135m", "--port", port)
+
+
+def test_the_start_up_choices_speak_at_the_default_level():
+    """At the default level the memory plan's auto fraction and the extend attention FlashInfer
+    serves are said (once per start or per attention shape); per-step loggers stay quiet."""
+    import logging
+
+    from breakgraph.common.logs import STARTUP_LOGGERS, configure_logging
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    levels = {name: logging.getLogger(name).level for name in STARTUP_LOGGERS}
+    try:
+        configure_logging("warning")
+        for name in ("breakgraph.engine.memory", "breakgraph.kernels.flashinfer_extend"):
+            assert logging.getLogger(name).isEnabledFor(logging.INFO), name
+        assert not logging.getLogger("breakgraph.engine.scheduler").isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
