@@ -13,9 +13,10 @@ under TP the workers' latency, which rank 0's first all-reduce waits for). "back
 the graph step's mean over steps launched without a sync between them, as overlap scheduling
 runs them: what is left there is the GPU's own time, or a host slower than the GPU.
 ``--variants`` compares decode graphs captured under different kernel tables instead
-(decode_variants.py; with ``--draft-tokens``, their verify steps). ``--draft-tokens k`` times a speculative verify step instead (each
-request's last token and k drafts, a row each, as serving replays it) against the same floor
-(its rows share their request's KV) and, in the same engine, the plain decode step's graph.
+(decode_variants.py; with ``--draft-tokens``, their verify steps). ``--draft-tokens k``
+times a speculative verify step instead (each request's last token and k drafts, a row each,
+as serving replays it) against the same floor (its rows share their request's KV) and, in
+the same engine, the plain decode step's graph.
 """
 
 from __future__ import annotations

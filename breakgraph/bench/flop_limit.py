@@ -5,8 +5,8 @@ The step's FLOPs are counted from the model as built (one rank's): every project
 ``2 * rows * N * K`` (rows: the step's new tokens; the LM head's: one row per request, the
 last, as prefill computes it), a fused MoE layer's experts at ``top_k`` experts per token and
 its router, and each attention layer's two matmuls over the keys each new row sees (causal, a
-sliding window capped). Norms, rotary, activations and sampling count nothing: the limit is what the tensor
-cores cannot go below, not a prediction.
+sliding window capped). Norms, rotary, activations and sampling count nothing: the limit is
+what the tensor cores cannot go below, not a prediction.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def step_flops(model: nn.Module, new: int, prefix: int) -> float | None:
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             flops += 2.0 * module.weight.numel()  # the last row's logits
-        elif isinstance(module, linear) or (router := _router_weight(module)) is not None:
-            flops += 2.0 * new * (module.weight if isinstance(module, linear) else router).numel()
+        elif isinstance(module, linear):
+            flops += 2.0 * new * module.weight.numel()
+        elif (router := _router_weight(module)) is not None:
+            flops += 2.0 * new * router.numel()
         elif isinstance(module, FusedMoE):
             per_expert = (
                 module.gate_up_proj.numel() + module.down_proj.numel()

@@ -7,9 +7,10 @@ the whole graph for a lone request whose context fits a whole bucket, then also
 captured whole as one CUDA graph at that fixed shape; TP 1), on CUDA the FLOP limit (the
 step's matrix FLOPs over a bf16 GEMM's rate measured in the run: bench/flop_limit.py), HF
 transformers eager (sdpa), and HF under ``torch.compile(mode="reduce-overhead")`` where it
-compiles within a bound. A model with KV-shared layers (Gemma 4) gets each breakgraph arm twice, from two engines on
-the same weights: "all rows" (``--no-kv-sharing-fast-prefill``) and "bounded" (the shared
-layers replayed on each request's last row only), each with its own floor.
+compiles within a bound. A model with KV-shared layers (Gemma 4) gets each breakgraph arm
+twice, from two engines on the same weights: "all rows" (``--no-kv-sharing-fast-prefill``)
+and "bounded" (the shared layers replayed on each request's last row only), each with its
+own floor.
 Prints ms per arm (median of reps, wall clock with a sync: host-bound arms pay their host
 time), ratios to the floor and to HF eager, and kernel launches per step (profiler);
 ``--profile`` adds where each graph arm's time goes beside the floor's.
@@ -296,17 +297,9 @@ def run_step_bench(args) -> list[PointResult]:
                 do_compile = not args.no_compile and device == "cuda"
                 why = "skipped: --no-compile" if args.no_compile else "skipped: CUDA only"
                 pt = bench_point(
-                    benches,
-                    hf,
-                    n,
-                    p,
-                    args.reps,
-                    do_compile,
-                    args.tp_size,
-                    args.profile,
-                    why,
-                    rate,
-                )
+                    benches, hf, n, p, args.reps, do_compile, args.tp_size, args.profile, why,
+                    matrix_rate=rate,
+                )  # fmt: skip
                 points.append(pt)
                 print(format_table([pt]), flush=True)
         for b in benches.values():

@@ -4,7 +4,8 @@ the start-up loggers that speak at the default level.
 At the default level (warning) a user still sees what start-up is doing: the model loading,
 the engine's summary (device, dtype, KV slots, context, running requests, the memory split,
 the fraction an unset ``--mem-fraction-static`` took where not 0.85), the graph capture, the
-warm-up and the extend attention FlashInfer serves; ``--log-level info`` adds the rest, ``error`` hides them.
+warm-up and the extend attention FlashInfer serves; ``--log-level info`` adds the rest,
+``error`` hides them.
 """
 
 from __future__ import annotations

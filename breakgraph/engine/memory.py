@@ -9,15 +9,15 @@ The plan, in bytes, on a device of ``total`` with ``used`` in use after the prof
 its pools (the weights, the penalty pool, the CUDA context and library handles)::
 
     KV = total x fraction - used - activations - graph pools - request table
-
-``--mem-fraction-static`` left unset is auto: 0.85, or 0.90 (vLLM's default share of the GPU)
-where 0.85 cannot hold one request of the context (``--context-length``, else the model's,
-which the pool then bounds: :func:`fit_context`), said in the log;
-the 10-15% left beside the plan is for what it does not measure (allocator fragmentation, a
-library's workspace, the CUDA graphs' growth past their estimate).
     activations = max(step peaks measured by the profile)
     graph pools = sum over banks of (their largest capture's activations + its outputs
                   + GRAPH_OVERHEAD_BYTES per graph)
+
+``--mem-fraction-static`` left unset is auto: 0.85, or 0.90 (vLLM's default share of the GPU)
+where 0.85 cannot hold one request of the context (``--context-length``, else the model's,
+which the pool then bounds: :func:`fit_context`), said in the log. The 10-15% left beside the
+plan is for what it does not measure (allocator fragmentation, a library's workspace, the
+CUDA graphs' growth past their estimate).
 
 All banks share one pool and capture one graph at a time, yet each bank's pool grows by about
 its own largest capture's activations: measured per bank on an H100 at default flags

@@ -161,7 +161,8 @@ SKINNY_TABLE: dict[tuple[int, int], list[tuple[int, SkinnyConfig | None]]] = {
     # smollm2-135m:lm_head (49152, 576): cuBLAS at M = 1 (17.71 against 18.81 us)
     # deepseek-v4-flash (and -e32: the same projections), M = 1, measured on one H100
     # (2026-12-06, `bench gemm --gemv --models deepseek-v4-flash`; cuBLAS -> GEMV us); its
-    # shared expert's gate/up (4096, 4096) and down (4096, 2048) take the rows above
+    # shared expert's gate/up (4096, 4096) and down (4096, 2048) take the rows above; the
+    # 10-layer cut's batch-1 decode graph over 8K: 0.925x (`bench decode --variants`, H100)
     (1024, 4096): [(1, _v(2, 4096, 8, 2))],  # q_a; a CSA compressor's kv, gate (7.90 -> 4.87)
     (32768, 1024): [(1, _v(2, 1024, 4, 1))],  # q_b (27.26 -> 24.30)
     (512, 4096): [(1, _v(2, 4096, 8, 2))],  # kv; an HCA compressor's kv, gate (7.23 -> 3.50)
