@@ -216,6 +216,11 @@ API_KEY = Str(
     "(server/launch.py).",
 )  # fmt: skip
 
+TORCH_PROFILER_DIR = Str(
+    "BREAKGRAPH_TORCH_PROFILER_DIR", "", kind="setting",
+    doc="Where /stop_profile writes the engine's trace when /start_profile names no "
+    "output_dir (default: breakgraph-profiles in the temp folder) (server/http.py).",
+)  # fmt: skip
 SPEC_CHAIN = Bool(
     "BREAKGRAPH_SPEC_CHAIN", True, kind="setting",
     doc="Under overlap scheduling, a draft model's speculative verify steps run back to back, "
@@ -294,6 +299,9 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "env.md"
 def main(argv: list[str] | None = None) -> int:
     """Write docs/env.md (or the path given)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-"):  # --help, or a flag it does not take: no file
+        print("usage: python -m breakgraph.common.envs [PATH]  (default: docs/env.md)")
+        return 0 if argv[0] in ("-h", "--help") else 2
     path = Path(argv[0]) if argv else DOC_PATH
     path.write_text(describe())
     print(f"wrote {path}")

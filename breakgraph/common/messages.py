@@ -58,6 +58,16 @@ class FlushCacheReq:
 
 
 @dataclass
+class ProfileReq:
+    """Start (``start``) or stop the engine's torch profiler between two steps; a stop writes
+    the trace under the start's ``output_dir``. Answered by a ProfileReply."""
+
+    call_id: int
+    start: bool
+    output_dir: str = ""
+
+
+@dataclass
 class Shutdown:
     """Stop the engine loop; the engine process exits."""
 
@@ -187,8 +197,21 @@ class FlushCacheReply:
     flushed: bool
 
 
-ToEngine = GenerateReq | AbortReq | StatsReq | FlushCacheReq | Shutdown
-FromEngine = Ready | StartupError | StepResult | StatsReply | FlushCacheReply
+@dataclass
+class ProfileReply:
+    """Answer to ProfileReq: whether it did what was asked, why not (``conflict``: the
+    profiler's state refused it, a start while one runs or a stop with none), and a stop's
+    trace."""
+
+    call_id: int
+    ok: bool
+    message: str
+    trace: str = ""
+    conflict: bool = False
+
+
+ToEngine = GenerateReq | AbortReq | StatsReq | FlushCacheReq | ProfileReq | Shutdown
+FromEngine = Ready | StartupError | StepResult | StatsReply | FlushCacheReply | ProfileReply
 Message = ToEngine | FromEngine
 CODEC = Codec(typing.get_args(Message))
 MESSAGE_TYPES: dict[str, type] = CODEC.types

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -282,9 +283,18 @@ class EngineClient:
         reply: messages.FlushCacheReply = await self._call(messages.FlushCacheReq, timeout_s)
         return reply.flushed
 
+    async def profile(
+        self, start: bool, output_dir: str = "", timeout_s: float = 300.0
+    ) -> messages.ProfileReply:
+        """Start or stop the engine's profiler (engine/profiling.py); a stop waits for the
+        trace to be written (seconds for a long profile)."""
+        make = functools.partial(messages.ProfileReq, start=start, output_dir=output_dir)
+        return await self._call(make, timeout_s, "ProfileReq")
+
     async def _call(
-        self, request: type[messages.StatsReq | messages.FlushCacheReq], timeout_s: float
-    ) -> messages.StatsReply | messages.FlushCacheReply:
+        self, request: Callable[[int], messages.ToEngine], timeout_s: float, name: str = ""
+    ) -> messages.StatsReply | messages.FlushCacheReply | messages.ProfileReply:
+        """Send ``request(call_id)`` and wait for the reply with that call id."""
         if not self.alive:
             raise EngineError("the engine is not running")
         call_id = next(self._call_ids)
@@ -294,7 +304,7 @@ class EngineClient:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            name = request.__name__
+            name = name or request.__name__
             raise EngineError(f"the engine did not answer {name} in {timeout_s} s") from None
         finally:
             self._calls.pop(call_id, None)
@@ -332,7 +342,7 @@ class EngineClient:
         match msg:
             case messages.StepResult():
                 self.requests.route(msg)
-            case messages.StatsReply() | messages.FlushCacheReply():
+            case messages.StatsReply() | messages.FlushCacheReply() | messages.ProfileReply():
                 if isinstance(msg, messages.StatsReply):
                     self._stats, self._stats_at = msg.stats, time.monotonic()
                 fut = self._calls.get(msg.call_id)

@@ -26,6 +26,8 @@ from breakgraph.common.messages import (
     FromEngine,
     GenerateReq,
     ModelInfo,
+    ProfileReply,
+    ProfileReq,
     Ready,
     RequestError,
     Shutdown,
@@ -40,6 +42,7 @@ from breakgraph.common.messages import (
 )
 from breakgraph.engine.args import EngineArgs
 from breakgraph.engine.engine import Engine
+from breakgraph.engine.profiling import EngineProfiler
 from breakgraph.server.ipc import EngineSocket, IpcPaths
 
 logger = logging.getLogger(__name__)
@@ -150,6 +153,7 @@ class EngineLoop:
         self._last_parent_check = time.monotonic()
         self._stats_at = 0.0  # when the last stats snapshot was published (monotonic)
         self._stats_busy = False  # whether the engine had work then
+        self.profiler = EngineProfiler()  # /start_profile, /stop_profile
         # finished requests' KV is released after their outputs are sent (below)
         engine.release_finished(defer=True)
 
@@ -157,6 +161,8 @@ class EngineLoop:
         self._publish_stats()
         while not self._stop:
             self.turn()
+        if self.profiler.running:  # a profile the client never stopped: its trace, kept
+            logger.warning("profile stopped at shutdown: %s", self.profiler.stop()[1])
         logger.info("engine loop stopped")
 
     def turn(self) -> None:
@@ -282,6 +288,10 @@ class EngineLoop:
                 flushed = self.engine.flush_cache()
                 self._publish_stats()  # ahead of the reply: a read after it sees the flush
                 self._send(FlushCacheReply(msg.call_id, flushed))
+            case ProfileReq(start=True):
+                self._send(ProfileReply(msg.call_id, *self.profiler.start(msg.output_dir)))
+            case ProfileReq():
+                self._send(ProfileReply(msg.call_id, *self.profiler.stop()))
             case Shutdown():
                 self._stop = True
             case _:

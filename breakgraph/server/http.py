@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import breakgraph
-from breakgraph.common import gc_watch
+from breakgraph.common import envs, gc_watch
 from breakgraph.common.sampling_params import SamplingParams
 from breakgraph.server.asgi import HotRoutes
 from breakgraph.server.auth import BearerAuth
@@ -289,6 +291,45 @@ async def flush_cache(request: Request) -> JSONResponse:
         "flush when the server is idle",
         status=409,
     )
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request) -> dict[str, Any]:
+    """Start the engine's torch profiler between two steps (SGLang's endpoint; rank 0's host
+    ops and kernels: engine/profiling.py). Body, optional: ``{"output_dir": DIR}`` (default
+    ``BREAKGRAPH_TORCH_PROFILER_DIR``, else breakgraph-profiles in the temp folder); 409
+    while one runs."""
+    s = server_state(request)
+    s.require_alive()
+    output_dir = envs.TORCH_PROFILER_DIR.get() or os.path.join(
+        tempfile.gettempdir(), "breakgraph-profiles"
+    )
+    raw = await read_body(request, s.max_request_bytes)
+    if raw.strip():
+        body = parse_json(raw)
+        if not isinstance(body, dict) or set(body) - {"output_dir"}:
+            raise APIError('give {"output_dir": DIR} or no body (other options: none yet)')
+        output_dir = body.get("output_dir", output_dir)
+        if not isinstance(output_dir, str) or not output_dir:
+            raise APIError(f"output_dir must be a folder's path, got {output_dir!r}")
+    output_dir = os.path.abspath(output_dir)
+    return _profile_answer(await s.client.profile(True, output_dir), output_dir=output_dir)
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> dict[str, Any]:
+    """Stop the profiler and write its Chrome trace (gzipped JSON; Perfetto opens it): the
+    answer names the file. 409 when none runs."""
+    s = server_state(request)
+    s.require_alive()
+    reply = await s.client.profile(False)
+    return _profile_answer(reply, trace=reply.trace)
+
+
+def _profile_answer(reply, **fields: str) -> dict[str, Any]:
+    if not reply.ok:
+        raise APIError(reply.message, status=409 if reply.conflict else 500)
+    return {"success": True, "message": reply.message, **fields}
 
 
 @router.post("/abort_request")

@@ -19,6 +19,8 @@ from breakgraph.common.messages import (
     FlushCacheReq,
     GenerateReq,
     ModelInfo,
+    ProfileReply,
+    ProfileReq,
     Ready,
     RequestError,
     Shutdown,
@@ -55,6 +57,9 @@ SAMPLES = [
     StepResult(None),
     StatsReply(5, {"num_running_reqs": 1, "kv_usage": 0.25}),
     FlushCacheReply(6, True),
+    ProfileReply(8, True, "trace written: /tmp/p.trace.json.gz", "/tmp/p.trace.json.gz"),
+    ProfileReply(9, False, "no profile is running", conflict=True),
+    ProfileReq(7, True, "/tmp/profiles"),
 ]
 
 

@@ -9,6 +9,7 @@ and a clean shutdown of both processes.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import importlib.metadata
 import json
 import os
@@ -18,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -401,6 +403,29 @@ def test_flush_cache_refused_during_traffic_in_the_one_error_shape(server):
         r = httpx.request(method, f"{server.url}/flush_cache", timeout=30)
         assert r.status_code == 200 and r.json()["success"] is True
     assert info(server)["kv_tokens_cached"] == 0
+
+
+def test_profile_start_and_stop_write_a_chrome_trace(server, tmp_path):
+    """SGLang's /start_profile and /stop_profile: the engine's torch profiler between two
+    steps, its trace written where the start said; a second start or a stop with none is a
+    409, an option it does not take a 400."""
+    out = tmp_path / "profiles"
+    started = post(server, "/start_profile", {"output_dir": str(out)})
+    assert started.status_code == 200 and started.json()["output_dir"] == str(out)
+    again = post(server, "/start_profile", None)
+    assert again.status_code == 409 and "already running" in again.json()["error"]["message"]
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+    assert post(server, "/generate", {"input_ids": [5, 6, 7], "sampling_params": greedy}).is_success
+    stopped = post(server, "/stop_profile", None)
+    assert stopped.status_code == 200, stopped.text
+    trace = Path(stopped.json()["trace"])
+    assert trace.parent == out and trace.name.endswith(".trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)  # the steps' ops
+    none = httpx.get(f"{server.url}/stop_profile", timeout=30)
+    assert none.status_code == 409 and "no profile is running" in none.json()["error"]["message"]
+    bad = post(server, "/start_profile", {"num_steps": 3})
+    assert bad.status_code == 400 and "output_dir" in bad.json()["error"]["message"]
 
 
 def test_version(server):

@@ -25,6 +25,7 @@ ROUTES = [
     ("GET", "/metrics", None),
     ("GET", "/version", None),
     ("POST", "/flush_cache", None),
+    ("POST", "/stop_profile", None),
     ("POST", "/abort_request", {"abort_all": True}),
     ("GET", "/no/such/route", None),
 ]
