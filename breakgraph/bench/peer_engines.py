@@ -138,6 +138,7 @@ class EngineRun:
     first: dict | None = None  # the first request after ready: ttft_ms, steady_ttft_ms, ...
     prefill: list[dict] = field(default_factory=list)  # PrefillResult.to_dict() each
     serving: list[dict] = field(default_factory=list)  # a LevelResult each, every round
+    profile: dict | None = None  # --profile: peer_profile.summarize's of its profiled wave
     error: str | None = None
     log: str = ""
 

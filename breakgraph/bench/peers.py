@@ -88,6 +88,9 @@ def add_peers_args(p) -> None:
     g.add_argument("--prefill", nargs="*", default=SEED_PREFILL, metavar="'MODE TOKENS C'",
                    help="bench prefill workloads")  # fmt: skip
     g.add_argument("--hit-new-tokens", type=int, default=1024, help="hit: new tokens")
+    g.add_argument("--profile", metavar="'MODE TOKENS C'", default=None, help="after the "
+                   "workloads, one more wave of this one under each engine's torch profiler: "
+                   "GPU time by kernel, side by side (bench/peer_profile.py)")  # fmt: skip
     g.add_argument("--warmup-waves", type=int, default=2, help="prefill: unmeasured waves")
     g.add_argument("--waves", type=int, default=5, help="prefill: measured waves")
     g.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8],
@@ -137,7 +140,7 @@ def specs(args):
     return bg, peer
 
 
-async def _workloads(run, url: str, client_factory, args) -> None:
+async def _workloads(run, url: str, client_factory, args, spec, trace_dir: Path) -> None:
     from breakgraph.bench.http_client import median
     from breakgraph.bench.prefill import run_prefill
     from breakgraph.bench.serving import HEADER, run_serving
@@ -167,6 +170,13 @@ async def _workloads(run, url: str, client_factory, args) -> None:
                                    args.requests_per_level, args.rounds, args.seed,
                                    on_level=on_level, client_factory=client_factory)  # fmt: skip
         run.serving = [asdict(level) for level in levels]
+    if args.profile:
+        from breakgraph.bench.peer_profile import profile_wave
+
+        run.profile = await profile_wave(spec, url, str(trace_dir), parse_workload(args.profile),
+                                         args.hit_new_tokens, args.seed, client_factory)  # fmt: skip
+        print(f"  profiled one wave of {args.profile}: {run.profile['gpu_ms']:.1f} GPU ms in "
+              f"{len(run.profile['files'])} trace(s)", flush=True)  # fmt: skip
 
 
 def measure(run, spec, model_dir, config: dict, raised: bool, args, logs) -> None:
@@ -187,9 +197,15 @@ def measure(run, spec, model_dir, config: dict, raised: bool, args, logs) -> Non
         print(f"{spec.name}: {problem}", flush=True)
         return
 
+    trace_dir = logs / f"{stem}-profile"
+
     def start(log_name: str):
         port = free_port()
         argv = spec.argv(model_dir, port, args.context_length, setting, config)
+        if args.profile:
+            from breakgraph.bench.peer_profile import profiler_argv
+
+            argv += profiler_argv(spec, str(trace_dir))
         run.command, run.env, run.log = argv, env, str(logs / log_name)
         print(f"{spec.name} ({model}, {setting}): starting: {shlex.join(argv)}", flush=True)
         return pe.start_engine(spec, argv, env, port, logs / log_name, args.startup_timeout)
@@ -210,7 +226,7 @@ def measure(run, spec, model_dir, config: dict, raised: bool, args, logs) -> Non
             text = config.get("text_config", config)
             factory = functools.partial(OpenAIClient, model=run.served_model,
                                         vocab=text["vocab_size"], flush_path=spec.flush_path)  # fmt: skip
-            asyncio.run(_workloads(run, engine.url, factory, args))
+            asyncio.run(_workloads(run, engine.url, factory, args, spec, trace_dir))
         except BenchError as e:
             run.error = f"{e}\n{engine.log_tail()}"
         except Exception as e:  # an engine that dies mid-run: keep what it measured, go on
@@ -246,7 +262,7 @@ def run_peers_bench(args) -> dict:
     from breakgraph.bench.plot import require_plot
 
     require_plot(args.plot)
-    for workload in args.prefill:
+    for workload in args.prefill + ([args.profile] if args.profile else []):
         parse_workload(workload)  # a typo fails now, not after an engine's start-up
     bg, peer = specs(args)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-peers-"))

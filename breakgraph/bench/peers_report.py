@@ -134,7 +134,19 @@ def format_report(res: dict, tables: list[Table]) -> str:
             if id(run) not in seen:
                 seen.add(id(run))
                 configs.append(format_config(run))
-    return "\n\n".join([head, "\n".join(configs), *(format_table(t) for t in tables)])
+    return "\n\n".join([head, "\n".join(configs), *(format_table(t) for t in tables),
+                        *(p for t in tables if (p := format_profile(t, res)))])  # fmt: skip
+
+
+def format_profile(t: Table, res: dict) -> str:
+    """``--profile``: both engines' profiled wave, side by side (peer_profile.py)."""
+    from breakgraph.bench.peer_profile import format_profiles
+
+    runs = [r for r in (t.breakgraph, t.peer) if r.profile]
+    if not runs:
+        return ""
+    title = f"{res['args'].get('profile')} ({t.model}, {t.setting})"
+    return "\n".join(format_profiles(title, {r.engine: r.profile for r in runs}))
 
 
 def save(res: dict, json_path: str | None, plot_path: str | None) -> None:

@@ -149,7 +149,7 @@ def test_harness_end_to_end_against_a_second_breakgraph(tmp_path):
         "--prefill", "cold 16 2", "hit 32 1", "--hit-new-tokens", "8",
         "--warmup-waves", "0", "--waves", "1",
         "--concurrency", "1", "2", "--input-len", "16", "--output-len", "4",
-        "--requests-per-level", "2", "--rounds", "1",
+        "--requests-per-level", "2", "--rounds", "1", "--profile", "hit 32 1",
         "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "peers.json"),
     ]  # fmt: skip
     plot = None
@@ -175,6 +175,11 @@ def test_harness_end_to_end_against_a_second_breakgraph(tmp_path):
         # a chunk per token: decode steps were timed (one final chunk would leave none)
         assert all(row["decode_step_p50_ms"] > 0 for row in levels.values())
         assert all(row["output_tok_s"] > 0 for row in levels.values())
+        # --profile: one more wave under the engine's profiler (/start_profile, /stop_profile),
+        # its trace in the engine's profile folder (no GPU events on the CPU)
+        (trace,) = run["profile"]["files"]
+        assert trace.startswith(str(tmp_path / "logs")) and trace.endswith(".trace.json.gz")
+        assert run["profile"]["gpu_ms"] == 0.0
         # stopped: nothing answers on its port any more
         port = int(run["command"][run["command"].index("--port") + 1])
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
@@ -192,3 +197,40 @@ def test_harness_end_to_end_against_a_second_breakgraph(tmp_path):
     assert json.loads((tmp_path / "peers.json").read_text())["tables"] == result["tables"]
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_profile_sums_gpu_time_by_kernel_and_kind(tmp_path):
+    """peer_profile.summarize over Chrome traces (one gzipped, one plain): GPU events only,
+    summed by kernel name and by kind; vLLM is profiled through --profiler-config."""
+    import gzip
+
+    from breakgraph.bench import peer_profile as pp
+
+    def x(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    worker = {"traceEvents": [
+        x("flash::FlashAttnFwdSm90<...>", 0, 300), x("nvjet_tst_128x256_64x4", 300, 500),
+        x("nvjet_tst_128x256_64x4", 800, 500), x("rms_norm_kernel", 1300, 50),
+        x("Memcpy HtoD (Pinned -> Device)", 1350, 10, "gpu_memcpy"),
+        x("aten::mm", 0, 9999, "cpu_op"), {"ph": "i", "name": "marker", "ts": 5},
+    ]}  # fmt: skip
+    (tmp_path / "w.trace.json.gz").write_bytes(gzip.compress(json.dumps(worker).encode()))
+    front = {
+        "traceEvents": [x("_extend_attention_kernel", 10, 200), x("fused_moe_kernel", 210, 90)]
+    }
+    (tmp_path / "f.json").write_text(json.dumps(front))
+    res = pp.summarize([tmp_path / "w.trace.json.gz", tmp_path / "f.json"], top=3)
+    assert res["gpu_ms"] == pytest.approx((300 + 1000 + 50 + 10 + 200 + 90) / 1e3)
+    assert res["span_ms"] == pytest.approx((1360 + 290) / 1e3)  # each trace's first to last
+    assert res["kinds"] == pytest.approx({"gemm": 1.0, "attention": 0.5, "moe": 0.09,
+                                          "norm": 0.05, "copy": 0.01})  # fmt: skip
+    assert res["kernels"][0] == ["nvjet_tst_128x256_64x4", 1.0, 2] and len(res["kernels"]) == 3
+    lines = pp.format_profiles("cold 8192 8", {"breakgraph": res, "vllm": res})
+    assert "| gemm | 1.00 | 1.00 |" in lines and "| all GPU events | 1.65 | 1.65 |" in lines
+    vllm = pe.vllm_spec("/site", "/cache", [], None)
+    flag, config = pp.profiler_argv(vllm, "/tmp/p")
+    assert flag == "--profiler-config"
+    assert json.loads(config) == {"profiler": "torch", "torch_profiler_dir": "/tmp/p",
+                                  "torch_profiler_with_stack": False}  # fmt: skip
+    assert pp.profiler_argv(pe.breakgraph_spec([], []), "/tmp/p") == []
