@@ -9,7 +9,8 @@
 #           OUT=$OUT MODELS=qwen3-0.6b bash benchmarks/h200_peers.sh
 #   MoE models first bring the MoE library: carry .dev/peer/moe_C.so.xz.part0 and part1
 #   (39 MB, with .whl in a later call). ARGS adds flags to `bench peers` (README: one model per
-#   call; `--concurrency` with no value skips the serving table, `--rounds 1`).
+#   call; `--concurrency` with no value skips the serving table, `--rounds 1`); PROFILE="cold
+#   8192 8" profiles one more wave of it on each engine (--profile; the traces stay in /tmp/peers).
 #   breakgraph's prefill attention on FlashInfer (its default where installed): carry .fi in a
 #   call of its own or beside parts 2 and 3 (without .whl); what a call carries is unpacked
 #   (device_env.sh) and stays in /tmp while the machine is kept. Untried: vLLM's PYTHONPATH then
@@ -37,6 +38,7 @@ fi
 [ -z "${MODELS:-}" ] && { echo "h200_peers: the vLLM tree is ready; set MODELS to measure"; exit 0; }
 for m in $MODELS; do
   python3 -m breakgraph.cli bench peers --models "$m" --log-dir /tmp/peers ${ARGS:-} \
+    ${PROFILE:+--profile "$PROFILE"} \
     --json "$OUT/peers-$m.json" --plot "$OUT/peers-$m.png" 2>&1 \
     | grep -v -e Loading -e Capturing -e "it/s" | tee -a "$OUT/peers.log"
 done
