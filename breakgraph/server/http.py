@@ -293,12 +293,13 @@ async def flush_cache(request: Request) -> JSONResponse:
     )
 
 
-@router.api_route("/start_profile", methods=["GET", "POST"])
+@router.post("/start_profile")
 async def start_profile(request: Request) -> dict[str, Any]:
     """Start the engine's torch profiler between two steps (SGLang's endpoint; rank 0's host
     ops and kernels: engine/profiling.py). Body, optional: ``{"output_dir": DIR}`` (default
     ``BREAKGRAPH_TORCH_PROFILER_DIR``, else breakgraph-profiles in the temp folder); 409
-    while one runs."""
+    while one runs. POST only: a crawler's GET must not start one (its trace grows with every
+    step until /stop_profile)."""
     s = server_state(request)
     s.require_alive()
     output_dir = envs.TORCH_PROFILER_DIR.get() or os.path.join(
@@ -316,7 +317,7 @@ async def start_profile(request: Request) -> dict[str, Any]:
     return _profile_answer(await s.client.profile(True, output_dir), output_dir=output_dir)
 
 
-@router.api_route("/stop_profile", methods=["GET", "POST"])
+@router.post("/stop_profile")
 async def stop_profile(request: Request) -> dict[str, Any]:
     """Stop the profiler and write its Chrome trace (gzipped JSON; Perfetto opens it): the
     answer names the file. 409 when none runs."""

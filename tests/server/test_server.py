@@ -422,8 +422,9 @@ def test_profile_start_and_stop_write_a_chrome_trace(server, tmp_path):
     assert trace.parent == out and trace.name.endswith(".trace.json.gz")
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert any(str(e.get("name", "")).startswith("aten::") for e in events)  # the steps' ops
-    none = httpx.get(f"{server.url}/stop_profile", timeout=30)
+    none = post(server, "/stop_profile", None)
     assert none.status_code == 409 and "no profile is running" in none.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/start_profile", timeout=30).status_code == 405  # POST only
     bad = post(server, "/start_profile", {"num_steps": 3})
     assert bad.status_code == 400 and "output_dir" in bad.json()["error"]["message"]
 
