@@ -183,15 +183,8 @@ def bench_point(
         for arm, fn, note in arms:
             add(arm + tag, fn, note)
         if matrix_rate:
-            flops = step_flops(sb.engine.runner.model, n, p)
-            if flops is None:
-                add("FLOP limit" + tag, None, "not counted: the model's attention is its own")
-            else:
-                note = (
-                    f"{flops / 1e12:.2f} TFLOP at {matrix_rate:.0f} TFLOP/s (bf16 GEMM, this run)"
-                )
-                limit = flop_limit_ms(flops, matrix_rate)
-                res.arms.append(ArmResult("FLOP limit" + tag, limit, None, note))
+            model = sb.engine.runner.model
+            res.arms.append(flop_limit_arm("FLOP limit" + tag, model, suffix, n, p, matrix_rate))
         if profile and torch.cuda.is_available():
             graphed = {
                 arm + tag: fn for arm, fn, _ in arms if fn is not None and "eager" not in arm
@@ -208,6 +201,18 @@ def bench_point(
         else:
             add("HF compile", None, "P > 0 not measured" if p else no_compile_reason)
     return res
+
+
+def flop_limit_arm(arm: str, model, suffix: str, n: int, p: int, rate: float) -> ArmResult:
+    """The FLOP limit at ``rate`` TFLOP/s (bench/flop_limit.py). Gemma 4's bounded arm runs its
+    KV-shared layers on each request's last row only: only its all-rows arm is counted."""
+    if suffix == "bounded":
+        return ArmResult(arm, None, None, "not counted: see the all-rows arm's")
+    flops = step_flops(model, n, p)
+    if flops is None:
+        return ArmResult(arm, None, None, "not counted: the model's attention is its own")
+    note = f"{flops / 1e12:.2f} TFLOP at {rate:.0f} TFLOP/s (bf16 GEMM, this run)"
+    return ArmResult(arm, flop_limit_ms(flops, rate), None, note)
 
 
 def format_profile(calls: dict[str, Callable], floor_arm: str, top: int = 8) -> str:

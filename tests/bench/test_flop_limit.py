@@ -54,3 +54,14 @@ def test_the_limit_is_flops_over_the_rate():
 
 def test_a_model_whose_attention_is_its_own_is_not_counted():
     assert step_flops(_built("deepseek-v4-flash-e32"), 256, 0) is None
+
+
+def test_the_step_bench_arm_counts_only_what_it_can():
+    from breakgraph.bench.step import flop_limit_arm
+
+    dense = flop_limit_arm("FLOP limit", _built("qwen3-0.6b"), "", 512, 0, 700.0)
+    assert dense.ms == flop_limit_ms(step_flops(_built("qwen3-0.6b"), 512, 0), 700.0)
+    assert "at 700 TFLOP/s" in dense.note
+    bounded = flop_limit_arm("FLOP limit bounded", _built("gemma-4-e2b"), "bounded", 512, 0, 700.0)
+    v4 = flop_limit_arm("FLOP limit", _built("deepseek-v4-flash-e32"), "", 512, 0, 700.0)
+    assert bounded.ms is None and v4.ms is None and "own" in v4.note
