@@ -429,6 +429,25 @@ def test_profile_start_and_stop_write_a_chrome_trace(server, tmp_path):
     assert bad.status_code == 400 and "output_dir" in bad.json()["error"]["message"]
 
 
+def test_profile_routes_refuse_bad_input_and_leak_nothing(server):
+    """Each bad body is a 400 naming the problem, with no profile left running (a stop after
+    them is a 409) and nothing in flight or holding KV."""
+    for body, words in (
+        ([1, 2], "output_dir"),
+        ({"output_dir": 3}, "output_dir must be"),
+        ({"output_dir": ""}, "output_dir must be"),
+        ({"output_dir": "/tmp/x", "with_stack": True}, "output_dir"),
+    ):
+        r = post(server, "/start_profile", body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    malformed = httpx.post(f"{server.url}/start_profile", content=b"{", timeout=30)
+    assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
+    assert post(server, "/stop_profile", None).status_code == 409  # none was started
+    state = wait_idle(server)
+    assert state["num_inflight_requests"] == 0 and state["kv_tokens_used"] == 0
+    assert (state["num_running_reqs"], state["num_queued_reqs"]) == (0, 0)
+
+
 def test_version(server):
     """SGLang's /version: the installed package's version, as /get_server_info reports it."""
     r = httpx.get(f"{server.url}/version")
