@@ -19,9 +19,8 @@ from breakgraph.bench.attention_tflops import attention_flops
 def _window_keys(prefix: int, new: int, window: int | None) -> int:
     """Keys the ``new`` rows see in total after ``prefix`` cached ones (row i: prefix + i + 1,
     at most ``window``)."""
-    if not window:
-        return new * prefix + new * (new + 1) // 2
-    return sum(min(prefix + i + 1, window) for i in range(new))
+    below = new if not window else max(0, min(new, window - prefix))  # rows under the cap
+    return below * prefix + below * (below + 1) // 2 + (new - below) * (window or 0)
 
 
 def _router_weight(module: nn.Module):

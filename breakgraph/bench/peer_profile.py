@@ -48,9 +48,9 @@ def profiler_argv(spec, trace_dir: str) -> list[str]:
 
 
 def _post(url: str, body: dict | None, timeout_s: float) -> None:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data if data is not None else b"", method="POST")
-    if data is not None:
+    data = b"" if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST")
+    if body is not None:
         req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         r.read()
