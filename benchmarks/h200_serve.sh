@@ -20,7 +20,9 @@
 #   nextn    DeepSeek V4's MTP drafts in process (deepseek-v4-flash-e32, synthetic 3.51)
 #   v4       deepseek-v4-flash-e32, prefill graphs and eager (V4_ARMS): the latency table at
 #            P = 0 and 155,648, cold 8192 x8, hit 65536 x1; CONC adds the serving table;
-#            V4_CUT=20 serves its first 20 layers instead (benchmarks/v4_cut.py: an H100)
+#            V4_CUT=20 serves its first 20 layers instead (benchmarks/v4_cut.py: an H100);
+#            V4_PARTS picks among latency, prefill (default both) and first8k (the warmup
+#            stage on V4)
 #   OUT=$OUT [MODEL=...] [OLD=...] bash benchmarks/h200_serve.sh [STAGE ...]
 source "$(dirname "$0")/device_env.sh"
 PORT=30111; URL=http://127.0.0.1:$PORT
@@ -45,10 +47,12 @@ serve() {  # serve NAME [flags]: start TREE's server (default this one), wait fo
 stop() { kill -TERM $SERVER 2>/dev/null; wait $SERVER; }
 prefill() { python3 -m breakgraph.cli bench prefill "$@" --url $URL 2>&1 | log; }
 inproc() { python3 -m breakgraph.cli bench "$@" 2>&1 | log; }
-serving() {  # serving NAME IN OUT CONCURRENCY...: one round
+serving() {  # serving NAME IN OUT CONCURRENCY...: one round (SERVING_REQS requests a level,
+  # default 4 x its concurrency)
   local name=$1 input=$2 output=$3; shift 3
   python3 -m breakgraph.cli bench serving --url $URL --concurrency "$@" --input-len "$input" \
-    --output-len "$output" --rounds 1 --json "$OUT/$name.json" 2>&1 | log
+    --output-len "$output" --rounds 1 ${SERVING_REQS:+--requests-per-level $SERVING_REQS} \
+    --json "$OUT/$name.json" 2>&1 | log
 }
 compilations() {
   curl -s $URL/get_server_info | python3 -c "import sys,json; d=json.load(sys.stdin); print('  server info:', {k: v for k, v in d.items() if 'compil' in k or 'warmup' in k})" | log
@@ -171,8 +175,12 @@ v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graph
   # seed 003's latency table (one request, max_new_tokens 1, median of 3 after 2 warm: P = 0
   # and P = 155,648 with N = V4_N), cold 8192 x8, hit 65536 x1, and with CONC set the serving
   # table (8K in / 1K out); the arm `default` starts it at default flags (the memory test)
-  local a name flags n model=deepseek-v4-flash-e32
+  local a name flags n model=deepseek-v4-flash-e32 parts=" ${V4_PARTS:-latency prefill} "
   [ -n "${V4_CUT:-}" ] && model=$(python3 benchmarks/v4_cut.py "$V4_CUT" /tmp/v4-cut-$V4_CUT)
+  if [[ "$parts" == *" first8k "* ]]; then  # the warm-up stage's two cold starts, on V4
+    MODEL=$model SERVE_FLAGS="--context-length 70000 --mem-fraction-static 0.9" warmup_stage
+  fi
+  [[ "$parts" == *" latency "* || "$parts" == *" prefill "* || -n "${CONC:-}" ]] || return 0
   for a in ${V4_ARMS:-graphs eager}; do
     if [ "$a" = default ]; then  # started at default flags, one request, the memory split
       MEMORY_TEST_MODELS=deepseek-v4-flash-e32 python3 -m pytest -s -q -m gpu \
@@ -182,15 +190,19 @@ v4_stage() {  # deepseek-v4-flash-e32 per arm of V4_ARMS (default: prefill graph
     case $a in graphs) flags="" ;; eager) flags="--cuda-graph-backend-prefill disabled" ;; esac
     MODEL=$model serve "v4_$a" --context-length 170000 \
       --mem-fraction-static 0.9 $flags || continue
-    for n in ${V4_N:-256 1024 8000}; do  # the 155,648-token prefix is prefilled once
-      prefill hit 155648 1 --hit-new-tokens $n --keep-cache --warmup-waves 2 --waves 3 \
-        --json "$OUT/v4_${a}_hit155648_$n.json"
-    done
-    for n in ${V4_N:-256 1024 8000}; do
-      prefill cold $n 1 --warmup-waves 2 --waves 3 --json "$OUT/v4_${a}_cold_$n.json"
-    done
-    prefill cold 8192 8 --json "$OUT/v4_${a}_cold8192x8.json"
-    prefill hit 65536 1 --json "$OUT/v4_${a}_hit65536.json"
+    if [[ "$parts" == *" latency "* ]]; then
+      for n in ${V4_N:-256 1024 8000}; do  # the 155,648-token prefix is prefilled once
+        prefill hit 155648 1 --hit-new-tokens $n --keep-cache --warmup-waves 2 --waves 3 \
+          --json "$OUT/v4_${a}_hit155648_$n.json"
+      done
+      for n in ${V4_N:-256 1024 8000}; do
+        prefill cold $n 1 --warmup-waves 2 --waves 3 --json "$OUT/v4_${a}_cold_$n.json"
+      done
+    fi
+    if [[ "$parts" == *" prefill "* ]]; then
+      prefill cold 8192 8 --json "$OUT/v4_${a}_cold8192x8.json"
+      prefill hit 65536 1 --json "$OUT/v4_${a}_hit65536.json"
+    fi
     [ -n "${CONC:-}" ] && serving "v4_serving_$a" 8192 1024 $CONC
     compilations
     stop

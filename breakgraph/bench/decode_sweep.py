@@ -9,7 +9,9 @@ cache. So the sweep times the calls captured in one CUDA graph (``do_bench_cudag
 rotates over enough copies of the KV that each call reads from HBM, as a layer does after the
 others' weights went through the cache. The reference is the floor: the KV bytes over the
 device-to-device copy bandwidth measured in the same run; ``floor / ms`` is the share of that
-bandwidth the kernel reaches (#56's goal: 80% at 8K-64K keys, batch 1-64).
+bandwidth the kernel reaches (#56's goal: 80% at 8K-64K keys, batch 1-64). The capture is
+a decode graph's of that batch (``pdl.scope``): under ``BREAKGRAPH_PDL=auto`` the small
+batches' kernels launch with programmatic dependent launch, as the engine's graphs do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import torch
 
 from breakgraph.kernels import decode_attention as dec
+from breakgraph.kernels import pdl
 
 L2_COPIES = 4  # KV copies span at least this many L2 caches: each call's reads miss it
 
@@ -53,12 +56,13 @@ def bench_decode_sweep(
 
             shape = f"{batch} x {context} ctx, {copies} KV copies"
             floor = kv_bytes / bandwidth
-            ms = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median")
-            rows.append(("decode attention (graph)", shape, ms, "bandwidth floor", floor))
-            if batch == 1:
-                with dec.long_context():
-                    ms = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median")
-                rows.append(("  long-context variant", shape, ms, "bandwidth floor", floor))
+            with pdl.scope(batch):
+                ms = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median")
+                rows.append(("decode attention (graph)", shape, ms, "bandwidth floor", floor))
+                if batch == 1:
+                    with dec.long_context():
+                        ms = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median")
+                    rows.append(("  long-context variant", shape, ms, "bandwidth floor", floor))
             del caches, k_cache, v_cache
             torch.cuda.empty_cache()
     return rows
