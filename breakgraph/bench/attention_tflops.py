@@ -20,11 +20,14 @@ import torch
 
 CASES = ((0, 1024), (0, 8192), (0, 32768), (16384, 1024), (65536, 1024))  # (P, N)
 HEADS = {128: (32, 8), 256: (16, 8), 64: (32, 8), 512: (8, 1)}  # head size -> (q, kv) heads
-# --sweep: the one-pass Triton kernel at these (BLOCK_M, BLOCK_N, warps, stages) too, on the
-# 8K causal case and 1K over 16K (d512's default, (32, 32, 8, 2), was never measured)
+# --sweep: the one-pass Triton kernel at these (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_DV])
+# too, on the 8K causal case and 1K over 16K (d512's default, (32, 32, 8, 2), was never
+# measured); BLOCK_DV < 512: the value split, each program a share of the output columns
 TILE_SWEEP = {
     512: [(16, 32, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2),
-          (64, 32, 8, 1), (64, 64, 8, 1), (32, 16, 4, 3), (16, 64, 4, 2)],
+          (64, 32, 8, 1), (64, 64, 8, 1), (32, 16, 4, 3), (16, 64, 4, 2),
+          (64, 32, 4, 2, 256), (64, 32, 8, 2, 256), (64, 64, 8, 2, 256), (128, 32, 8, 2, 256),
+          (64, 32, 4, 2, 128), (128, 32, 8, 2, 128)],
     256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)],
 }  # fmt: skip

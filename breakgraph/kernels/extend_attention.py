@@ -114,6 +114,8 @@ def _attend_block(
     visible,
     offs_d,
     mask_d,
+    offs_dv,
+    mask_dv,
     qk_scale,
     stride_k_s,
     stride_v_s,
@@ -124,10 +126,12 @@ def _attend_block(
 
     ``slots`` [N] are the block's KV slots; with ``MASKED``, ``key_mask`` [N] marks the keys
     that exist and ``visible`` [M, N] which row sees which key (unused otherwise: every key
-    of the block is seen by every row). Returns the updated ``(acc, m_i, l_i)``.
+    of the block is seen by every row). The scores take every dimension (``offs_d``); the
+    output ``acc`` only the value columns ``offs_dv`` (all of them, or a program's share
+    under the one-pass kernel's value split). Returns the updated ``(acc, m_i, l_i)``.
     """
     k_ptrs = k_base + slots[None, :] * stride_k_s + offs_d[:, None]
-    v_ptrs = v_base + slots[:, None] * stride_v_s + offs_d[None, :]
+    v_ptrs = v_base + slots[:, None] * stride_v_s + offs_dv[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=key_mask[None, :] & mask_d[:, None], other=0.0)
     else:
@@ -137,9 +141,9 @@ def _attend_block(
         qk = tl.where(visible, qk, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(qk, m_i, l_i)
     if MASKED:
-        v = tl.load(v_ptrs, mask=key_mask[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=key_mask[:, None] & mask_dv[None, :], other=0.0)
     else:
-        v = tl.load(v_ptrs, mask=mask_d[None, :])
+        v = tl.load(v_ptrs, mask=mask_dv[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -195,8 +199,14 @@ def _extend_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     ZERO_PAD: tl.constexpr,  # one request: its block's rows past it, up to num_rows, get 0
+    BLOCK_DV: tl.constexpr,  # value columns per program: BLOCK_D, or a share of them
 ):
-    head = tl.program_id(0)
+    # The value split: BLOCK_D // BLOCK_DV programs per (head, query block), each computing
+    # the whole scores and its share of the output (an accumulator a wide head's large tiles
+    # can hold in registers, for every dot recomputed once per share)
+    head = tl.program_id(0) // (BLOCK_D // BLOCK_DV)
+    offs_dv = (tl.program_id(0) % (BLOCK_D // BLOCK_DV)) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM
     b = tl.program_id(1)
     # The last query blocks see the most keys: launch them first for a better tail.
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -221,7 +231,7 @@ def _extend_attention_kernel(
         v_base = v_cache + kv_head * stride_v_h
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
         # Keys before the block's first query position are visible to every row and lie
         # inside the sequence: whole key blocks there need no mask at all. With a sliding
@@ -244,13 +254,14 @@ def _extend_attention_kernel(
                 seen = (offs[None, :] <= q_pos[:, None]) & (offs[None, :] > q_pos[:, None] - window)
                 acc, m_i, l_i = _attend_block(
                     q_tile, acc, m_i, l_i, k_base, v_base, slots, offs < end, seen, offs_d,
-                    mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                    mask_d, offs_dv, mask_dv, qk_scale, stride_k_s, stride_v_s, True,
+                    DOT_PRECISION,
                 )  # fmt: skip
         for n0 in range(full_lo, full_end, BLOCK_N):
             slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
             acc, m_i, l_i = _attend_block(
                 q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_d, mask_d, offs_d, mask_d,
-                qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
+                offs_dv, mask_dv, qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
             )  # fmt: skip
 
         # Diagonal blocks: causal mask (row at position prefix + i sees keys <= it).
@@ -263,23 +274,22 @@ def _extend_attention_kernel(
                 visible = visible & (offs[None, :] > q_pos[:, None] - window)
             acc, m_i, l_i = _attend_block(
                 q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, visible, offs_d, mask_d,
-                qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                offs_dv, mask_dv, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
             )  # fmt: skip
 
         out = acc / l_i[:, None]
-        o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+        o_ptrs = o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_dv[None, :]
         if ZERO_PAD:  # the rows past the request's are padding: zeros
             out = tl.where(mask_m[:, None], out, 0.0)
             mask_m = (row0 + offs_m) < num_rows
-        tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
     else:
         if ZERO_PAD:  # a block of padding rows only
             row0 = tl.load(extend_start_loc + b).to(tl.int64)
             rows = row0 + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_d = tl.arange(0, BLOCK_D)
-            o_ptrs = o + rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
-            zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=o.dtype.element_ty)
-            tl.store(o_ptrs, zeros, mask=(rows < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])
+            o_ptrs = o + rows[:, None] * stride_o_t + head * stride_o_h + offs_dv[None, :]
+            zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=o.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=(rows < num_rows)[:, None] & mask_dv[None, :])
 
 
 @_jit_split
@@ -365,7 +375,7 @@ def _extend_split_kernel(
                 slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
                 acc, m_i, l_i = _attend_block(
                     q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_d, mask_d, offs_d,
-                    mask_d, qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
+                    mask_d, offs_d, mask_d, qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
                 )  # fmt: skip
 
             # The rest of the split: causal mask and the split's end.
@@ -377,7 +387,7 @@ def _extend_split_kernel(
                 visible = (offs[None, :] <= q_pos[:, None]) & mask_n[None, :]
                 acc, m_i, l_i = _attend_block(
                     q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, visible, offs_d,
-                    mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                    mask_d, offs_d, mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
                 )  # fmt: skip
 
             if DIRECT:  # every row sees key 0: l_i > 0
@@ -574,8 +584,9 @@ class ExtendPlan:
         sliding_window: int | None = None,
         zero_pad: bool = False,
     ):
-        """``config`` (BLOCK_M, BLOCK_N, warps, stages) and ``splits`` override the choices
-        (benchmark sweeps and tests). ``sliding_window`` W: a row at position p sees keys
+        """``config`` (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_DV]) and ``splits`` override the
+        choices (benchmark sweeps and tests); BLOCK_DV, the one-pass kernel's value columns
+        per program, defaults to all of them. ``sliding_window`` W: a row at position p sees keys
         p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window, so
         a long prefix costs the window, not the prefix (no key split is needed).
         ``zero_pad`` (one request): every row of ``o`` past the request's gets zeros, by the
@@ -594,7 +605,7 @@ class ExtendPlan:
             return
         assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
-        block_m, block_n, num_warps, num_stages = config or _extend_config(
+        block_m, block_n, num_warps, num_stages, *value_cols = config or _extend_config(
             head_dim, q.dtype, q.device
         )
         if sliding_window is not None:
@@ -625,12 +636,15 @@ class ExtendPlan:
             num_stages=num_stages,
         )
         if splits == 0:
-            self.grid = (num_heads, batch, num_m_blocks)
+            block_dv = value_cols[0] if value_cols else block_d
+            assert block_d % block_dv == 0, "the value split takes equal powers of two"
+            self.grid = (num_heads * (block_d // block_dv), batch, num_m_blocks)
             self.consts["SLIDING"] = sliding_window is not None
             self.consts["ZERO_PAD"] = zero_pad
+            self.consts["BLOCK_DV"] = block_dv
             self.attend = Launch(_extend_attention_kernel, self.grid, **self.consts)
             return
-        assert block_m % _MERGE_M == 0
+        assert block_m % _MERGE_M == 0 and value_cols in ([], [block_d]), "one-pass only"
         self.grid = (num_heads, batch * num_m_blocks, splits)
         self.split_args = (splits, num_m_blocks)
         self.consts["DIRECT"] = splits == 1

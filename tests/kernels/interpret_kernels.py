@@ -260,7 +260,10 @@ def extend_zero_pad() -> int:
 def sweep_tiles() -> int:
     """``bench kernels --tflops --sweep``'s d512 tiles (bench/attention_tflops.py) on the
     one-pass extend kernel: each equals the twin (a cached prefix, ragged blocks), so the
-    sweep on the GPU measures speed only."""
+    sweep on the GPU measures speed only; a value-split tile also under a sliding window and
+    zeroing one request's padding rows."""
+    from dataclasses import replace
+
     from breakgraph.bench.attention_tflops import TILE_SWEEP
     from breakgraph.kernels import extend_attention as ext
     from tests.support.kernels import paged_batch
@@ -277,6 +280,27 @@ def sweep_tiles() -> int:
         ok = diff <= 1e-5
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} d512 tile {cfg}: max diff {diff:.1e}")
+    # the value split where it meets the one-pass kernel's other paths: a sliding window,
+    # and one request's padding rows zeroed (by every share of the columns)
+    cfg = (16, 32, 4, 2, 128)
+    refw = torch.zeros_like(q)
+    ext.extend_attention_torch(q, refw, kc, vc, meta, 512**-0.5, sliding_window=24)
+    o = torch.zeros_like(q)
+    plan = ext.ExtendPlan(q, kc, meta, 512**-0.5, config=cfg, splits=0, sliding_window=24)
+    plan(q, o, kc, vc)
+    diff = (o[:37] - refw[:37]).abs().max().item()
+    failed += diff > 1e-5
+    print(f"{'ok' if diff <= 1e-5 else 'FAIL'} d512 tile {cfg}, window 24: max diff {diff:.1e}")
+    q = torch.cat([q, torch.randn(64 - rows, 8, 512)])  # a block of padding rows only, too
+    meta = replace(meta, max_extend_len=64)
+    o = torch.full_like(q, float("nan"))
+    ext.ExtendPlan(q, kc, meta, 512**-0.5, config=cfg, splits=0, zero_pad=True)(q, o, kc, vc)
+    diff = (o[:37] - ref[:37]).abs().max().item()
+    zeros = bool((o[37:] == 0).all())
+    ok = diff <= 1e-5 and zeros
+    failed += not ok
+    print(f"{'ok' if ok else 'FAIL'} d512 tile {cfg}, zero_pad: max diff {diff:.1e}, "
+          f"padding zero {zeros}")  # fmt: skip
     return failed
 
 
