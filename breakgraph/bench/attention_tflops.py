@@ -76,7 +76,9 @@ def bench_tflops(head_dims: list[int], bench_ms, paged_kv, sweep: bool = False) 
                 for cfg in TILE_SWEEP.get(head_dim, []):
                     plan = ext.ExtendPlan(q, k_cache, meta, scale, config=cfg, splits=0)
                     tile = lambda p=plan, a=args: p(a[0], a[1], a[2], a[3])  # noqa: E731
-                    kernels.append(("triton BM,BN,warps,stages=" + ",".join(map(str, cfg)), tile))
+                    kernels.append(
+                        ("triton BM,BN,warps,stages[,DV]=" + ",".join(map(str, cfg)), tile)
+                    )
             if head_dim in fi.HEAD_DIMS:
                 flash = flashinfer_reference(q, k_cache, v_cache, meta, seq)
                 if flash is not None:
