@@ -324,6 +324,7 @@ def _extend_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalize and store into ``o``, no workspace
+    BLOCK_DV: tl.constexpr,  # value columns per program (the value split, as one-pass)
 ):
     """Split-KV stage 1: one (head, request, query block, key split).
 
@@ -334,7 +335,9 @@ def _extend_split_kernel(
     that sees no key of the split gets lse -inf. Empty splits write nothing (stage 2 skips
     them by the same arithmetic). With ``DIRECT`` (one split) it is a one-pass kernel.
     """
-    head = tl.program_id(0)
+    head = tl.program_id(0) // (BLOCK_D // BLOCK_DV)
+    offs_dv = (tl.program_id(0) % (BLOCK_D // BLOCK_DV)) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM
     pid = tl.program_id(1)
     split = tl.program_id(2)
     b = pid // num_m_blocks
@@ -366,7 +369,7 @@ def _extend_split_kernel(
             v_base = v_cache + kv_head * stride_v_h
             m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
             # Whole key blocks before the block's first query position: no mask.
             q_first = prefix + m_block * BLOCK_M
@@ -375,7 +378,8 @@ def _extend_split_kernel(
                 slots = tl.load(tokens + n0 + offs_n).to(tl.int64)
                 acc, m_i, l_i = _attend_block(
                     q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_d, mask_d, offs_d,
-                    mask_d, offs_d, mask_d, qk_scale, stride_k_s, stride_v_s, False, DOT_PRECISION,
+                    mask_d, offs_dv, mask_dv, qk_scale, stride_k_s, stride_v_s, False,
+                    DOT_PRECISION,
                 )  # fmt: skip
 
             # The rest of the split: causal mask and the split's end.
@@ -387,28 +391,33 @@ def _extend_split_kernel(
                 visible = (offs[None, :] <= q_pos[:, None]) & mask_n[None, :]
                 acc, m_i, l_i = _attend_block(
                     q_tile, acc, m_i, l_i, k_base, v_base, slots, mask_n, visible, offs_d,
-                    mask_d, offs_d, mask_d, qk_scale, stride_k_s, stride_v_s, True, DOT_PRECISION,
+                    mask_d, offs_dv, mask_dv, qk_scale, stride_k_s, stride_v_s, True,
+                    DOT_PRECISION,
                 )  # fmt: skip
 
             if DIRECT:  # every row sees key 0: l_i > 0
                 out = acc / l_i[:, None]
                 o_ptrs = (
-                    o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+                    o + (row0 + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_dv[None, :]
                 )
-                tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+                tl.store(
+                    o_ptrs, out.to(o.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :]
+                )
             else:
                 seen = l_i > 0.0
                 out = acc / tl.where(seen, l_i, 1.0)[:, None]
                 lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
                 ws_len = tl.num_programs(1) * BLOCK_M  # workspace rows per (split, head)
-                ws_rows = (split * tl.num_programs(0) + head).to(tl.int64) * ws_len + (
+                heads = tl.num_programs(0) // (BLOCK_D // BLOCK_DV)
+                ws_rows = (split * heads + head).to(tl.int64) * ws_len + (
                     b * num_m_blocks * BLOCK_M + offs_m
                 )
                 tl.store(
-                    part_o + ws_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    part_o + ws_rows[:, None] * HEAD_DIM + offs_dv[None, :],
                     out,
-                    mask=mask_m[:, None] & mask_d[None, :],
+                    mask=mask_m[:, None] & mask_dv[None, :],
                 )
+                # (every share of the columns has the same log-sum-exp: each stores it)
                 tl.store(part_lse + ws_rows, lse, mask=mask_m)
 
 
@@ -473,10 +482,9 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _extend_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); measured on an H200 for d128 bf16.
+def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, BLOCK_DV]); measured on an H200 for d128
+    bf16, on an H100 for d512 (``bench kernels --tflops 512 --sweep``).
 
     The Hopper d128 config takes ~161 KiB of shared memory; the others fit in ~97 KiB.
     """
@@ -490,7 +498,18 @@ def _extend_config(
         return (128, 128, 8, 3) if _capability(index)[0] == 9 else (128, 64, 8, 3)
     if block_d <= 256:
         return 64, 32, 8, 2
-    return 32, 32, 8, 2  # d512 (Gemma 4 full layers): fp32 accumulator of 32 rows; unmeasured
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _capability(index)[0] == 9:
+        # d512 (Gemma 4's full layers) on Hopper: 128-row tiles, each program half the value
+        # columns (an accumulator of 128 x 256 fp32, the scores computed once per half). An
+        # H100 (8 heads over 1, one request): 8K causal 2.29 ms against 6.76 for (32, 32, 8,
+        # 2), 1K over 16K 1.32 against 4.30; the best of 21 tiles, 240 TFLOP/s (31% of the
+        # matrix rate). 128 x 64 and 256 x 32 tiles exceed its shared memory.
+        return 128, 32, 8, 2, 256
+    return _SPLIT_WIDE_CONFIG  # d512 elsewhere: unmeasured
+
+
+_SPLIT_WIDE_CONFIG = (32, 32, 8, 2)  # d512: an fp32 accumulator of 32 rows, all columns
 
 
 # Split-KV path (flash-decoding style) for grids too small to fill the GPU: few query
@@ -585,10 +604,10 @@ class ExtendPlan:
         zero_pad: bool = False,
     ):
         """``config`` (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_DV]) and ``splits`` override the
-        choices (benchmark sweeps and tests); BLOCK_DV, the one-pass kernel's value columns
-        per program, defaults to all of them. ``sliding_window`` W: a row at position p sees keys
-        p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window, so
-        a long prefix costs the window, not the prefix (no key split is needed).
+        choices (benchmark sweeps and tests); BLOCK_DV, the value columns per program (the
+        value split), defaults to all of them. ``sliding_window`` W: a row at position p sees
+        keys p-W+1 .. p; the one-pass kernel skips the key blocks outside every row's window,
+        so a long prefix costs the window, not the prefix (no key split is needed).
         ``zero_pad`` (one request): every row of ``o`` past the request's gets zeros, by the
         one-pass kernel's blocks past it (``max_extend_len`` must cover ``o``'s rows), or by
         a fill before the split kernel; otherwise rows of no request are left untouched."""
@@ -608,17 +627,26 @@ class ExtendPlan:
         block_m, block_n, num_warps, num_stages, *value_cols = config or _extend_config(
             head_dim, q.dtype, q.device
         )
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        block_dv = value_cols[0] if value_cols else block_d
+        assert block_d % block_dv == 0, "the value split takes equal powers of two"
+        programs_per_head = block_d // block_dv
         if sliding_window is not None:
             assert sliding_window >= 1 and splits in (None, 0), "a window takes the one-pass kernel"
             splits = 0
         elif splits is None:
             splits = num_kv_splits(
-                num_heads, batch, max_extend_len, meta.max_seq_len, block_m, sm_count(q.device)
-            )
+                num_heads * programs_per_head, batch, max_extend_len, meta.max_seq_len, block_m,
+                sm_count(q.device),
+            )  # fmt: skip
+        if splits and config is None and programs_per_head > 1:
+            # the split kernel keeps the tile it had before the value split at this head
+            # size: the split path with it has run only under the interpreter
+            block_m, block_n, num_warps, num_stages = _SPLIT_WIDE_CONFIG
+            block_dv, programs_per_head = block_d, 1
         self.splits = splits
         self.window = sliding_window or 0
         num_m_blocks = triton.cdiv(max_extend_len, block_m)
-        block_d = max(16, triton.next_power_of_2(head_dim))
         # the kernels' metadata arguments, in their order, unpacked once per step
         self.meta_args = (
             meta.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_start_loc,
@@ -635,17 +663,15 @@ class ExtendPlan:
             num_warps=num_warps,
             num_stages=num_stages,
         )
+        self.consts["BLOCK_DV"] = block_dv
         if splits == 0:
-            block_dv = value_cols[0] if value_cols else block_d
-            assert block_d % block_dv == 0, "the value split takes equal powers of two"
-            self.grid = (num_heads * (block_d // block_dv), batch, num_m_blocks)
+            self.grid = (num_heads * programs_per_head, batch, num_m_blocks)
             self.consts["SLIDING"] = sliding_window is not None
             self.consts["ZERO_PAD"] = zero_pad
-            self.consts["BLOCK_DV"] = block_dv
             self.attend = Launch(_extend_attention_kernel, self.grid, **self.consts)
             return
-        assert block_m % _MERGE_M == 0 and value_cols in ([], [block_d]), "one-pass only"
-        self.grid = (num_heads, batch * num_m_blocks, splits)
+        assert block_m % _MERGE_M == 0
+        self.grid = (num_heads * programs_per_head, batch * num_m_blocks, splits)
         self.split_args = (splits, num_m_blocks)
         self.consts["DIRECT"] = splits == 1
         self.part_o = self.part_lse = None  # direct: the kernel writes o

@@ -260,8 +260,8 @@ def extend_zero_pad() -> int:
 def sweep_tiles() -> int:
     """``bench kernels --tflops --sweep``'s d512 tiles (bench/attention_tflops.py) on the
     one-pass extend kernel: each equals the twin (a cached prefix, ragged blocks), so the
-    sweep on the GPU measures speed only; a value-split tile also under a sliding window and
-    zeroing one request's padding rows."""
+    sweep on the GPU measures speed only; a value-split tile also under a sliding window, on
+    the split kernel, and zeroing one request's padding rows."""
     from dataclasses import replace
 
     from breakgraph.bench.attention_tflops import TILE_SWEEP
@@ -291,6 +291,13 @@ def sweep_tiles() -> int:
     diff = (o[:37] - refw[:37]).abs().max().item()
     failed += diff > 1e-5
     print(f"{'ok' if diff <= 1e-5 else 'FAIL'} d512 tile {cfg}, window 24: max diff {diff:.1e}")
+    for splits in (1, 3):  # the split kernel's (direct, and through the workspace)
+        o = torch.zeros_like(q)
+        ext.ExtendPlan(q, kc, meta, 512**-0.5, config=cfg, splits=splits)(q, o, kc, vc)
+        diff = (o[:37] - ref[:37]).abs().max().item()
+        failed += diff > 1e-5
+        print(f"{'ok' if diff <= 1e-5 else 'FAIL'} d512 tile {cfg}, {splits} splits: "
+              f"max diff {diff:.1e}")  # fmt: skip
     q = torch.cat([q, torch.randn(64 - rows, 8, 512)])  # a block of padding rows only, too
     meta = replace(meta, max_extend_len=64)
     o = torch.full_like(q, float("nan"))

@@ -96,7 +96,8 @@ def test_extend_attention_other_head_dims(head_dim):
     torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
 
 
-SPLIT_CASES = [  # (group, head_dim, dtype): GQA 1/2/8, d 64/128, bf16 and fp32
+SPLIT_CASES = [  # (group, head_dim, dtype): GQA 1/2/8, d 64/128/512, bf16 and fp32
+    (8, 512, torch.bfloat16),  # Gemma 4's full layers: on Hopper, the value split
     (1, 64, torch.bfloat16),
     (2, 128, torch.bfloat16),
     (8, 128, torch.bfloat16),
@@ -168,6 +169,26 @@ def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if group == 1:  # 8 requests x 2 query blocks x 1 head: too small a grid, splits
         assert _split_count(q, len(RAGGED_LONG), max_extend, max_seq) > 1
+
+
+@gpu
+def test_d512_extend_takes_the_value_split_on_the_one_pass_kernel():
+    """Gemma 4's full layers (8 heads over 1, d512): on Hopper, a grid that fills the GPU
+    takes the one-pass kernel with half the value columns a program, and equals the twin;
+    a small grid over a long prefix takes the split kernel at its own tile, all columns."""
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    scale = 512**-0.5
+    for prefix, extend, one_pass in ((0, 4096, True), (16384, 20, False)):
+        kc, vc, meta, rows = paged_batch([(prefix, extend)], 1, 512, torch.bfloat16, "cuda")
+        meta = replace(meta, max_seq_len=prefix + extend)
+        q = torch.randn(rows, 8, 512, device="cuda").to(torch.bfloat16)
+        plan = ext.ExtendPlan(q, kc, meta, scale)
+        assert (plan.splits == 0) == one_pass
+        assert plan.consts["BLOCK_DV"] == (256 if hopper and one_pass else 512)
+        o, ref = torch.zeros_like(q), torch.zeros_like(q)
+        plan(q, o, kc, vc)
+        ext.extend_attention_torch(q, ref, kc, vc, meta, scale)
+        torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @gpu
