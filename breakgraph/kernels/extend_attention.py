@@ -512,6 +512,19 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
 _SPLIT_WIDE_CONFIG = (32, 32, 8, 2)  # d512: an fp32 accumulator of 32 rows, all columns
 
 
+def split_config(config: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
+    """The split kernel's tile where the one-pass kernel's is ``config``: the same, except
+    that a value split's tile gives way to :data:`_SPLIT_WIDE_CONFIG`. The split kernel takes
+    the value split (the interpreter checks it), but at d512 its 128-row tile would need
+    about the H100's whole shared memory (by count, 224 of its 227 KiB for the one-pass
+    kernel's) and has not run on a GPU: a tile past the chip's resources would stop a model
+    from starting."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if len(config) > 4 and config[4] < block_d:
+        return _SPLIT_WIDE_CONFIG
+    return config
+
+
 # Split-KV path (flash-decoding style) for grids too small to fill the GPU: few query
 # blocks, each facing a long cached prefix.
 _SPLIT_MIN_KEYS = 512  # each split walks at least this many keys of the longest sequence
@@ -639,11 +652,12 @@ class ExtendPlan:
                 num_heads * programs_per_head, batch, max_extend_len, meta.max_seq_len, block_m,
                 sm_count(q.device),
             )  # fmt: skip
-        if splits and config is None and programs_per_head > 1:
-            # the split kernel keeps the tile it had before the value split at this head
-            # size: the split path with it has run only under the interpreter
-            block_m, block_n, num_warps, num_stages = _SPLIT_WIDE_CONFIG
-            block_dv, programs_per_head = block_d, 1
+        if splits and config is None:
+            block_m, block_n, num_warps, num_stages, *value_cols = split_config(
+                (block_m, block_n, num_warps, num_stages, *value_cols), head_dim
+            )
+            block_dv = value_cols[0] if value_cols else block_d
+            programs_per_head = block_d // block_dv
         self.splits = splits
         self.window = sliding_window or 0
         num_m_blocks = triton.cdiv(max_extend_len, block_m)

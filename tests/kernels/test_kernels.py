@@ -162,9 +162,9 @@ def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
         bounded = replace(meta, max_extend_len=bounds[0], max_seq_len=bounds[1])
         ext.extend_attention_triton(q, o, kc, vc, bounded, scale)
         torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    # the split path itself on this batch, whatever the heuristic picks for it
+    # the split path itself on this batch (at its tile), whatever the heuristic picks for it
     o = torch.full_like(q, 7.0)
-    cfg = ext._extend_config(head_dim, dtype, q.device)
+    cfg = ext.split_config(ext._extend_config(head_dim, dtype, q.device), head_dim)
     ext.ExtendPlan(q, kc, meta, scale, config=cfg, splits=5)(q, o, kc, vc)
     torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if group == 1:  # 8 requests x 2 query blocks x 1 head: too small a grid, splits
