@@ -97,7 +97,7 @@ def test_extend_attention_other_head_dims(head_dim):
 
 
 SPLIT_CASES = [  # (group, head_dim, dtype): GQA 1/2/8, d 64/128/512, bf16 and fp32
-    (8, 512, torch.bfloat16),  # Gemma 4's full layers: on Hopper, the value split
+    (8, 512, torch.bfloat16),  # Gemma 4's full layers (one pass on Hopper: the value split)
     (1, 64, torch.bfloat16),
     (2, 128, torch.bfloat16),
     (8, 128, torch.bfloat16),
