@@ -149,6 +149,17 @@ def _attend_block(
 
 
 @_jit
+def _value_share(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The value split: BLOCK_D // BLOCK_DV programs per head along the grid's first axis,
+    each computing the whole scores and its share of the output columns (an accumulator a
+    wide head's large tiles can hold in registers, each dot recomputed once per share).
+    This program's ``(head, value columns, their mask)``."""
+    shares: tl.constexpr = BLOCK_D // BLOCK_DV
+    offs_dv = (tl.program_id(0) % shares) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    return tl.program_id(0) // shares, offs_dv, offs_dv < HEAD_DIM
+
+
+@_jit
 def _softmax_step(qk, m_i, l_i):
     """The online softmax over one block's scores ``qk`` [M, N] (base 2): the block's
     weights ``p``, the rescale ``alpha`` of what came before, and the new max and sum."""
@@ -201,12 +212,7 @@ def _extend_attention_kernel(
     ZERO_PAD: tl.constexpr,  # one request: its block's rows past it, up to num_rows, get 0
     BLOCK_DV: tl.constexpr,  # value columns per program: BLOCK_D, or a share of them
 ):
-    # The value split: BLOCK_D // BLOCK_DV programs per (head, query block), each computing
-    # the whole scores and its share of the output (an accumulator a wide head's large tiles
-    # can hold in registers, for every dot recomputed once per share)
-    head = tl.program_id(0) // (BLOCK_D // BLOCK_DV)
-    offs_dv = (tl.program_id(0) % (BLOCK_D // BLOCK_DV)) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < HEAD_DIM
+    head, offs_dv, mask_dv = _value_share(HEAD_DIM, BLOCK_D, BLOCK_DV)
     b = tl.program_id(1)
     # The last query blocks see the most keys: launch them first for a better tail.
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -335,9 +341,7 @@ def _extend_split_kernel(
     that sees no key of the split gets lse -inf. Empty splits write nothing (stage 2 skips
     them by the same arithmetic). With ``DIRECT`` (one split) it is a one-pass kernel.
     """
-    head = tl.program_id(0) // (BLOCK_D // BLOCK_DV)
-    offs_dv = (tl.program_id(0) % (BLOCK_D // BLOCK_DV)) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < HEAD_DIM
+    head, offs_dv, mask_dv = _value_share(HEAD_DIM, BLOCK_D, BLOCK_DV)
     pid = tl.program_id(1)
     split = tl.program_id(2)
     b = pid // num_m_blocks
@@ -408,7 +412,7 @@ def _extend_split_kernel(
                 out = acc / tl.where(seen, l_i, 1.0)[:, None]
                 lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
                 ws_len = tl.num_programs(1) * BLOCK_M  # workspace rows per (split, head)
-                heads = tl.num_programs(0) // (BLOCK_D // BLOCK_DV)
+                heads = tl.num_programs(0) // (BLOCK_D // BLOCK_DV)  # without the shares
                 ws_rows = (split * heads + head).to(tl.int64) * ws_len + (
                     b * num_m_blocks * BLOCK_M + offs_m
                 )
@@ -512,6 +516,11 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
 _SPLIT_WIDE_CONFIG = (32, 32, 8, 2)  # d512: an fp32 accumulator of 32 rows, all columns
 
 
+def _value_shares(config: tuple[int, ...], block_d: int) -> int:
+    """Programs per head under ``config``'s value split (its fifth entry, BLOCK_DV)."""
+    return block_d // config[4] if len(config) > 4 else 1
+
+
 def split_config(config: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
     """The split kernel's tile where the one-pass kernel's is ``config``: the same, except
     that a value split's tile gives way to :data:`_SPLIT_WIDE_CONFIG`. The split kernel takes
@@ -520,9 +529,7 @@ def split_config(config: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
     kernel's) and has not run on a GPU: a tile past the chip's resources would stop a model
     from starting."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if len(config) > 4 and config[4] < block_d:
-        return _SPLIT_WIDE_CONFIG
-    return config
+    return _SPLIT_WIDE_CONFIG if _value_shares(config, block_d) > 1 else config
 
 
 # Split-KV path (flash-decoding style) for grids too small to fill the GPU: few query
@@ -637,27 +644,22 @@ class ExtendPlan:
             return
         assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
-        block_m, block_n, num_warps, num_stages, *value_cols = config or _extend_config(
-            head_dim, q.dtype, q.device
-        )
+        cfg = config or _extend_config(head_dim, q.dtype, q.device)
         block_d = max(16, triton.next_power_of_2(head_dim))
-        block_dv = value_cols[0] if value_cols else block_d
-        assert block_d % block_dv == 0, "the value split takes equal powers of two"
-        programs_per_head = block_d // block_dv
         if sliding_window is not None:
             assert sliding_window >= 1 and splits in (None, 0), "a window takes the one-pass kernel"
             splits = 0
-        elif splits is None:
+        elif splits is None:  # the one-pass kernel's grid decides
             splits = num_kv_splits(
-                num_heads * programs_per_head, batch, max_extend_len, meta.max_seq_len, block_m,
-                sm_count(q.device),
+                num_heads * _value_shares(cfg, block_d), batch, max_extend_len,
+                meta.max_seq_len, cfg[0], sm_count(q.device),
             )  # fmt: skip
         if splits and config is None:
-            block_m, block_n, num_warps, num_stages, *value_cols = split_config(
-                (block_m, block_n, num_warps, num_stages, *value_cols), head_dim
-            )
-            block_dv = value_cols[0] if value_cols else block_d
-            programs_per_head = block_d // block_dv
+            cfg = split_config(cfg, head_dim)
+        block_m, block_n, num_warps, num_stages = cfg[:4]
+        programs_per_head = _value_shares(cfg, block_d)
+        block_dv = block_d // programs_per_head
+        assert block_dv * programs_per_head == block_d, "the value split takes powers of two"
         self.splits = splits
         self.window = sliding_window or 0
         num_m_blocks = triton.cdiv(max_extend_len, block_m)
