@@ -21,8 +21,9 @@ import torch
 CASES = ((0, 1024), (0, 8192), (0, 32768), (16384, 1024), (65536, 1024))  # (P, N)
 HEADS = {128: (32, 8), 256: (16, 8), 64: (32, 8), 512: (8, 1)}  # head size -> (q, kv) heads
 # --sweep: the one-pass Triton kernel at these (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_DV])
-# too, on the 8K causal case and 1K over 16K (d512's default, (32, 32, 8, 2), was never
-# measured); BLOCK_DV < 512: the value split, each program a share of the output columns
+# too, on the 8K causal case and 1K over 16K (there also the split kernel at each tile, with
+# the key splits its heuristic picks); BLOCK_DV < 512: the value split, each program a share
+# of the output columns
 TILE_SWEEP = {
     512: [(16, 32, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2),
           (64, 32, 8, 1), (64, 64, 8, 1), (32, 16, 4, 3), (16, 64, 4, 2),
@@ -79,6 +80,11 @@ def bench_tflops(head_dims: list[int], bench_ms, paged_kv, sweep: bool = False) 
                     kernels.append(
                         ("triton BM,BN,warps,stages[,DV]=" + ",".join(map(str, cfg)), tile)
                     )
+                    split = ext.ExtendPlan(q, k_cache, meta, scale, config=cfg)
+                    if prefix and split.splits:  # the split path the heuristic picks, at it
+                        tile = lambda p=split, a=args: p(a[0], a[1], a[2], a[3])  # noqa: E731
+                        name = f"triton split {split.splits} at " + ",".join(map(str, cfg))
+                        kernels.append((name, tile))
             if head_dim in fi.HEAD_DIMS:
                 flash = flashinfer_reference(q, k_cache, v_cache, meta, seq)
                 if flash is not None:
