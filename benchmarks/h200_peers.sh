@@ -11,6 +11,11 @@
 #   (39 MB, with .whl in a later call). ARGS adds flags to `bench peers` (README: one model per
 #   call; `--concurrency` with no value skips the serving table, `--rounds 1`); PROFILE="cold
 #   8192 8" profiles one more wave of it on each engine (--profile; the traces stay in /tmp/peers).
+#   Gemma 4: vLLM 0.25.1 reads its config under transformers 5.14.1 and tokenizers 0.22.2 (5.15
+#   on refuse it), first on its path: carry .peer-tf too, made by `pip download --no-deps
+#   --only-binary=:all: --python-version 3.12 transformers==5.14.1 tokenizers==0.22.2 -d
+#   .peer-tf`. Its FA4 kernels for Gemma 4 need the CUTLASS DSL, not in the tree: bench peers
+#   then runs vLLM's Triton attention (--attention-backend TRITON_ATTN, printed with the command).
 #   breakgraph's prefill attention on FlashInfer (its default where installed): carry .fi in a
 #   call of its own or beside parts 2 and 3 (without .whl); what a call carries is unpacked
 #   (device_env.sh) and stays in /tmp while the machine is kept. Untried: vLLM's PYTHONPATH then
@@ -36,8 +41,15 @@ if [ ! -f "$moe" ] && [ "$(ls /tmp/peer-parts/moe_C.so.xz.part* 2>/dev/null | wc
   cat /tmp/peer-parts/moe_C.so.xz.part* | xz -dc > "$moe" || rm -f "$moe"
 fi
 [ -z "${MODELS:-}" ] && { echo "h200_peers: the vLLM tree is ready; set MODELS to measure"; exit 0; }
+# Gemma 4 under vLLM 0.25.1 needs transformers 5.14.1 and tokenizers 0.22.2 first on its path:
+# carry .peer-tf (their wheels) in the call that measures it
+if compgen -G ".peer-tf/*.whl" > /dev/null && [ ! -d /tmp/vllm-tf/transformers ]; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/vllm-tf .peer-tf/*.whl
+fi
 for m in $MODELS; do
-  python3 -m breakgraph.cli bench peers --models "$m" --log-dir /tmp/peers ${ARGS:-} \
+  extra=()
+  case $m in gemma-4*) [ -d /tmp/vllm-tf/transformers ] && extra=(--vllm-extra-path /tmp/vllm-tf);; esac
+  python3 -m breakgraph.cli bench peers --models "$m" --log-dir /tmp/peers ${ARGS:-} "${extra[@]}" \
     ${PROFILE:+--profile "$PROFILE"} \
     --json "$OUT/peers-$m.json" --plot "$OUT/peers-$m.png" 2>&1 \
     | grep -v -e Loading -e Capturing -e "it/s" | tee -a "$OUT/peers.log"

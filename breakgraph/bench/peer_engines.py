@@ -60,6 +60,7 @@ class EngineSpec:
     extra_flags: list[str] = field(default_factory=list)
     vllm_site: str | None = None  # the vllm preset's tree (PYTHONPATH)
     path_first: tuple[str, ...] = ()  # put before it on PYTHONPATH (--vllm-extra-path)
+    _imports: dict[str, bool] = field(default_factory=dict, repr=False)  # imports()' answers
 
     def has_setting(self, setting: str) -> bool:
         return setting == "default" or bool(self.settings.get(setting))
@@ -81,6 +82,18 @@ class EngineSpec:
                 env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         return env
 
+    def probe(self, code: str) -> subprocess.CompletedProcess:
+        """``code`` run by a child with this engine's PYTHONPATH (what its imports find)."""
+        env = {**os.environ, "PYTHONPATH": self.added_env(False)["PYTHONPATH"]}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    def imports(self, module: str) -> bool:
+        """Whether ``module`` imports on this engine's path (asked once per module)."""
+        if module not in self._imports:
+            self._imports[module] = self.probe(f"import {module}").returncode == 0
+        return self._imports[module]
+
     def preflight(self, config: dict) -> str | None:
         """Why this engine cannot run the model here, before minutes of start-up (or None)."""
         if self.vllm_site is None:
@@ -94,7 +107,11 @@ class EngineSpec:
                 f"moe_C.so.xz.part* | xz -dc > {site / VLLM_MOE_LIBRARY}"
             )
         if is_gemma4(config):
-            return self._gemma4_transformers()
+            problem = self._gemma4_transformers()
+            if problem is None and not self.imports("cutlass"):
+                print(f"{self.name}: no CUTLASS DSL on its path (FA4's Gemma 4 kernels import "
+                      "it): its Triton attention instead", flush=True)  # fmt: skip
+            return problem
         return None
 
     def _gemma4_transformers(self) -> str | None:
@@ -103,10 +120,7 @@ class EngineSpec:
         ``head_dim``, ``global_head_dim`` folded into it) and refuse the global read
         (``AmbiguousGlobalPerLayerAttributeError``; vLLM reads them per layer from 0.28).
         Which transformers vLLM's path imports, asked of a child with its PYTHONPATH."""
-        env = {**os.environ, "PYTHONPATH": self.added_env(False)["PYTHONPATH"]}
-        probe = "import transformers; print(transformers.__version__)"
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
+        out = self.probe("import transformers; print(transformers.__version__)")
         if out.returncode:
             last = (out.stderr.strip().splitlines() or ["?"])[-1]
             return f"transformers does not import on vLLM's path: {last}"
@@ -153,12 +167,20 @@ def is_moe(config: dict) -> bool:
 
 
 def model_flags(spec: EngineSpec, config: dict) -> list[str]:
-    """The peer's own flag for a model's trait: vLLM's trim of Gemma 4's KV-shared layers in
-    prefill (``--kv-sharing-fast-prefill``), against breakgraph's bounded tail (its default)."""
+    """The peer's own flags for a model's traits: vLLM's trim of Gemma 4's KV-shared layers
+    in prefill (``--kv-sharing-fast-prefill``), against breakgraph's bounded tail (its
+    default). vLLM 0.25.1 attends Gemma 4 (head sizes 256 and 512) with FA4 on every layer,
+    whose CuTe kernels import the CUTLASS DSL (``cutlass``, nvidia-cutlass-dsl 4.5.2, with
+    quack-kernels and cuda-python: about 155 MB of wheels), which the pruned tree leaves out;
+    where it does not import on vLLM's path, vLLM's Triton attention serves the model instead
+    (``--attention-backend TRITON_ATTN``, said by the preflight)."""
+    if spec.vllm_site is None:
+        return []
     text = config.get("text_config", config)
-    if spec.vllm_site is not None and text.get("num_kv_shared_layers"):
-        return ["--kv-sharing-fast-prefill"]
-    return []
+    flags = ["--kv-sharing-fast-prefill"] if text.get("num_kv_shared_layers") else []
+    if is_gemma4(config) and not spec.imports("cutlass"):
+        flags += ["--attention-backend", "TRITON_ATTN"]
+    return flags
 
 
 def breakgraph_spec(extra_flags: list[str], latency_flags: list[str]) -> EngineSpec:

@@ -97,6 +97,29 @@ def test_gemma4_under_vllm_needs_a_transformers_before_5_15(tmp_path):
     assert "transformers does not import on vLLM's path" in spec.preflight(gemma)
 
 
+def test_gemma4_under_vllm_attends_with_triton_without_the_cutlass_dsl(tmp_path, capsys):
+    """vLLM 0.25.1's FA4 kernels for Gemma 4 import the CUTLASS DSL, which the pruned tree
+    lacks: without it on vLLM's path, the peer runs its Triton attention (said in one line,
+    and in the command printed with the results); with it there, vLLM's own choice."""
+    site, extra = tmp_path / "site", tmp_path / "extra"
+    (site / "vllm").mkdir(parents=True)
+    (extra / "transformers").mkdir(parents=True)
+    (extra / "transformers" / "__init__.py").write_text('__version__ = "5.14.1"\n')
+    _, gemma, _ = pe.write_model_dir("gemma-4-e2b", tmp_path, 70000)
+    _, llama, _ = pe.write_model_dir("llama-3.1-8b", tmp_path, 70000)
+    spec = pe.vllm_spec(str(site), "/tmp/vllm-cache", [], None, (str(extra),))
+    assert spec.preflight(gemma) is None
+    assert "no CUTLASS DSL on its path" in capsys.readouterr().out
+    argv = spec.argv(tmp_path, 1, 70000, "default", gemma)
+    assert argv[-3:] == ["--kv-sharing-fast-prefill", "--attention-backend", "TRITON_ATTN"]
+    assert "--attention-backend" not in spec.argv(tmp_path, 1, 70000, "default", llama)
+    (extra / "cutlass").mkdir()
+    (extra / "cutlass" / "__init__.py").write_text("")
+    spec = pe.vllm_spec(str(site), "/tmp/vllm-cache", [], None, (str(extra),))
+    assert spec.preflight(gemma) is None and "CUTLASS" not in capsys.readouterr().out
+    assert spec.argv(tmp_path, 1, 70000, "default", gemma)[-1] == "--kv-sharing-fast-prefill"
+
+
 def test_an_engine_that_does_not_start_is_reported_with_its_log(tmp_path):
     from breakgraph.bench.peers import measure
 
