@@ -185,7 +185,7 @@ def model_flags(spec: EngineSpec, config: dict) -> list[str]:
 
 def breakgraph_spec(extra_flags: list[str], latency_flags: list[str]) -> EngineSpec:
     """``breakgraph serve`` from this interpreter; ``latency_flags``: its latency setting
-    (``bench peers``' default: docs/deploy.md's, mixed chunks), none: its defaults."""
+    (``bench peers``' default: none, its defaults are docs/deploy.md's advice for latency)."""
     command = ["{python}", "-m", "breakgraph.cli", "serve", "--model-path", "{model_dir}",
                "--load-format", "dummy", "--host", "{host}", "--port", "{port}",
                "--context-length", "{context_length}"]  # fmt: skip

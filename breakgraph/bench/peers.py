@@ -71,9 +71,8 @@ def add_peers_args(p) -> None:
     g.add_argument("--settings", nargs="+", choices=["default", "latency"], default=["default"],
                    help="latency: the flags each engine's documentation recommends for it "
                    "(an engine that names none runs its defaults, measured once)")  # fmt: skip
-    g.add_argument("--latency-flags", default="--enable-mixed-chunk", help="breakgraph's "
-                   "latency setting (docs/deploy.md: running requests decode inside prefill "
-                   "steps)")  # fmt: skip
+    g.add_argument("--latency-flags", default="", help="breakgraph's latency setting (default: "
+                   "none, its defaults mix decodes into prefill steps: docs/deploy.md)")  # fmt: skip
     g.add_argument("--peer-latency-flags", default=None, help="the peer's latency setting "
                    "(default: vllm's --max-num-batched-tokens 16384; none)")  # fmt: skip
     g.add_argument("--context-length", type=int, default=70000, help="both engines' longest "

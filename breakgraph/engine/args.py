@@ -28,7 +28,7 @@ class EngineArgs:
     max_running_requests: int | None = None
     max_prefill_tokens: int | None = None
     disable_radix_cache: bool = False
-    enable_mixed_chunk: bool = False
+    enable_mixed_chunk: bool = True  # running requests decode inside prefill steps
     # launch step k+1 before reading step k back; None: on for CUDA
     overlap_schedule: bool | None = None
     # models with KV-shared layers (Gemma 4): those layers run on each request's last row only

@@ -16,7 +16,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     reserve_cap_tokens: int = 4096  # a request reserves at most this many future decode tokens
-    enable_mixed_chunk: bool = False  # running requests decode inside prefill steps
+    enable_mixed_chunk: bool = False  # decodes inside prefill steps (EngineArgs: on)
     max_prefill_tokens: int | None = None  # new tokens in one prefill batch (None: no bound)
     overlap: bool = False  # launch step k+1 before reading step k back
     # a cached prefix is resumed at a multiple of prefix_align tokens, and its last

@@ -52,6 +52,8 @@ def shown_default(action: argparse.Action) -> str | None:
     d = action.default
     if not action.option_strings or d is None or d is False or d is argparse.SUPPRESS:
         return None
+    if action.nargs == 0:  # a switch whose default is on (or a pair's): its help says it
+        return None
     return " ".join(map(str, d)) if isinstance(d, list | tuple) else str(d)
 
 
@@ -194,7 +196,15 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--enable-mixed-chunk",
         action="store_true",
-        help="running requests decode inside prefill steps instead of waiting for them",
+        default=d.enable_mixed_chunk,
+        help="running requests decode inside prefill steps instead of waiting for them (on "
+        "by default; SGLang's flag)",
+    )
+    g.add_argument(
+        "--disable-mixed-chunk",
+        dest="enable_mixed_chunk",
+        action="store_false",
+        help="prefill first: running requests wait while a prompt is prefilled",
     )
     g.add_argument(
         "--disable-overlap-schedule",

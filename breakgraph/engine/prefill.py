@@ -96,7 +96,7 @@ class PrefillManager:
         """Admit and chunk requests into one extend batch (None: nothing to prefill).
 
         Waiting requests that need no forward (``max_new_tokens`` 0) leave the queue into
-        ``finished``. With ``--enable-mixed-chunk`` the running requests decode one token
+        ``finished``. With mixed chunks (the default) the running requests decode one token
         each inside the batch, after the prefill rows.
         """
         if not self.has_work:

@@ -58,12 +58,12 @@ def test_vllm_preset_starts_vllm_as_its_readme_says(tmp_path):
     bg = pe.breakgraph_spec([], [])
     assert "--kv-sharing-fast-prefill" not in bg.argv(model_dir, 1, 70000, "default", gemma)
     assert not bg.has_setting("latency")  # no latency flags: its defaults
-    # bench peers' default latency setting: docs/deploy.md's (mixed chunks)
+    # bench peers' default latency setting for breakgraph: none (its defaults mix chunks)
     from breakgraph.bench.peers import specs
     from breakgraph.cli import build_parser
 
     bg, _ = specs(build_parser().parse_args(["bench", "peers"]))
-    assert bg.argv(model_dir, 1, 70000, "latency", llama)[-1] == "--enable-mixed-chunk"
+    assert not bg.has_setting("latency")
 
     # what the GPU machine must hold, said before minutes of start-up
     assert "no vLLM tree" in spec.preflight(config)

@@ -407,7 +407,8 @@ def test_max_prefill_tokens_admits_a_longer_request_as_a_chunk():
 
 
 def test_engine_passes_max_prefill_tokens(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, max_prefill_tokens=16)
+    # prefill rows only: no running request decodes inside the second batch
+    engine = make_engine(tiny_llama_dir, max_prefill_tokens=16, enable_mixed_chunk=False)
     extends: list[int] = []
     inner = engine.scheduler.forward
 
@@ -428,7 +429,8 @@ def test_engine_passes_max_prefill_tokens(tiny_llama_dir):
 def test_n_samples_share_one_prompt_prefill(tiny_llama_dir, overlap):
     """Four seeded samples of one prompt: the prompt is computed once (each other sample
     computes only its last token, a cache hit), the samples differ and are reproducible."""
-    engine = make_engine(tiny_llama_dir, overlap_schedule=overlap)
+    # prefill rows only: the first sample does not decode inside the others' batch
+    engine = make_engine(tiny_llama_dir, overlap_schedule=overlap, enable_mixed_chunk=False)
     computed = []
     launch = engine.scheduler.launch
 

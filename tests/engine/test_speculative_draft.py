@@ -78,6 +78,35 @@ def test_another_draft_model_keeps_the_greedy_tokens(target_dir, draft_dir):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_mixed_chunks_keep_the_greedy_tokens(target_dir, draft_dir, algorithm):
+    """With --enable-mixed-chunk, requests between verify steps decode one plain row each
+    inside a long prompt's prefill chunks (the drafter's KV mirrored for those rows): the
+    greedy tokens equal plain decoding's, mixed steps and verify steps both ran, and
+    nothing leaks."""
+    ps = [*PROMPTS, *prompts(1, [150], seed=5)]
+    kw = dict(chunked_prefill_size=32, enable_mixed_chunk=True)
+    plain = make_engine(target_dir, **kw).generate(ps, greedy(24))
+    if algorithm == "NGRAM":
+        engine = make_engine(target_dir, speculative_algorithm="NGRAM",
+                             speculative_num_draft_tokens=3, **kw)  # fmt: skip
+    else:
+        engine = standalone(target_dir, draft_dir, k=3, **kw)
+    mixed = []  # per prefill batch: whether running requests decode inside it
+    schedule = engine.scheduler.prefill.schedule_batch
+
+    def watched(*a):
+        out = schedule(*a)
+        mixed.append(out is not None and any(r.decoding for r in out[0]))
+        return out
+
+    engine.scheduler.prefill.schedule_batch = watched
+    spec = engine.generate(ps, greedy(24))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert any(mixed) and engine.scheduler.spec_stats.steps > 0
+    assert_no_leak(engine)
+
+
 def test_standalone_refusals_name_the_cause(target_dir, tmp_path):
     with pytest.raises(ValueError, match="without --speculative-draft-model-path"):
         make_engine(target_dir, speculative_algorithm="STANDALONE")
