@@ -60,7 +60,7 @@ class EngineSpec:
     extra_flags: list[str] = field(default_factory=list)
     vllm_site: str | None = None  # the vllm preset's tree (PYTHONPATH)
     path_first: tuple[str, ...] = ()  # put before it on PYTHONPATH (--vllm-extra-path)
-    _imports: dict[str, bool] = field(default_factory=dict, repr=False)  # imports()' answers
+    _imports: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
 
     def has_setting(self, setting: str) -> bool:
         return setting == "default" or bool(self.settings.get(setting))
