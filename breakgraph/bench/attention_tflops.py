@@ -80,8 +80,10 @@ def bench_tflops(head_dims: list[int], bench_ms, paged_kv, sweep: bool = False) 
                     kernels.append(
                         ("triton BM,BN,warps,stages[,DV]=" + ",".join(map(str, cfg)), tile)
                     )
+                    if not prefix:
+                        continue
                     split = ext.ExtendPlan(q, k_cache, meta, scale, config=cfg)
-                    if prefix and split.splits:  # the split path the heuristic picks, at it
+                    if split.splits:  # the split path the heuristic picks, at this tile
                         tile = lambda p=split, a=args: p(a[0], a[1], a[2], a[3])  # noqa: E731
                         name = f"triton split {split.splits} at " + ",".join(map(str, cfg))
                         kernels.append((name, tile))

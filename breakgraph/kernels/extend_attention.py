@@ -486,13 +486,18 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _block_d(head_dim: int) -> int:
+    """The kernels' head tile: ``head_dim`` up to a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages[, BLOCK_DV]); measured on an H200 for d128
     bf16, on an H100 for d512 (``bench kernels --tflops 512 --sweep``).
 
     The Hopper d128 config takes ~161 KiB of shared memory; the others fit in ~97 KiB.
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = _block_d(head_dim)
     if dtype == torch.float32:
         return (32, 32, 4, 2) if block_d <= 128 else (32, 16, 4, 1)  # tests; tf32x3 dots
     if block_d <= 64:
@@ -516,9 +521,9 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
 _SPLIT_WIDE_CONFIG = (32, 32, 8, 2)  # d512: an fp32 accumulator of 32 rows, all columns
 
 
-def _value_shares(config: tuple[int, ...], block_d: int) -> int:
+def _value_shares(config: tuple[int, ...], head_dim: int) -> int:
     """Programs per head under ``config``'s value split (its fifth entry, BLOCK_DV)."""
-    return block_d // config[4] if len(config) > 4 else 1
+    return _block_d(head_dim) // config[4] if len(config) > 4 else 1
 
 
 def split_config(config: tuple[int, ...], head_dim: int, splits: int) -> tuple[int, ...]:
@@ -529,8 +534,7 @@ def split_config(config: tuple[int, ...], head_dim: int, splits: int) -> tuple[i
     cached in 1.34 ms at (128, 32, 8, 2, 256), as the one-pass kernel, against 4.30 at the
     wide tile. Split, the 128-row tile (by count 224 of the H100's 227 KiB of shared memory)
     has not run on a GPU, and a tile past the chip's resources would fail a request."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if splits > 1 and _value_shares(config, block_d) > 1:
+    if splits > 1 and _value_shares(config, head_dim) > 1:
         return _SPLIT_WIDE_CONFIG
     return config
 
@@ -648,19 +652,19 @@ class ExtendPlan:
         assert num_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
         cfg = config or _extend_config(head_dim, q.dtype, q.device)
-        block_d = max(16, triton.next_power_of_2(head_dim))
+        block_d = _block_d(head_dim)
         if sliding_window is not None:
             assert sliding_window >= 1 and splits in (None, 0), "a window takes the one-pass kernel"
             splits = 0
         elif splits is None:  # the one-pass kernel's grid decides
             splits = num_kv_splits(
-                num_heads * _value_shares(cfg, block_d), batch, max_extend_len,
+                num_heads * _value_shares(cfg, head_dim), batch, max_extend_len,
                 meta.max_seq_len, cfg[0], sm_count(q.device),
             )  # fmt: skip
         if splits and config is None:
             cfg = split_config(cfg, head_dim, splits)
         block_m, block_n, num_warps, num_stages = cfg[:4]
-        programs_per_head = _value_shares(cfg, block_d)
+        programs_per_head = _value_shares(cfg, head_dim)
         block_dv = block_d // programs_per_head
         assert block_dv * programs_per_head == block_d, "the value split takes powers of two"
         self.splits = splits
@@ -679,10 +683,10 @@ class ExtendPlan:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+            BLOCK_DV=block_dv,
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        self.consts["BLOCK_DV"] = block_dv
         if splits == 0:
             self.grid = (num_heads * programs_per_head, batch, num_m_blocks)
             self.consts["SLIDING"] = sliding_window is not None
