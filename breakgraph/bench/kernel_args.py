@@ -131,6 +131,11 @@ def add_kernels_args(p) -> None:
         "launch config, against a dense GEMM of the same FLOPs",
     )  # fmt: skip
     p.add_argument(
+        "--mixed", action="store_true",
+        help="only a mixed step's attention (prefill rows, then one-row requests) as the engine "
+        "plans it (the one-row requests on the decode kernel) against one extend launch",
+    )  # fmt: skip
+    p.add_argument(
         "--tflops", type=int, nargs="*", metavar="HEAD_DIM", default=None,
         help="only prefill attention's TFLOP/s against a bf16 GEMM's, per head size (default "
         "128 512): 1K, 8K, 32K causal and 1K over 16K and 64K cached; Triton, FlashInfer, "

@@ -319,7 +319,11 @@ def run_kernels_bench(args) -> None:
         rows = at.bench_tflops(head_dims, bench_ms, _paged_kv, sweep=args.sweep)
         print("\n".join(at.format_tflops(rows, rate)))
         return
-    if args.v4_attention:
+    if args.mixed:
+        from breakgraph.bench.mixed_attention import bench_mixed
+
+        rows = bench_mixed(bench_ms, _paged_kv)
+    elif args.v4_attention:
         from breakgraph.bench.v4_attention import (
             bench_hc_mixes,
             bench_norm_rope,

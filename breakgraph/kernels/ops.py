@@ -108,25 +108,89 @@ def plan_extend_attention(
     """:func:`extend_attention` split in two: the step's part, computed once, returns a
     ``plan(q, o, k_cache, v_cache)`` that each layer of the same shape, scale and window
     calls (same result, less host work). ``zero_pad`` (one request): o's rows past the
-    request's get zeros (``ExtendPlan``)."""
-    if _use_triton(q):
-        plan = _extend.ExtendPlan(
-            q, k_cache, meta, sm_scale, sliding_window=sliding_window, zero_pad=zero_pad
-        )
-        # FlashInfer where the Triton kernel would not split keys: many query rows (an H200
-        # measured it 1.40x faster at 8K new tokens, 1.53x at 1K over a 32K prefix; 0.46x at
-        # 256 over 32K, where the split-KV path fills the GPU)
-        if not plan.empty and plan.splits <= 1 and _flashinfer.usable(q, k_cache, meta, zero_pad):
-            try:
-                return _flashinfer.FlashInferPlan(q, k_cache, meta, sm_scale, sliding_window)
-            except Exception as e:  # its kernel did not build: Triton, said once
-                _flashinfer.give_up(e)
+    request's get zeros (``ExtendPlan``).
+
+    A mixed step's decode rows (one query row per running request, after the prefill rows:
+    engine/prefill.py) go to the decode kernel where there are at least
+    :data:`MIXED_DECODE_MIN_ROWS` of them: the extend kernels give each a whole query tile
+    over its keys (:func:`_plan_with_decode_rows`)."""
+    if not _use_triton(q):
+
+        def plan(q, o, k_cache, v_cache):
+            if zero_pad:
+                o.zero_()
+            _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
+
         return plan
+    decode_rows = _decode_tail(meta)
+    if decode_rows >= MIXED_DECODE_MIN_ROWS and not zero_pad:
+        return _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, decode_rows)
+    return _plan_extend_kernel(q, k_cache, meta, sm_scale, sliding_window, zero_pad)
+
+
+def _plan_extend_kernel(q, k_cache, meta, sm_scale, sliding_window, zero_pad):
+    """The step on one extend kernel: Triton's, or FlashInfer's where it serves the step."""
+    plan = _extend.ExtendPlan(
+        q, k_cache, meta, sm_scale, sliding_window=sliding_window, zero_pad=zero_pad
+    )
+    # FlashInfer where the Triton kernel would not split keys: many query rows (an H200
+    # measured it 1.40x faster at 8K new tokens, 1.53x at 1K over a 32K prefix; 0.46x at
+    # 256 over 32K, where the split-KV path fills the GPU)
+    if not plan.empty and plan.splits <= 1 and _flashinfer.usable(q, k_cache, meta, zero_pad):
+        try:
+            return _flashinfer.FlashInferPlan(q, k_cache, meta, sm_scale, sliding_window)
+        except Exception as e:  # its kernel did not build: Triton, said once
+            _flashinfer.give_up(e)
+    return plan
+
+
+# A mixed step's decode rows on the decode kernel from this many on (see _plan_with_decode_rows)
+MIXED_DECODE_MIN_ROWS = 1
+
+
+def _decode_tail(meta: AttentionMeta) -> int:
+    """How many of the step's last requests have one query row each (host lengths known)."""
+    lens = meta.extend_lens_cpu
+    n = 0
+    if lens is not None:
+        while n < len(lens) and lens[-1 - n] == 1:
+            n += 1
+    return n
+
+
+def _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, n):
+    """The step's last ``n`` requests, one query row each, on the decode kernel (split-KV
+    over their keys, the query row alone); the requests before them on the extend kernel.
+
+    In a mixed step those are the running requests' decode rows. An extend kernel gives
+    each its own query tile (Triton's: 128 rows, one of them real) over all of its keys:
+    on Llama-3.1-8B's heads, 64 such rows of 4K keys beside an 8K prefill took ... (H100,
+    ``bench kernels --mixed``)."""
+    lens, seqs = meta.extend_lens_cpu, meta.seq_lens_cpu
+    b = len(lens) - n
+    rows = sum(lens[:b])
+    decode_meta = AttentionMeta.decode(
+        meta.req_to_token, meta.req_pool_indices[b:], meta.seq_lens[b:], meta.max_seq_len
+    )
+    head = None
+    if b:
+        head_meta = AttentionMeta(
+            meta.req_to_token, meta.req_pool_indices[:b], meta.seq_lens[:b],
+            meta.extend_start_loc[:b], meta.extend_lens[:b], max_extend_len=max(lens[:b]),
+            max_seq_len=meta.max_seq_len if seqs is None else max(seqs[:b]),
+            extend_lens_cpu=lens[:b],
+            seq_lens_cpu=None if seqs is None else seqs[:b],
+        )  # fmt: skip
+        head = _plan_extend_kernel(q[:rows], k_cache, head_meta, sm_scale, sliding_window, False)
+    end = rows + n
 
     def plan(q, o, k_cache, v_cache):
-        if zero_pad:
-            o.zero_()
-        _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
+        if head is not None:
+            head(q[:rows], o[:rows], k_cache, v_cache)
+        _decode.decode_attention_triton(
+            q[rows:end], o[rows:end], k_cache, v_cache, decode_meta, sm_scale,
+            sliding_window=sliding_window,
+        )  # fmt: skip
 
     return plan
 

@@ -59,6 +59,7 @@ def main() -> int:
         + clamped_silu_mul()
         + skinny_gemm()
         + extend_zero_pad()
+        + mixed_decode_rows()
         + sweep_tiles()
         + apply_penalties()  # after the cases that draw from the global generator unseeded
         + norm_rope_tail()
@@ -253,6 +254,42 @@ def extend_zero_pad() -> int:
             print(
                 f"{'ok' if ok else 'FAIL'} extend zero_pad prefix={prefix} extend={extend} "
                 f"splits={splits}: max diff {diff:.1e}, padding zero {zeros}"
+            )
+    return failed
+
+
+def mixed_decode_rows() -> int:
+    """A mixed step (prefill requests, then running requests of one query row each): the
+    plan that sends the one-row requests to the decode kernel equals the twin, with and
+    without a window, and where every request has one row."""
+    from dataclasses import replace
+
+    from breakgraph.kernels import extend_attention as ext
+    from breakgraph.kernels import ops
+    from tests.support.kernels import paged_batch
+
+    failed = 0
+    cases = {  # (prefix, new tokens) per request; the one-row requests at the end
+        "mixed": ([(7, 5), (0, 40), (20, 1), (130, 1), (64, 1)], 3),
+        "decode rows only": ([(20, 1), (3, 1)], 2),
+    }
+    for name, (batch, expected) in cases.items():
+        kc, vc, meta, rows = paged_batch(batch, 2, 32, torch.float32, "cpu")
+        lens, seqs = [e for _, e in batch], [p + e for p, e in batch]
+        meta = replace(meta, max_seq_len=max(seqs), extend_lens_cpu=lens, seq_lens_cpu=seqs)
+        q = torch.randn(rows, 4, 32)
+        tail = ops._decode_tail(meta)
+        for window in (None, 16):
+            ref = torch.zeros_like(q)
+            ext.extend_attention_torch(q, ref, kc, vc, meta, 0.3, sliding_window=window)
+            o = torch.zeros_like(q)
+            ops._plan_with_decode_rows(q, kc, meta, 0.3, window, tail)(q, o, kc, vc)
+            diff = (o - ref).abs().max().item()
+            ok = diff <= 1e-5 and tail == expected
+            failed += not ok
+            print(
+                f"{'ok' if ok else 'FAIL'} {name} window={window}, {tail} decode rows: "
+                f"max diff {diff:.1e}"
             )
     return failed
 

@@ -171,6 +171,34 @@ def test_extend_attention_split_kv_ragged_batch(group, head_dim, dtype):
         assert _split_count(q, len(RAGGED_LONG), max_extend, max_seq) > 1
 
 
+MIXED = [(0, 300), (130, 127), (3000, 1), (37, 1), (513, 1), (0, 1)]  # prefill, then one-row
+
+
+@gpu
+@pytest.mark.parametrize(("group", "head_dim", "dtype", "window"), [
+    (4, 128, torch.bfloat16, None), (2, 256, torch.bfloat16, 200), (8, 512, torch.bfloat16, None),
+    (4, 64, torch.float32, None),
+])  # fmt: skip
+def test_mixed_step_plan_sends_one_row_requests_to_the_decode_kernel(
+    group, head_dim, dtype, window
+):
+    """A mixed step (prefill requests, then running requests' decode rows) through the
+    engine's plan: the trailing one-row requests on the decode kernel, the rest on the extend
+    kernel; padding rows untouched. The same where every request has one row (Gemma 4's
+    KV-shared tail)."""
+    for batch in (MIXED, MIXED[2:]):
+        kc, vc, meta, rows = paged_batch(batch, 2, head_dim, dtype, "cuda")
+        lens, seqs = [e for _, e in batch], [p + e for p, e in batch]
+        meta = replace(meta, max_seq_len=max(seqs), extend_lens_cpu=lens, seq_lens_cpu=seqs)
+        assert ops._decode_tail(meta) == 4
+        q = torch.randn(rows, 2 * group, head_dim, device="cuda").to(dtype)
+        o_ref = torch.full_like(q, 7.0)
+        ext.extend_attention_torch(q, o_ref, kc, vc, meta, 0.3, sliding_window=window)
+        o = torch.full_like(q, 7.0)
+        ops.plan_extend_attention(q, kc, meta, 0.3, sliding_window=window)(q, o, kc, vc)
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @gpu
 def test_d512_extend_takes_the_value_split_on_the_one_pass_kernel():
     """Gemma 4's full layers (8 heads over 1, d512): on Hopper, a grid that fills the GPU
