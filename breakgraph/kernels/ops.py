@@ -162,10 +162,14 @@ def _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, n):
     """The step's last ``n`` requests, one query row each, on the decode kernel (split-KV
     over their keys, the query row alone); the requests before them on the extend kernel.
 
-    In a mixed step those are the running requests' decode rows. An extend kernel gives
-    each its own query tile (Triton's: 128 rows, one of them real) over all of its keys:
-    on Llama-3.1-8B's heads, 64 such rows of 4K keys beside an 8K prefill took ... (H100,
-    ``bench kernels --mixed``)."""
+    In a mixed step those are the running requests' decode rows; in Gemma 4's KV-shared
+    tail, every request's last row. An extend kernel gives each its own query tile (Triton's
+    d128 tile: 128 rows, one of them real) per query head over all of its keys: 128x the
+    matmul work, and the keys read once per query head, where the decode kernel reads them
+    once per KV head (grouped heads together) at the bandwidth's pace. By count on
+    Llama-3.1-8B's heads, 64 such rows of 4K keys are 0.18 TFLOP a layer on the tiles
+    (about 0.5 ms at 360 TFLOP/s) against 1.07 GB of keys and values (0.32 ms at 3.35 TB/s).
+    ``bench kernels --mixed`` times the two."""
     lens, seqs = meta.extend_lens_cpu, meta.seq_lens_cpu
     b = len(lens) - n
     rows = sum(lens[:b])
