@@ -45,11 +45,9 @@ def bench_mixed(bench_ms, paged_kv) -> list[tuple]:
         o, o_one = torch.empty_like(q), torch.empty_like(q)
         scale = head_dim**-0.5
         plan = ops.plan_extend_attention(q, k_cache, meta, scale, sliding_window=window)
-        saved, ops.MIXED_DECODE_MIN_ROWS = ops.MIXED_DECODE_MIN_ROWS, len(lens) + 1
-        try:
-            one = ops.plan_extend_attention(q, k_cache, meta, scale, sliding_window=window)
-        finally:
-            ops.MIXED_DECODE_MIN_ROWS = saved
+        one = ops.plan_extend_attention(
+            q, k_cache, meta, scale, sliding_window=window, decode_rows=False
+        )
         plan(q, o, k_cache, v_cache)
         one(q, o_one, k_cache, v_cache)
         diff = (o.float() - o_one.float()).abs().max().item()

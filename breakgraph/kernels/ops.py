@@ -104,16 +104,17 @@ def plan_extend_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     zero_pad: bool = False,
+    decode_rows: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """:func:`extend_attention` split in two: the step's part, computed once, returns a
     ``plan(q, o, k_cache, v_cache)`` that each layer of the same shape, scale and window
     calls (same result, less host work). ``zero_pad`` (one request): o's rows past the
     request's get zeros (``ExtendPlan``).
 
-    A mixed step's decode rows (one query row per running request, after the prefill rows:
-    engine/prefill.py) go to the decode kernel where there are at least
-    :data:`MIXED_DECODE_MIN_ROWS` of them: the extend kernels give each a whole query tile
-    over its keys (:func:`_plan_with_decode_rows`)."""
+    The step's last requests of one query row each (a mixed step's decode rows, after the
+    prefill rows: engine/prefill.py) go to the decode kernel: the extend kernels give each a
+    whole query tile over its keys (:func:`_plan_with_decode_rows`). ``decode_rows=False``
+    keeps the whole step on one extend launch (``bench kernels --mixed``'s reference)."""
     if not _use_triton(q):
 
         def plan(q, o, k_cache, v_cache):
@@ -122,9 +123,9 @@ def plan_extend_attention(
             _extend.extend_attention_torch(q, o, k_cache, v_cache, meta, sm_scale, sliding_window)
 
         return plan
-    decode_rows = _decode_tail(meta)
-    if decode_rows >= MIXED_DECODE_MIN_ROWS and not zero_pad:
-        return _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, decode_rows)
+    one_row = _decode_tail(meta) if decode_rows and not zero_pad else 0
+    if one_row:
+        return _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, one_row)
     return _plan_extend_kernel(q, k_cache, meta, sm_scale, sliding_window, zero_pad)
 
 
@@ -142,10 +143,6 @@ def _plan_extend_kernel(q, k_cache, meta, sm_scale, sliding_window, zero_pad):
         except Exception as e:  # its kernel did not build: Triton, said once
             _flashinfer.give_up(e)
     return plan
-
-
-# A mixed step's decode rows on the decode kernel from this many on (see _plan_with_decode_rows)
-MIXED_DECODE_MIN_ROWS = 1
 
 
 def _decode_tail(meta: AttentionMeta) -> int:

@@ -262,8 +262,6 @@ def mixed_decode_rows() -> int:
     """A mixed step (prefill requests, then running requests of one query row each): the
     plan that sends the one-row requests to the decode kernel equals the twin, with and
     without a window, and where every request has one row."""
-    from dataclasses import replace
-
     from breakgraph.kernels import extend_attention as ext
     from breakgraph.kernels import ops
     from tests.support.kernels import paged_batch
@@ -274,9 +272,7 @@ def mixed_decode_rows() -> int:
         "decode rows only": ([(20, 1), (3, 1)], 2),
     }
     for name, (batch, expected) in cases.items():
-        kc, vc, meta, rows = paged_batch(batch, 2, 32, torch.float32, "cpu")
-        lens, seqs = [e for _, e in batch], [p + e for p, e in batch]
-        meta = replace(meta, max_seq_len=max(seqs), extend_lens_cpu=lens, seq_lens_cpu=seqs)
+        kc, vc, meta, rows = paged_batch(batch, 2, 32, torch.float32, "cpu", host=True)
         q = torch.randn(rows, 4, 32)
         tail = ops._decode_tail(meta)
         for window in (None, 16):

@@ -187,9 +187,7 @@ def test_mixed_step_plan_sends_one_row_requests_to_the_decode_kernel(
     kernel; padding rows untouched. The same where every request has one row (Gemma 4's
     KV-shared tail)."""
     for batch in (MIXED, MIXED[2:]):
-        kc, vc, meta, rows = paged_batch(batch, 2, head_dim, dtype, "cuda")
-        lens, seqs = [e for _, e in batch], [p + e for p, e in batch]
-        meta = replace(meta, max_seq_len=max(seqs), extend_lens_cpu=lens, seq_lens_cpu=seqs)
+        kc, vc, meta, rows = paged_batch(batch, 2, head_dim, dtype, "cuda", host=True)
         assert ops._decode_tail(meta) == 4
         q = torch.randn(rows, 2 * group, head_dim, device="cuda").to(dtype)
         o_ref = torch.full_like(q, 7.0)

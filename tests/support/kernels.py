@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from breakgraph.kernels.attention_meta import AttentionMeta
 
 
-def paged_batch(prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3, seed=0):
+def paged_batch(
+    prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3, seed=0, host=False
+):
     """Caches with random content, each request's tokens on scattered slots (never slot 0).
 
     Returns ``(k_cache, v_cache, meta, rows)``: ``meta`` with the exact ``max_extend_len``
     and no ``max_seq_len`` bound (one-pass extend), ``rows`` the query rows with padding.
+    ``host``: ``meta`` also has the exact ``max_seq_len`` and the host lengths, as an
+    engine's extend step has them.
     """
     g = torch.Generator().manual_seed(seed)
     total = sum(p + e for p, e in prefix_extend)
@@ -35,4 +41,9 @@ def paged_batch(prefix_extend, num_kv_heads, head_dim, dtype, device, pad_rows=3
         *(t.to(device) for t in (req_to_token, pool_rows.long(), seq_lens, starts, extend_lens)),
         max_extend_len=max(e for _, e in prefix_extend),
     )
+    if host:
+        meta = replace(
+            meta, max_seq_len=max(seq_lens.tolist()), extend_lens_cpu=extend_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )  # fmt: skip
     return k_cache.to(device), v_cache.to(device), meta, int(extend_lens.sum()) + pad_rows
