@@ -118,9 +118,11 @@ def half_tail(gate_up, down) -> int:
 
 
 def routes() -> int:
-    """The routing kernel against its twin: softmax and sigmoid scores, and DeepSeek V4's
-    sqrt(softplus) chosen with a correction bias and scaled (256 experts, top 6); the same
-    experts per token (as sets) and their weights."""
+    """The routing kernel against float64 scores: softmax and sigmoid, and DeepSeek V4's
+    sqrt(softplus) chosen with a correction bias and scaled (256 experts, top 6); its experts
+    must be the top k by score (plus bias), up to float32 rounding at a near-tie, and its
+    weights theirs. Not against the float32 torch twin: torch's softplus is not as close on
+    every CPU (off by 2e-4 on one of CI's machines)."""
     failed = 0
     torch.manual_seed(1)  # its own draws, whatever the cases before it consumed
     cases = (
@@ -131,30 +133,29 @@ def routes() -> int:
     )
     for e, k, scoring, extra in cases:
         logits = torch.randn(37, e)
-        w_ref, ids_ref = fm.moe_route_torch(logits, k, scoring, True, None, **extra)
         w, ids = fm.moe_route_triton(logits, k, scoring, True, None, **extra)
-        order, order_ref = ids.long().sort(1), ids_ref.long().sort(1)
-        same_rows = (order.values == order_ref.values).all(1)
-        # a row whose sets differ must be a near-tie at the k-th pick (the kernel's softplus
-        # and torch's round differently): the same selection scores, kept; its weights are
-        # another expert's, so they are compared on the rows whose sets agree
-        sel = fm._scores(logits, scoring) + extra.get("bias", torch.zeros(e))
+        scores = _scores64(logits, scoring)
+        sel = scores + extra.get("bias", torch.zeros(e)).double()
         picked = sel.gather(1, ids.long()).sort(1).values
-        picked_ref = sel.gather(1, ids_ref.long()).sort(1).values
-        same = bool(((picked - picked_ref).abs() <= 1e-6).all()) and int(same_rows.sum()) >= 30
-        w, w_ref = w.gather(1, order.indices), w_ref.gather(1, order_ref.indices)
-        diff = (w - w_ref)[same_rows].abs().max()
-        ok = same and diff.item() <= 1e-5
+        gap = (picked - sel.topk(k, 1).values.sort(1).values).abs().max().item()
+        exact = scores.gather(1, ids.long())
+        exact = exact / exact.sum(1, keepdim=True) * extra.get("factor", 1.0)
+        diff = (w.double() - exact).abs().max().item()
+        ok = gap <= 1e-6 and diff <= 1e-5
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL'} moe route {scoring} e={e} k={k}: max diff {diff:.1e}")
-        if not ok:  # what differed, to tell a near-tie from an error
-            bad = int(((w - w_ref).abs().max(1).values * same_rows).argmax())
-            print(
-                f"  {int(same_rows.sum())} rows agree; row {bad}: ids {order.values[bad].tolist()}"
-                f" / {order_ref.values[bad].tolist()}, weights {w[bad].tolist()} / "
-                f"{w_ref[bad].tolist()}, logits {logits[bad].gather(0, order.values[bad]).tolist()}"
-            )
+        print(f"{'ok' if ok else 'FAIL'} moe route {scoring} e={e} k={k}: max diff {diff:.1e}"
+              f", picks off the top k by {gap:.1e}")  # fmt: skip
     return failed
+    return failed
+
+
+def _scores64(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    x = logits.double()
+    if scoring == "softmax":
+        return torch.softmax(x, -1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(x)
+    return torch.nn.functional.softplus(x).sqrt()
 
 
 def clamped(gate_up, down) -> int:
