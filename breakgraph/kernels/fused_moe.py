@@ -98,13 +98,16 @@ def moe_route_torch(
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
-def _scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+def _scores(
+    router_logits: torch.Tensor, scoring: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The router's scores in ``dtype`` (float32, as HF computes them)."""
     if scoring == "softmax":
-        return torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        return torch.softmax(router_logits, dim=-1, dtype=dtype)
     if scoring == "sigmoid":
-        return torch.sigmoid(router_logits.float())
+        return torch.sigmoid(router_logits.to(dtype))
     if scoring == "sqrtsoftplus":
-        return torch.sqrt(F.softplus(router_logits.float()))
+        return torch.sqrt(F.softplus(router_logits.to(dtype)))
     raise ValueError(f"scoring must be one of {SCORINGS}, not {scoring!r}")
 
 

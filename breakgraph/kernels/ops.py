@@ -170,11 +170,13 @@ def _plan_with_decode_rows(q, k_cache, meta, sm_scale, sliding_window, n):
     lens, seqs = meta.extend_lens_cpu, meta.seq_lens_cpu
     b = len(lens) - n
     rows = sum(lens[:b])
-    decode_meta = AttentionMeta.decode(
-        meta.req_to_token, meta.req_pool_indices[b:], meta.seq_lens[b:], meta.max_seq_len
-    )
+    # the step's own meta where every request has one row (Gemma 4's KV-shared tail)
+    decode_meta = meta
     head = None
     if b:
+        decode_meta = AttentionMeta.decode(
+            meta.req_to_token, meta.req_pool_indices[b:], meta.seq_lens[b:]
+        )
         head_meta = AttentionMeta(
             meta.req_to_token, meta.req_pool_indices[:b], meta.seq_lens[:b],
             meta.extend_start_loc[:b], meta.extend_lens[:b], max_extend_len=max(lens[:b]),

@@ -134,7 +134,7 @@ def routes() -> int:
     for e, k, scoring, extra in cases:
         logits = torch.randn(37, e)
         w, ids = fm.moe_route_triton(logits, k, scoring, True, None, **extra)
-        scores = _scores64(logits, scoring)
+        scores = fm._scores(logits, scoring, torch.float64)
         sel = scores + extra.get("bias", torch.zeros(e)).double()
         picked = sel.gather(1, ids.long()).sort(1).values
         gap = (picked - sel.topk(k, 1).values.sort(1).values).abs().max().item()
@@ -147,15 +147,6 @@ def routes() -> int:
               f", picks off the top k by {gap:.1e}")  # fmt: skip
     return failed
     return failed
-
-
-def _scores64(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    x = logits.double()
-    if scoring == "softmax":
-        return torch.softmax(x, -1)
-    if scoring == "sigmoid":
-        return torch.sigmoid(x)
-    return torch.nn.functional.softplus(x).sqrt()
 
 
 def clamped(gate_up, down) -> int:
